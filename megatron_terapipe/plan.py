@@ -1,0 +1,192 @@
+"""TeraPipePlan: how one microbatch is cut into cells (batch slice x token slice).
+
+A plan is pure data. It says how many rows each batch slice takes and, for every batch slice,
+the token lengths of its slices. The executor, the simulator and the planner all read it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+ORDERS = ("1f1b", "gpipe")
+
+TokenSlices = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+def _as_int_tuple(values, what: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a list of integers, got {values!r}") from None
+    for v, raw in zip(out, values):
+        if isinstance(raw, float) and raw != int(raw):
+            raise ValueError(f"{what} must be whole numbers, got {raw!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class TeraPipePlan:
+    """Token and batch slicing of one microbatch, plus the order cells run in.
+
+    seq_slices: token lengths that sum to the sequence length, shared by every batch slice,
+        or one such list per batch slice when the slices differ (e.g. [[1024, 1024], [2048]]).
+    batch_slices: rows per batch slice, summing to the micro batch size; None means one slice
+        holding the whole microbatch.
+    order: "1f1b" (warm-up, then one forward / one backward) or "gpipe" (all forwards, then all
+        backwards), the order of the TeraPipe paper.
+    predicted_time: seconds per iteration the planner expects, if a planner made this plan.
+    """
+
+    seq_slices: TokenSlices
+    batch_slices: Optional[Sequence[int]] = None
+    order: str = "1f1b"
+    predicted_time: Optional[float] = None
+    token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(
+                f"TeraPipePlan order must be one of {ORDERS}, got {self.order!r} "
+                "(use order='1f1b' for low memory or order='gpipe' for the paper's order)"
+            )
+        raw = list(self.seq_slices) if self.seq_slices is not None else []
+        if not raw:
+            raise ValueError("TeraPipePlan.seq_slices is empty: give at least one token slice")
+        nested = all(isinstance(s, (list, tuple)) for s in raw)
+        if nested:
+            per_batch = tuple(_as_int_tuple(s, "seq_slices[i]") for s in raw)
+        elif any(isinstance(s, (list, tuple)) for s in raw):
+            raise ValueError(
+                "TeraPipePlan.seq_slices mixes numbers and lists: give one flat list of token "
+                "lengths, or one list per batch slice"
+            )
+        else:
+            per_batch = None
+            flat = _as_int_tuple(raw, "seq_slices")
+        batch = None
+        if self.batch_slices is not None:
+            batch = _as_int_tuple(self.batch_slices, "batch_slices")
+            if not batch:
+                raise ValueError("TeraPipePlan.batch_slices is empty: use None for no batch slicing")
+            if any(b <= 0 for b in batch):
+                raise ValueError(f"TeraPipePlan.batch_slices must all be positive, got {list(batch)}")
+        if per_batch is not None:
+            n_batch = len(batch) if batch is not None else 1
+            if len(per_batch) != n_batch:
+                raise ValueError(
+                    f"TeraPipePlan.seq_slices has {len(per_batch)} per-batch-slice lists but there "
+                    f"are {n_batch} batch slices: give one list per entry of batch_slices"
+                )
+            token_slices = per_batch
+        else:
+            token_slices = tuple(flat for _ in range(len(batch) if batch is not None else 1))
+        for i, ts in enumerate(token_slices):
+            if not ts:
+                raise ValueError(f"TeraPipePlan: batch slice {i} has no token slices")
+            if any(t <= 0 for t in ts):
+                raise ValueError(
+                    f"TeraPipePlan.seq_slices must all be positive token counts, got {list(ts)}"
+                )
+        if len({sum(ts) for ts in token_slices}) != 1:
+            raise ValueError(
+                "TeraPipePlan: every batch slice's token slices must sum to the same sequence "
+                f"length, got sums {[sum(ts) for ts in token_slices]}"
+            )
+        object.__setattr__(self, "batch_slices", batch)
+        object.__setattr__(self, "token_slices", token_slices)
+        if per_batch is None:
+            object.__setattr__(self, "seq_slices", flat)
+        else:
+            object.__setattr__(self, "seq_slices", per_batch)
+
+    # ---- derived sizes -------------------------------------------------------------------
+    @property
+    def seq_length(self) -> int:
+        return sum(self.token_slices[0])
+
+    @property
+    def num_batch_slices(self) -> int:
+        return len(self.token_slices)
+
+    @property
+    def uniform_token_slicing(self) -> bool:
+        return len(set(self.token_slices)) == 1
+
+    def rows(self, micro_batch_size: int) -> tuple[int, ...]:
+        """Rows of each batch slice for a microbatch of `micro_batch_size` rows."""
+        return self.batch_slices if self.batch_slices is not None else (micro_batch_size,)
+
+    @property
+    def num_cells(self) -> int:
+        """Cells per microbatch."""
+        return sum(len(ts) for ts in self.token_slices)
+
+    # ---- checks against a run ------------------------------------------------------------
+    def validate(self, seq_length: int, micro_batch_size: int, multiple_of: int = 1) -> None:
+        """Raise ValueError naming the problem and the fix if the plan cannot run this shape."""
+        if self.seq_length != seq_length:
+            raise ValueError(
+                f"TeraPipe plan slices sum to {self.seq_length} tokens but seq_length is "
+                f"{seq_length}: make the token slices (--terapipe-slices) sum to {seq_length}"
+            )
+        if self.batch_slices is not None and sum(self.batch_slices) != micro_batch_size:
+            raise ValueError(
+                f"TeraPipe plan batch_slices {list(self.batch_slices)} sum to "
+                f"{sum(self.batch_slices)} rows but micro_batch_size is {micro_batch_size}: "
+                f"make batch_slices sum to {micro_batch_size}"
+            )
+        if multiple_of > 1:
+            for ts in self.token_slices:
+                bad = [t for t in ts if t % multiple_of]
+                if bad:
+                    raise ValueError(
+                        f"TeraPipe token slices {bad} are not multiples of {multiple_of}, which "
+                        "sequence parallelism requires (slice lengths must divide evenly over the "
+                        f"tensor-parallel ranks): use slice lengths that are multiples of {multiple_of}"
+                    )
+
+    # ---- construction and serialisation ----------------------------------------------------
+    @classmethod
+    def uniform(cls, seq_length: int, num_slices: int, order: str = "1f1b",
+                multiple_of: int = 1, batch_slices: Optional[Sequence[int]] = None) -> "TeraPipePlan":
+        """Near-equal slices in units of `multiple_of`, the larger ones first."""
+        if num_slices <= 0:
+            raise ValueError(f"number of token slices must be positive, got {num_slices}")
+        if seq_length % multiple_of:
+            raise ValueError(
+                f"seq_length {seq_length} is not a multiple of the slice granularity {multiple_of}"
+            )
+        units = seq_length // multiple_of
+        if num_slices > units:
+            raise ValueError(
+                f"cannot cut {seq_length} tokens into {num_slices} slices of at least "
+                f"{multiple_of} tokens: use at most {units} slices"
+            )
+        base, extra = divmod(units, num_slices)
+        slices = [(base + (1 if i < extra else 0)) * multiple_of for i in range(num_slices)]
+        return cls(seq_slices=slices, batch_slices=batch_slices, order=order)
+
+    def to_dict(self) -> dict:
+        return {
+            "seq_slices": [list(ts) for ts in self.token_slices]
+            if not self.uniform_token_slicing else list(self.token_slices[0]),
+            "batch_slices": list(self.batch_slices) if self.batch_slices is not None else None,
+            "order": self.order,
+            "predicted_time": self.predicted_time,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TeraPipePlan":
+        return cls(seq_slices=data["seq_slices"], batch_slices=data.get("batch_slices"),
+                   order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    def describe(self) -> str:
+        """One line for logs: rows x [token slices] per batch slice."""
+        rows = self.batch_slices or ("all",)
+        parts = [f"{r} rows: {list(ts)}" for r, ts in zip(rows, self.token_slices)]
+        return f"order={self.order}; " + "; ".join(parts)

@@ -1,0 +1,1 @@
+"""Planning: cost models, the DP slicer and the schedule simulator (numpy only)."""

@@ -1,0 +1,292 @@
+"""The one schedule representation: per-stage ordered forward/backward actions on cells.
+
+A cell is (microbatch, batch slice, token slice). Every stage runs the same cells; a schedule
+says in which order each stage runs their forwards (F) and backwards (B). The executor runs a
+stage's list as it stands; the simulator times the same lists; `validate` checks them.
+
+Dependencies (what the executor relies on, and what the timing engine models):
+- F(c) on stage k needs F(c) on stage k-1 (its input activation).
+- B(c) on stage k needs B(c) on stage k+1 (its output gradient) and F(c) on stage k.
+- Token slices of one (microbatch, batch slice) go forward in order and backward in reverse,
+  because slice t reads the K/V of slices < t, and their K/V gradients arrive from later slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Literal, Optional, Sequence
+
+from .plan import TeraPipePlan
+
+Kind = Literal["F", "B"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One unit of pipeline work: some rows and some tokens of one microbatch."""
+
+    microbatch: int
+    batch_slice: int
+    token_slice: int
+    row_start: int
+    rows: int
+    token_start: int
+    tokens: int
+    num_token_slices: int  # token slices in this (microbatch, batch slice)
+
+    @property
+    def context(self) -> int:
+        """Tokens before this slice, whose K/V it attends to."""
+        return self.token_start
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.tokens
+
+    @property
+    def row_end(self) -> int:
+        return self.row_start + self.rows
+
+    @property
+    def sequence_key(self) -> tuple[int, int]:
+        """Identifies the sequence rows this cell belongs to (its K/V cache)."""
+        return (self.microbatch, self.batch_slice)
+
+    @property
+    def is_first_token_slice(self) -> bool:
+        return self.token_slice == 0
+
+    @property
+    def is_last_token_slice(self) -> bool:
+        return self.token_slice == self.num_token_slices - 1
+
+    def __str__(self) -> str:
+        return f"m{self.microbatch}b{self.batch_slice}t{self.token_slice}"
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: Kind
+    cell: Cell
+
+    def __str__(self) -> str:
+        return f"{self.kind}({self.cell})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage ordered actions. stages[k] is what pipeline stage k runs, in order."""
+
+    plan: TeraPipePlan
+    num_microbatches: int
+    micro_batch_size: int
+    forward_only: bool
+    stages: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def cells(self) -> list[Cell]:
+        return microbatch_cells_all(self.plan, self.num_microbatches, self.micro_batch_size)
+
+
+class ScheduleError(ValueError):
+    """A schedule that breaks a dependency or would deadlock."""
+
+
+def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int) -> list[Cell]:
+    """Cells of one microbatch in forward order: batch slice by batch slice, tokens in order."""
+    cells = []
+    row = 0
+    for b, (rows, token_slices) in enumerate(zip(plan.rows(micro_batch_size), plan.token_slices)):
+        start = 0
+        for t, length in enumerate(token_slices):
+            cells.append(Cell(microbatch, b, t, row, rows, start, length, len(token_slices)))
+            start += length
+        row += rows
+    return cells
+
+
+def microbatch_cells_all(plan: TeraPipePlan, num_microbatches: int, micro_batch_size: int) -> list[Cell]:
+    return [c for m in range(num_microbatches) for c in microbatch_cells(plan, m, micro_batch_size)]
+
+
+def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
+                   micro_batch_size: int, forward_only: bool = False) -> Schedule:
+    """Lay out every stage's actions in the plan's order.
+
+    gpipe: all forwards in cell order, then all backwards in exactly reverse order.
+    1f1b:  stage k first runs (cells of one microbatch - 1) + (num_stages - k - 1) forwards,
+           then alternates one forward and one backward, then drains the backwards. Backwards
+           go microbatch by microbatch, each microbatch's cells in reverse. Because the warm-up
+           covers a whole microbatch, the last stage knows a microbatch's total token count
+           before it runs the first backward of that microbatch (exact loss normalisation).
+    """
+    if num_microbatches <= 0:
+        raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
+    if num_stages <= 0:
+        raise ValueError(f"number of pipeline stages must be positive, got {num_stages}")
+    if plan.batch_slices is not None:
+        plan.validate(plan.seq_length, micro_batch_size)
+    per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
+    forwards = [Action("F", c) for cells in per_mb for c in cells]
+    stages = []
+    for k in range(num_stages):
+        if forward_only:
+            stages.append(tuple(forwards))
+            continue
+        if plan.order == "gpipe":
+            backwards = [Action("B", a.cell) for a in reversed(forwards)]
+            stages.append(tuple(forwards + backwards))
+            continue
+        backwards = [Action("B", c) for cells in per_mb for c in reversed(cells)]
+        n = len(forwards)
+        warmup = min(n, len(per_mb[0]) - 1 + (num_stages - k - 1))
+        order = list(forwards[:warmup])
+        f, b = warmup, 0
+        while f < n:
+            order.append(forwards[f])
+            f += 1
+            order.append(backwards[b])
+            b += 1
+        order.extend(backwards[b:])
+        stages.append(tuple(order))
+    return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+
+def timeline(schedule: Schedule,
+             compute_time: Callable[[int, Action], float],
+             transfer_time: Callable[[int, Action], float] = lambda stage, action: 0.0,
+             ) -> list[TimedAction]:
+    """Run the schedule's dependency graph with the given durations (list scheduling).
+
+    compute_time(stage, action) is the action's duration on that stage; transfer_time(stage,
+    action) the delay between the action finishing on `stage` and its result being usable by the
+    neighbour (forward: stage+1, backward: stage-1). Sends are asynchronous: a stage never waits
+    for its own send. Raises ScheduleError on a deadlock.
+    """
+    return _retime(schedule, _topological_order(schedule), compute_time, transfer_time)
+
+
+def _topological_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """A global order of all actions that respects every dependency; ScheduleError if none."""
+    K = schedule.num_stages
+    pos = [0] * K
+    done: set[tuple[Kind, Cell, int]] = set()
+    order: list[tuple[int, Action]] = []
+    remaining = sum(len(s) for s in schedule.stages)
+    while remaining:
+        progressed = False
+        for k in range(K):
+            while pos[k] < len(schedule.stages[k]):
+                action = schedule.stages[k][pos[k]]
+                if any(d not in done for d in _dependencies(action, k, K)):
+                    break
+                done.add((action.kind, action.cell, k))
+                order.append((k, action))
+                pos[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {k: str(schedule.stages[k][pos[k]]) for k in range(K) if pos[k] < len(schedule.stages[k])}
+            raise ScheduleError(f"schedule deadlocks: stages wait at {stuck}")
+    return order
+
+
+def _dependencies(action: Action, k: int, K: int) -> list[tuple[Kind, Cell, int]]:
+    c = action.cell
+    if action.kind == "F":
+        return [("F", c, k - 1)] if k > 0 else []
+    deps = [("F", c, k)]
+    if k < K - 1:
+        deps.append(("B", c, k + 1))
+    return deps
+
+
+def _retime(schedule: Schedule, order: Sequence[tuple[int, Action]],
+            compute_time: Callable[[int, Action], float],
+            transfer_time: Callable[[int, Action], float]) -> list[TimedAction]:
+    """Start and end of every action, visiting them in a dependency-respecting order."""
+    K = schedule.num_stages
+    free_at = [0.0] * K
+    finish: dict[tuple[Kind, Cell, int], float] = {}
+    out = []
+    for k, action in order:
+        c = action.cell
+        start = free_at[k]
+        if action.kind == "F":
+            if k > 0:
+                src = ("F", c, k - 1)
+                start = max(start, finish[src] + transfer_time(k - 1, Action("F", c)))
+        else:
+            start = max(start, finish[("F", c, k)])
+            if k < K - 1:
+                start = max(start, finish[("B", c, k + 1)] + transfer_time(k + 1, Action("B", c)))
+        end = start + compute_time(k, action)
+        free_at[k] = end
+        finish[(action.kind, c, k)] = end
+        out.append(TimedAction(k, action, start, end))
+    return out
+
+
+def validate(schedule: Schedule) -> None:
+    """Check every stage runs each cell's F (and B) once, in an order the executor can run.
+
+    Raises ScheduleError naming the first broken rule; also detects deadlocks.
+    """
+    cells = schedule.cells()
+    expected_f = {c for c in cells}
+    for k, actions in enumerate(schedule.stages):
+        seen_f: set[Cell] = set()
+        seen_b: set[Cell] = set()
+        last_f: dict[tuple[int, int], int] = {}
+        last_b: dict[tuple[int, int], int] = {}
+        for a in actions:
+            c = a.cell
+            if a.kind == "F":
+                if c in seen_f:
+                    raise ScheduleError(f"stage {k} runs {a} twice")
+                if c.token_slice != last_f.get(c.sequence_key, -1) + 1:
+                    raise ScheduleError(f"stage {k} runs {a} before the token slices before it")
+                last_f[c.sequence_key] = c.token_slice
+                seen_f.add(c)
+            else:
+                if c in seen_b:
+                    raise ScheduleError(f"stage {k} runs {a} twice")
+                if c not in seen_f:
+                    raise ScheduleError(f"stage {k} runs {a} before its forward")
+                prev = last_b.get(c.sequence_key, c.num_token_slices)
+                if c.token_slice != prev - 1:
+                    raise ScheduleError(
+                        f"stage {k} runs {a} out of reverse token order (K/V gradients from later "
+                        "slices must be complete first)")
+                last_b[c.sequence_key] = c.token_slice
+                seen_b.add(c)
+        if seen_f != expected_f:
+            raise ScheduleError(f"stage {k} runs {len(seen_f)} forwards, expected {len(expected_f)}")
+        if not schedule.forward_only and seen_b != expected_f:
+            raise ScheduleError(f"stage {k} runs {len(seen_b)} backwards, expected {len(expected_f)}")
+        if schedule.forward_only and seen_b:
+            raise ScheduleError(f"stage {k} runs backwards in a forward-only schedule")
+    timeline(schedule, lambda k, a: 1.0)
+
+
+def iter_stage(schedule: Schedule, stage: int) -> Iterator[Action]:
+    return iter(schedule.stages[stage])
+
+
+def format_schedule(schedule: Schedule, stages: Optional[Iterable[int]] = None) -> str:
+    """Readable per-stage action lists, for logs and debugging."""
+    lines = []
+    for k in (stages if stages is not None else range(schedule.num_stages)):
+        lines.append(f"stage {k}: " + " ".join(str(a) for a in schedule.stages[k]))
+    return "\n".join(lines)
