@@ -1,0 +1,117 @@
+"""Cutting a microbatch down to one cell's rows and tokens, for an unmodified forward_step_func."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .schedule import Cell
+
+
+def slice_tensor(x: Any, cell: Cell, seq_length: int, micro_batch_size: int) -> Any:
+    """Restrict one batch entry to the cell.
+
+    [b, s, ...] tensors (tokens, labels, loss_mask, position_ids) keep the cell's rows and tokens.
+    A [b or 1, 1, s, s] attention mask keeps the cell's query rows and the key columns of every
+    token up to the cell's end. Anything else (scalars, per-row tensors) passes unchanged.
+    """
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.dim() == 4 and x.shape[-1] == seq_length and x.shape[-2] == seq_length:
+        rows = slice(cell.row_start, cell.row_end) if x.shape[0] == micro_batch_size else slice(None)
+        return x[rows, :, cell.token_start:cell.token_end, :cell.token_end]
+    if x.dim() >= 2 and x.shape[1] == seq_length:
+        rows = slice(cell.row_start, cell.row_end) if x.shape[0] == micro_batch_size else slice(None)
+        return x[rows, cell.token_start:cell.token_end]
+    if x.dim() == 1 and x.shape[0] == seq_length and micro_batch_size != seq_length:
+        return x[cell.token_start:cell.token_end]
+    return x
+
+
+def slice_batch(batch: Any, cell: Cell, seq_length: int, micro_batch_size: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: slice_tensor(v, cell, seq_length, micro_batch_size) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(slice_tensor(v, cell, seq_length, micro_batch_size) for v in batch)
+    return slice_tensor(batch, cell, seq_length, micro_batch_size)
+
+
+def check_causal_mask(batch: Any, seq_length: int) -> None:
+    """Token slicing is exact only if no token attends to a later one: reject other masks."""
+    masks = []
+    if isinstance(batch, dict):
+        masks = [batch.get("attention_mask")]
+    elif isinstance(batch, (list, tuple)):
+        masks = [v for v in batch if isinstance(v, torch.Tensor) and v.dim() == 4]
+    for mask in masks:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+            continue
+        if mask.shape[-2:] != (seq_length, seq_length):
+            raise ValueError(
+                f"TeraPipe: attention_mask has shape {tuple(mask.shape)}, expected "
+                f"[b or 1, 1, {seq_length}, {seq_length}] for seq_length {seq_length}")
+        future = torch.ones(seq_length, seq_length, dtype=torch.bool, device=mask.device).triu(1)
+        if bool((~mask.bool() & future).any()):
+            raise ValueError(
+                "TeraPipe: the attention_mask lets tokens attend to later tokens (not causal); "
+                "token slicing needs causal attention. Use a causal mask (True = masked above "
+                "the diagonal) or Megatron's own schedule for non-causal models")
+
+
+class CellData:
+    """Reads each microbatch from the user's iterator at most once and hands out cell views.
+
+    The read is lazy: it happens when forward_step_func first calls next() for a microbatch, so
+    stages whose forward_step never reads (middle stages in pretrain_gpt) never consume data.
+    """
+
+    def __init__(self, data_iterator: Optional[Iterator], seq_length: int, micro_batch_size: int,
+                 check_mask: bool = True) -> None:
+        self.source = data_iterator
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.check_mask = check_mask
+        self._batches: dict[int, Any] = {}
+        self._next_microbatch = 0
+
+    def _batch(self, microbatch: int) -> Any:
+        if microbatch not in self._batches:
+            # Forwards run microbatch by microbatch; earlier microbatches that were never read
+            # were skipped by a forward_step that does not read on this stage.
+            if microbatch < self._next_microbatch:
+                raise RuntimeError(
+                    f"TeraPipe: microbatch {microbatch} was read again after it was released")
+            batch = next(self.source)  # type: ignore[arg-type]
+            if self.check_mask:
+                check_causal_mask(batch, self.seq_length)
+            self._batches[microbatch] = batch
+            self._next_microbatch = microbatch + 1
+        return self._batches[microbatch]
+
+    def release(self, microbatch: int) -> None:
+        self._batches.pop(microbatch, None)
+
+    def iterator_for(self, cell: Cell) -> Optional[Iterator]:
+        if self.source is None:
+            return None
+        return _OneShot(self, cell)
+
+
+class _OneShot:
+    """Iterator handed to forward_step_func for one cell: yields that cell's batch once."""
+
+    def __init__(self, data: CellData, cell: Cell) -> None:
+        self.data = data
+        self.cell = cell
+        self.used = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.used:
+            raise StopIteration
+        self.used = True
+        batch = self.data._batch(self.cell.microbatch)
+        return slice_batch(batch, self.cell, self.data.seq_length, self.data.micro_batch_size)

@@ -1,0 +1,79 @@
+"""CPU mode: let Megatron-Core run on CPUs with gloo (tests, examples, laptops).
+
+Megatron-Core assumes CUDA in a handful of places that matter for training on one node:
+buffers allocated on `torch.cuda.current_device()` (P2P receive buffers, DDP grad buffers, the
+global memory buffer), `torch.cuda.synchronize()` in P2P shape exchange, token counters created
+with `device="cuda"` in the built-in schedules, and the CUDA RNG tracker seeding. CPU mode points
+these at the CPU. It is opt-in and process-wide; never call it in a GPU job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Any
+
+import torch
+
+_ENABLED = False
+_ORIGINALS: dict[str, Any] = {}
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """`torch` as seen by a Megatron module, with device='cuda' factory calls mapped to CPU."""
+
+    _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in self._FACTORIES:
+            def factory(*args, __f=attr, **kwargs):
+                dev = kwargs.get("device")
+                if dev is not None and str(dev).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return __f(*args, **kwargs)
+            return factory
+        return attr
+
+
+def cpu_model_parallel_seed(seed: int, **_ignored: Any) -> None:
+    """Stand-in for `model_parallel_cuda_manual_seed` on CPU: one seed, a CUDA-free tracker."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    torch.manual_seed(seed)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def enable_cpu_mode() -> None:
+    """Make Megatron-Core's CUDA-only calls work on CPU. Idempotent."""
+    global _ENABLED
+    if _ENABLED:
+        return
+    _ORIGINALS["current_device"] = torch.cuda.current_device
+    _ORIGINALS["synchronize"] = torch.cuda.synchronize
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    proxy = _CpuTorchProxy()
+    for name in ("megatron.core.pipeline_parallel.schedules",
+                 "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.transformer.utils"):
+        module = importlib.import_module(name)
+        _ORIGINALS[name] = module.torch
+        module.torch = proxy  # type: ignore[attr-defined]
+
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as tp_random
+
+    _ORIGINALS["seed"] = tp_random.model_parallel_cuda_manual_seed
+    tp_random.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+    tensor_parallel.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    _ENABLED = True
+
+
+def cpu_mode_enabled() -> bool:
+    return _ENABLED

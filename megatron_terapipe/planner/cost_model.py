@@ -1,0 +1,355 @@
+"""Cost models: how long one pipeline stage takes on one cell, and what it keeps in memory.
+
+A cell is `batch` rows by `length` new tokens, with `context` earlier tokens of the same rows
+whose keys and values it attends to. Every method is vectorised: arguments broadcast like numpy
+arrays, and a call with plain numbers returns a plain float.
+
+Implementations here:
+- AnalyticCostModel: FLOP and byte counts of a GPT layer on a named GPU type (no measurements).
+- FunctionCostModel: wraps your own functions (tests, quick what-ifs).
+ProfiledCostModel (profiled.py) fits measurements of a real Megatron layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+ArrayLike = Union[int, float, np.ndarray]
+
+
+def _scalar_or_array(x: np.ndarray) -> Union[float, np.ndarray]:
+    """Plain float for 0-d results so scalar callers get scalars back."""
+    x = np.asarray(x, dtype=np.float64)
+    return float(x) if x.ndim == 0 else x
+
+
+def _f64(*xs: ArrayLike) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(x, dtype=np.float64) for x in xs)
+
+
+class CostModel(ABC):
+    """Seconds and bytes of one pipeline stage (all its layers) for one cell."""
+
+    @abstractmethod
+    def forward_time(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike):
+        """Seconds of the stage's forward pass over the cell."""
+
+    @abstractmethod
+    def backward_time(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike):
+        """Seconds of the stage's backward pass over the cell (input and weight gradients)."""
+
+    def slice_time(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike):
+        """Forward plus backward: the t(l, c) of the TeraPipe paper for one stage."""
+        return _scalar_or_array(np.asarray(self.forward_time(batch, length, context))
+                                + np.asarray(self.backward_time(batch, length, context)))
+
+    @abstractmethod
+    def transfer_time(self, batch: ArrayLike, length: ArrayLike):
+        """Seconds to send one cell's activation [length, batch, hidden] to the next stage
+        (the gradient going back has the same size and takes the same time)."""
+
+    @abstractmethod
+    def activation_bytes(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike):
+        """Bytes one stage keeps from a cell's forward until its backward (K/V excluded)."""
+
+    @abstractmethod
+    def kv_bytes(self, batch: ArrayLike, length: ArrayLike):
+        """Bytes of the cell's keys and values one stage keeps for later token slices."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+# ---- model shape and hardware ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shape of a GPT decoder (what the per-layer cost depends on)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: Optional[int] = None  # None: 4 * hidden_size, as in GPT-3
+    num_query_groups: Optional[int] = None  # None: one K/V head per query head (no GQA)
+    gated_linear_unit: bool = False  # SwiGLU-style MLP: fc1 produces 2 * ffn_hidden_size
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for what in ("num_layers", "hidden_size", "num_attention_heads"):
+            if int(getattr(self, what)) <= 0:
+                raise ValueError(f"ModelDims.{what} must be positive, got {getattr(self, what)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ValueError(f"ffn_hidden_size must be positive, got {self.ffn_hidden_size}")
+        if self.num_query_groups is not None and (
+                self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups):
+            raise ValueError(
+                f"num_query_groups {self.num_query_groups} must divide num_attention_heads "
+                f"{self.num_attention_heads}")
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): K/V heads times head size."""
+        groups = self.num_query_groups or self.num_attention_heads
+        return groups * self.head_dim
+
+    @property
+    def params_per_layer(self) -> int:
+        h, f = self.hidden_size, self.ffn
+        mlp = (3 if self.gated_linear_unit else 2) * h * f
+        return h * (h + 2 * self.kv_hidden) + h * h + mlp
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
+                "num_attention_heads": self.num_attention_heads, "ffn_hidden_size": self.ffn,
+                "num_query_groups": self.num_query_groups or self.num_attention_heads,
+                "gated_linear_unit": self.gated_linear_unit}
+
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point connection between two pipeline stages."""
+
+    bandwidth: float  # bytes/s in one direction
+    latency: float  # seconds per message
+
+    def time(self, nbytes: ArrayLike) -> np.ndarray:
+        return self.latency + np.asarray(nbytes, dtype=np.float64) / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU type in a node type; see presets.py for the sources of the figures."""
+
+    name: str
+    peak_flops: float  # dense fp16/bf16 tensor-core FLOP/s per GPU
+    memory_bandwidth: float  # HBM bytes/s per GPU
+    memory_bytes: float  # HBM capacity per GPU
+    gpus_per_node: int
+    intra_node: Link  # GPU to GPU inside a node
+    inter_node: Link  # GPU to GPU across nodes, per GPU's share of the node's network
+    matmul_efficiency: float = 0.6  # fraction of peak large GEMMs reach
+    saturation_tokens: int = 256  # rows x tokens at which a layer's GEMMs reach that efficiency
+    layer_overhead: float = 20e-6  # fixed seconds per layer forward (kernel launches etc.)
+
+
+# ---- memory held per layer (shared by the analytic and the profiled models) ----------------
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes a GPT layer keeps for backward, after Korthikanti et al. 2022 ("Reducing
+    activation recomputation in large transformer models", section 4.1), split so that K and V
+    are counted apart (a token slice's K/V outlive its other activations)."""
+
+    model: ModelDims
+    tensor_parallel: int = 1
+    dtype_bytes: int = 2
+    flash_attention: bool = True  # fused attention keeps no score matrix
+
+    def activation_bytes(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike) -> np.ndarray:
+        b, l, c = _f64(batch, length, context)
+        m, t, d = self.model, self.tensor_parallel, self.dtype_bytes
+        h, f = m.hidden_size, m.ffn
+        # Replicated over TP ranks: inputs of LN1, QKV, LN2 and FC1, plus two 1-byte dropout masks.
+        replicated = (4 * d + 2) * h
+        # Split over TP ranks: Q and the attention output; FC1 output and activation output.
+        fc1_saved = (3 if m.gated_linear_unit else 2) * d * f
+        split = (2 * d * h + fc1_saved) / t
+        per_token_row = b * l * (replicated + split)
+        if self.flash_attention:
+            scores = b * l * m.num_attention_heads * 4.0 / t  # fp32 log-sum-exp per query row
+        else:
+            # softmax output, its dropout mask and dropout output over all keys (l + c) per query
+            scores = (2 * d + 1) * m.num_attention_heads * b * l * (l + c) / t
+        return per_token_row + scores
+
+    def kv_bytes(self, batch: ArrayLike, length: ArrayLike) -> np.ndarray:
+        b, l = _f64(batch, length)
+        return 2.0 * b * l * self.model.kv_hidden * self.dtype_bytes / self.tensor_parallel
+
+
+class LayerStackCostModel(CostModel):
+    """A stage of `layers_per_stage` identical layers; memory and transfer from the model shape.
+
+    Subclasses give forward and backward seconds of ONE layer; this class scales them.
+    """
+
+    def __init__(self, model: ModelDims, layers_per_stage: int, link: Link,
+                 tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True):
+        if layers_per_stage <= 0:
+            raise ValueError(f"layers_per_stage must be positive, got {layers_per_stage}")
+        if tensor_parallel <= 0:
+            raise ValueError(f"tensor_parallel must be positive, got {tensor_parallel}")
+        if model.num_attention_heads % tensor_parallel:
+            raise ValueError(
+                f"tensor-parallel size {tensor_parallel} does not divide the "
+                f"{model.num_attention_heads} attention heads")
+        self.model = model
+        self.layers_per_stage = int(layers_per_stage)
+        self.link = link
+        self.tensor_parallel = int(tensor_parallel)
+        self.dtype_bytes = int(dtype_bytes)
+        self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention)
+
+    @abstractmethod
+    def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
+        ...
+
+    @abstractmethod
+    def layer_backward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
+        ...
+
+    def forward_time(self, batch, length, context):
+        return _scalar_or_array(self.layers_per_stage * self.layer_forward_time(*_f64(batch, length, context)))
+
+    def backward_time(self, batch, length, context):
+        return _scalar_or_array(self.layers_per_stage * self.layer_backward_time(*_f64(batch, length, context)))
+
+    def transfer_time(self, batch, length):
+        b, l = _f64(batch, length)
+        return _scalar_or_array(self.link.time(b * l * self.model.hidden_size * self.dtype_bytes))
+
+    def activation_bytes(self, batch, length, context):
+        return _scalar_or_array(self.layers_per_stage * self.memory.activation_bytes(batch, length, context))
+
+    def kv_bytes(self, batch, length):
+        return _scalar_or_array(self.layers_per_stage * self.memory.kv_bytes(batch, length))
+
+
+class AnalyticCostModel(LayerStackCostModel):
+    """Roofline estimate of a GPT layer: max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth),
+    plus a fixed per-layer overhead and, with tensor parallelism, its all-reduces.
+
+    Short slices use GPUs poorly: the achievable FLOP/s ramps up linearly with rows x tokens
+    until `hardware.saturation_tokens`, so a 1-token slice costs about as much as a slice of
+    `saturation_tokens` tokens (the TeraPipe paper's observation on V100).
+    Backward counts twice the forward FLOPs and bytes (input and weight gradients).
+    """
+
+    def __init__(self, model: ModelDims, hardware: Hardware, layers_per_stage: int,
+                 tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True,
+                 inter_node: bool = False):
+        link = hardware.inter_node if inter_node else hardware.intra_node
+        super().__init__(model, layers_per_stage, link, tensor_parallel, dtype_bytes, flash_attention)
+        self.hardware = hardware
+        self.flash_attention = flash_attention
+        self.inter_node = inter_node
+
+    def layer_flops(self, batch, length, context) -> np.ndarray:
+        """Forward FLOPs of one layer on one tensor-parallel rank."""
+        b, l, c = _f64(batch, length, context)
+        m = self.model
+        h = m.hidden_size
+        qkv = 2 * b * l * h * (h + 2 * m.kv_hidden)
+        out_proj = 2 * b * l * h * h
+        mlp = 2 * b * l * h * m.ffn * (3 if m.gated_linear_unit else 2)
+        if self.flash_attention:  # fused kernels skip the masked half of the causal block
+            pairs = l * c + l * (l + 1) / 2
+        else:  # unfused attention computes the whole [l, c + l] score matrix
+            pairs = l * (c + l)
+        attention = 4 * b * h * pairs  # Q K^T and P V
+        return (qkv + out_proj + mlp + attention) / self.tensor_parallel
+
+    def layer_bytes(self, batch, length, context) -> np.ndarray:
+        """Forward HBM traffic of one layer on one rank: weights, K/V read, activations."""
+        b, l, c = _f64(batch, length, context)
+        m, t, d = self.model, self.tensor_parallel, self.dtype_bytes
+        weights = m.params_per_layer * d / t
+        kv_read = 2 * b * (c + l) * m.kv_hidden * d / t
+        # each activation tensor written once and read once, roughly
+        activations = 2 * b * l * d * (4 * m.hidden_size + 2 * m.ffn / t)
+        return weights + kv_read + activations
+
+    def _tp_allreduce_time(self, b, l) -> np.ndarray:
+        t = self.tensor_parallel
+        if t == 1:
+            return np.zeros(np.broadcast(b, l).shape)
+        nbytes = b * l * self.model.hidden_size * self.dtype_bytes
+        link = self.hardware.intra_node
+        # ring all-reduce moves 2 (t-1)/t of the buffer per rank; two all-reduces per layer pass
+        return 2 * (2 * (t - 1) * link.latency + 2 * (t - 1) / t * nbytes / link.bandwidth)
+
+    def _roofline(self, b, l, c, scale: float) -> np.ndarray:
+        hw = self.hardware
+        utilisation = hw.matmul_efficiency * np.minimum(1.0, b * l / hw.saturation_tokens)
+        compute = scale * self.layer_flops(b, l, c) / (hw.peak_flops * utilisation)
+        memory = scale * self.layer_bytes(b, l, c) / hw.memory_bandwidth
+        return (np.maximum(compute, memory) + scale * hw.layer_overhead
+                + self._tp_allreduce_time(b, l))
+
+    def layer_forward_time(self, batch, length, context):
+        return self._roofline(batch, length, context, 1.0)
+
+    def layer_backward_time(self, batch, length, context):
+        return self._roofline(batch, length, context, 2.0)
+
+    def describe(self) -> str:
+        link = "inter-node" if self.inter_node else "intra-node"
+        return (f"analytic: {self.model.name} on {self.hardware.name}, {self.layers_per_stage} "
+                f"layers/stage, TP={self.tensor_parallel}, {link} pipeline links")
+
+
+class FunctionCostModel(CostModel):
+    """A cost model from plain functions of (batch, length, context) arrays.
+
+    forward: seconds of the stage's forward; backward defaults to `backward_ratio` x forward.
+    transfer(batch, length), activation(batch, length, context), kv(batch, length) default to
+    zero seconds, and one byte per row per token for both memories.
+    """
+
+    def __init__(self, forward: Callable[..., ArrayLike],
+                 backward: Optional[Callable[..., ArrayLike]] = None, backward_ratio: float = 2.0,
+                 transfer: Optional[Callable[..., ArrayLike]] = None,
+                 activation: Optional[Callable[..., ArrayLike]] = None,
+                 kv: Optional[Callable[..., ArrayLike]] = None, name: str = "function"):
+        self._forward = forward
+        self._backward = backward
+        self._backward_ratio = backward_ratio
+        self._transfer = transfer
+        self._activation = activation
+        self._kv = kv
+        self.name = name
+
+    def forward_time(self, batch, length, context):
+        b, l, c = _f64(batch, length, context)
+        return _scalar_or_array(np.broadcast_to(self._forward(b, l, c), np.broadcast(b, l, c).shape))
+
+    def backward_time(self, batch, length, context):
+        b, l, c = _f64(batch, length, context)
+        if self._backward is None:
+            return _scalar_or_array(self._backward_ratio * np.asarray(self.forward_time(b, l, c)))
+        return _scalar_or_array(np.broadcast_to(self._backward(b, l, c), np.broadcast(b, l, c).shape))
+
+    def transfer_time(self, batch, length):
+        b, l = _f64(batch, length)
+        if self._transfer is None:
+            return _scalar_or_array(np.zeros(np.broadcast(b, l).shape))
+        return _scalar_or_array(np.broadcast_to(self._transfer(b, l), np.broadcast(b, l).shape))
+
+    def activation_bytes(self, batch, length, context):
+        b, l, c = _f64(batch, length, context)
+        if self._activation is None:
+            return _scalar_or_array(np.broadcast_to(b * l, np.broadcast(b, l, c).shape))
+        return _scalar_or_array(np.broadcast_to(self._activation(b, l, c), np.broadcast(b, l, c).shape))
+
+    def kv_bytes(self, batch, length):
+        b, l = _f64(batch, length)
+        return _scalar_or_array(b * l if self._kv is None else np.asarray(self._kv(b, l), dtype=np.float64))
+
+    def describe(self) -> str:
+        return self.name
