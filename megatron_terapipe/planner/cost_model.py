@@ -286,7 +286,7 @@ class AnalyticCostModel(LayerStackCostModel):
 
     def _roofline(self, b, l, c, scale: float) -> np.ndarray:
         hw = self.hardware
-        utilisation = hw.matmul_efficiency * np.minimum(1.0, b * l / hw.saturation_tokens)
+        utilisation = hw.matmul_efficiency * np.minimum(1.0, np.maximum(b * l, 1.0) / hw.saturation_tokens)
         compute = scale * self.layer_flops(b, l, c) / (hw.peak_flops * utilisation)
         memory = scale * self.layer_bytes(b, l, c) / hw.memory_bandwidth
         return (np.maximum(compute, memory) + scale * hw.layer_overhead
