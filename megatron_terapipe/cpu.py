@@ -56,6 +56,11 @@ def enable_cpu_mode() -> None:
     _ORIGINALS["synchronize"] = torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    if not torch.cuda.is_available():
+        # Tied embeddings move their weight with `.cuda()` before the first/last-stage
+        # all-reduce; without CUDA, the tensor stays where it is.
+        _ORIGINALS["tensor_cuda"] = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
 
     proxy = _CpuTorchProxy()
     for name in ("megatron.core.pipeline_parallel.schedules",
@@ -71,6 +76,12 @@ def enable_cpu_mode() -> None:
     _ORIGINALS["seed"] = tp_random.model_parallel_cuda_manual_seed
     tp_random.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
     tensor_parallel.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+    # Activation checkpointing saves and restores the CUDA RNG next to the CPU one; on CPU
+    # there is no CUDA generator, and the CPU state is already saved by the checkpoint.
+    _ORIGINALS["get_cuda_rng"] = tp_random._get_cuda_rng_state
+    _ORIGINALS["set_cuda_rng"] = tp_random._set_cuda_rng_state
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _ENABLED = True
 

@@ -175,19 +175,9 @@ class _StageExecutor:
         mb_done = self.mb_forwarded[m] == self.cells_per_microbatch
         if self.forward_only and cell.is_last_token_slice:
             self.cache.release_sequence(cell)
-        if mb_done:
-            self.data.release(m)
         if self.is_last:
             self._loss(cell, output, loss_func, mb_done)
-            output = None
-        elif not self.forward_only:
-            self.inputs[cell] = input_tensor
-            self.outputs[cell] = output
         else:
-            self.inputs.pop(cell, None)
-        if not self.forward_only and self.is_last:
-            self.inputs[cell] = input_tensor
-        if not self.is_last:
             expected = self.activation_shape(cell)
             if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
                 got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
@@ -195,7 +185,14 @@ class _StageExecutor:
                     f"TeraPipe: forward_step_func returned {got} for cell {cell} on stage "
                     f"{self.stage}, but the plan predicts [tokens, rows, hidden] = {list(expected)}: "
                     "the model's output must be the stage's hidden states for the given slice")
-        return output
+        if mb_done:
+            self.data.release(m)
+        if not self.forward_only:
+            # Kept until this cell's backward: the input for its gradient, the output as root.
+            self.inputs[cell] = input_tensor
+            if not self.is_last:
+                self.outputs[cell] = output
+        return None if self.is_last else output
 
     def _loss(self, cell: Cell, output, loss_func, mb_done: bool) -> None:
         m = cell.microbatch

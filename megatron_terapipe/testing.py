@@ -1,0 +1,427 @@
+"""Helpers for multi-process CPU runs: spawning gloo workers, small GPT models, baselines.
+
+Used by the test suite, the examples and the benchmarks. Everything runs on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+
+# --------------------------------------------------------------------------------------------
+# Spawning workers
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(target: str) -> Callable:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queue,
+           threads: int, pg_timeout: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        torch.distributed.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        result = _resolve(target)(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, then exit so peers see the socket close
+        queue.put((rank, False, traceback.format_exc()))
+        queue.close()
+        queue.join_thread()  # the report must reach the parent before this process dies
+        sys.stderr.flush()
+        os._exit(1)
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, threads: int = 1,
+          pg_timeout: float = 120.0) -> list[Any]:
+    """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes.
+
+    Returns each rank's result. If any rank fails, the others are stopped and WorkerError
+    carries the first traceback; if the run exceeds `timeout` seconds, TimeoutError.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, queue, threads,
+                                              pg_timeout), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    failure: Optional[str] = None
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{target} did not finish within {timeout:.0f} s on {world_size} ranks")
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and failure is None and len(results) < world_size:
+                    # A rank died without reporting (e.g. killed): give peers a moment, then stop.
+                    time.sleep(2.0)
+                    if queue.empty():
+                        failure = f"rank process exited with code {dead[0].exitcode} without a report"
+                        break
+                continue
+            if not ok:
+                failure = f"rank {rank} failed:\n{payload}"
+                break
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if failure else 10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failure is not None:
+        raise WorkerError(failure)
+    return [results[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------------------------
+# Small GPT models on CPU
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TinyGPT:
+    """A small GPT for CPU runs."""
+
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    vocab_size: int = 64
+    seq_length: int = 16
+    position_embedding_type: str = "rope"
+    untie: bool = True
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_modules: Optional[tuple[str, ...]] = None
+    calculate_per_token_loss: bool = False
+    seed: int = 1234
+
+    def config(self, tp: int = 1, pp: int = 1):
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        extra: dict[str, Any] = {}
+        if self.recompute_granularity is not None:
+            extra["recompute_granularity"] = self.recompute_granularity
+            if self.recompute_granularity == "full":
+                extra.update(recompute_method="uniform", recompute_num_layers=1)
+            if self.recompute_modules is not None:
+                extra["recompute_modules"] = list(self.recompute_modules)
+        return TransformerConfig(
+            num_layers=self.num_layers, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
+            use_cpu_initialization=True, pipeline_dtype=self.params_dtype,
+            params_dtype=self.params_dtype, bf16=self.bf16,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            sequence_parallel=self.sequence_parallel,
+            calculate_per_token_loss=self.calculate_per_token_loss,
+            **extra)
+
+    def build(self, config, spec, pre_process: bool = True, post_process: bool = True):
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel(config, spec, vocab_size=self.vocab_size,
+                        max_sequence_length=self.seq_length, pre_process=pre_process,
+                        post_process=post_process,
+                        position_embedding_type=self.position_embedding_type,
+                        share_embeddings_and_output_weights=not self.untie)
+
+
+def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
+                 with_mask: bool = False, masked_rows: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Megatron-GPTDataset-style dicts of [b, s] tensors, with zeros in the loss masks."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num):
+        tokens = torch.randint(0, vocab_size, (micro_batch_size, seq_length + 1), generator=gen)
+        loss_mask = (torch.rand(micro_batch_size, seq_length, generator=gen) > 0.25).float()
+        if masked_rows:
+            loss_mask[0, : seq_length // 2] = 0.0  # a fully masked stretch: empty cells happen
+        batch = {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(seq_length).unsqueeze(0).expand(micro_batch_size, -1).contiguous(),
+        }
+        if with_mask:
+            batch["attention_mask"] = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+        else:
+            batch["attention_mask"] = None
+        batches.append(batch)
+    return batches
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """pretrain_gpt-style loss: (summed masked loss, token count, report [sum, count])."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def legacy_loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Older (loss, report) form: loss averaged over the unmasked tokens."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.clone().detach()}
+
+
+def forward_step(data_iterator, model, legacy: bool = False):
+    """An unmodified Megatron-style forward_step: read a batch, run the model, return loss_func."""
+    from functools import partial
+
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is None:
+        output = model(None, None, None)
+        return output, partial(legacy_loss_func if legacy else loss_func, None)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(legacy_loss_func if legacy else loss_func, batch["loss_mask"])
+
+
+def legacy_forward_step(data_iterator, model):
+    return forward_step(data_iterator, model, legacy=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights and gradients between a full model and pipeline/tensor shards
+# --------------------------------------------------------------------------------------------
+def _global_name(model, name: str) -> str:
+    """decoder.layers.<local>.x -> decoder.layers.<global>.x using each layer's layer_number."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        local = int(parts[2])
+        parts[2] = str(model.decoder.layers[local].layer_number - 1)
+    return ".".join(parts)
+
+
+def _shard(full: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    if getattr(param, "tensor_model_parallel", False):
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        return full.chunk(tp, dim=param.partition_dim)[rank]
+    return full
+
+
+def unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _full_name(inner, name: str, full: dict) -> str:
+    gname = _global_name(inner, name)
+    if gname not in full and gname == "output_layer.weight":
+        return "embedding.word_embeddings.weight"  # tied output layer on the last stage
+    return gname
+
+
+def load_full_state(model, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy a full (unsharded) model's weights into this rank's pipeline/tensor shard."""
+    inner = unwrap(model)
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            full = full_state[_full_name(inner, name, full_state)]
+            param.copy_(_shard(full, param).to(param.dtype))
+
+
+def shard_grads(model) -> dict[str, torch.Tensor]:
+    """This rank's gradients by global name (main_grad under Megatron DDP)."""
+    inner = unwrap(model)
+    out = {}
+    for name, param in inner.named_parameters():
+        g = getattr(param, "main_grad", None)
+        if g is None:
+            g = param.grad
+        out[_global_name(inner, name)] = None if g is None else g.detach().clone()
+    return out
+
+
+def max_relative_error(grads: dict[str, Optional[torch.Tensor]], model,
+                       full_grads: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Worst over parameters of max|g - g_ref| / max|g_ref| (reference sharded like g)."""
+    inner = unwrap(model)
+    params = dict(inner.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, param in params.items():
+        gname = _global_name(inner, name)
+        g = grads[gname]
+        ref = _shard(full_grads[_full_name(inner, name, full_grads)], param).float()
+        if g is None:
+            err = float("inf") if ref.abs().max() > 0 else 0.0
+        else:
+            err = float((g.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        if err > worst:
+            worst, worst_name = err, gname
+    return worst, worst_name
+
+
+# --------------------------------------------------------------------------------------------
+# The equivalence experiment: Megatron's no-pipelining baseline vs. TeraPipe
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One TeraPipe run compared with Megatron's no-pipelining run on one rank."""
+
+    name: str
+    plan: Any  # TeraPipePlan
+    tp: int = 1
+    pp: int = 2
+    num_microbatches: int = 3
+    micro_batch_size: int = 2
+    model: TinyGPT = field(default_factory=TinyGPT)
+    ddp: bool = False
+    forward_only: bool = False
+    with_mask: bool = False
+    legacy_loss: bool = False
+
+
+def _seed(seed: int) -> None:
+    from .cpu import cpu_model_parallel_seed
+
+    cpu_model_parallel_seed(seed)
+
+
+def _baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torch.Tensor], dict]:
+    """Megatron's forward_backward_no_pipelining on the full model with Megatron's own spec."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    parallel_state.initialize_model_parallel(1, 1)
+    _seed(case.model.seed)
+    config = case.model.config()
+    model = case.model.build(config, get_gpt_layer_local_spec())
+    if case.model.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    state = {k: v.detach().clone().float() for k, v in unwrap(model).named_parameters()}
+    fs = legacy_forward_step if case.legacy_loss else forward_step
+    losses = forward_backward_no_pipelining(
+        forward_step_func=fs, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=case.model.seq_length,
+        micro_batch_size=case.micro_batch_size, forward_only=case.forward_only)
+    grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+             for k, p in unwrap(model).named_parameters()}
+    parallel_state.destroy_model_parallel()
+    return losses, grads, state
+
+
+def _report_values(losses: list[Any]) -> list[list[float]]:
+    out = []
+    for rep in losses:
+        v = rep["lm loss"]
+        out.append([float(x) for x in torch.as_tensor(v).float().view(-1)])
+    return out
+
+
+def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    """Worker body: baseline, then TeraPipe on the same weights and data; returns errors."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from . import configure
+    from .cpu import enable_cpu_mode
+    from .executor import forward_backward_terapipe
+    from .spec import get_gpt_layer_spec
+
+    enable_cpu_mode()
+    dp = world_size // (case.tp * case.pp)
+    batches_all = make_batches(case.num_microbatches * dp, case.micro_batch_size,
+                               case.model.seq_length, case.model.vocab_size, seed=7,
+                               with_mask=case.with_mask)
+    ref_losses, ref_grads, full_state = _baseline(case, batches_all)
+
+    parallel_state.initialize_model_parallel(case.tp, case.pp)
+    _seed(case.model.seed + 1)  # different init: the weights must come from the copy below
+    config = case.model.config(case.tp, case.pp)
+    model = case.model.build(config, get_gpt_layer_spec(),
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage())
+    load_full_state(model, full_state)
+    if case.model.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
+    if case.ddp:
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=False)
+        model = DistributedDataParallel(config, ddp_config, model)
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        model.zero_grad_buffer()
+    configure(config, case.plan)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = batches_all[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
+    fs = legacy_forward_step if case.legacy_loss else forward_step
+    losses = forward_backward_terapipe(
+        forward_step_func=fs, data_iterator=iter(mine), model=[model],
+        num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
+        micro_batch_size=case.micro_batch_size, forward_only=case.forward_only)
+    result: dict[str, Any] = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage()}
+    if parallel_state.is_pipeline_last_stage():
+        mine_ref = ref_losses[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
+        result["losses"] = _report_values(losses)
+        result["ref_losses"] = _report_values(mine_ref)
+    grads = shard_grads(model)
+    if case.forward_only:
+        result["any_grad"] = any(g is not None and bool(g.abs().sum() > 0) for g in grads.values())
+    else:
+        if dp > 1 and not case.ddp:
+            raise ValueError("data parallel cases need ddp=True")
+        # Megatron DDP averages over data-parallel ranks and each rank divides by its own
+        # microbatch count, so the sum matches the baseline's 1 / (dp * microbatches).
+        result["grad_error"], result["worst_param"] = max_relative_error(grads, model, ref_grads)
+        result["num_params"] = len(grads)
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
+    return {case.name: run_case(rank, world_size, case) for case in cases}
