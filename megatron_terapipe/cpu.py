@@ -65,7 +65,11 @@ def enable_cpu_mode() -> None:
     proxy = _CpuTorchProxy()
     for name in ("megatron.core.pipeline_parallel.schedules",
                  "megatron.core.distributed.param_and_grad_buffer",
-                 "megatron.core.transformer.utils"):
+                 "megatron.core.transformer.utils",
+                 "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.clip_grads",
+                 "megatron.core.optimizer.grad_scaler",
+                 "megatron.core.utils"):
         module = importlib.import_module(name)
         _ORIGINALS[name] = module.torch
         module.torch = proxy  # type: ignore[attr-defined]

@@ -67,6 +67,10 @@ def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan
     """The plan attached by `configure` (a plan, or a provider with plan_for(seq, mbs))."""
     source = getattr(config, "terapipe_plan", None)
     if source is None:
+        from .integration import default_plan_source
+
+        source = default_plan_source()
+    if source is None:
         raise ValueError(
             "TeraPipe: no plan is configured for this model: call "
             "megatron_terapipe.configure(config, TeraPipePlan(...)) or pass "

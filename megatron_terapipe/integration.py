@@ -9,6 +9,20 @@ from .plan import TeraPipePlan
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SELECTED = False
+_DEFAULT_SOURCE = None  # plan or provider used when a model config carries none
+
+
+def select(source) -> None:
+    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from flags."""
+    global _DEFAULT_SOURCE, _SELECTED
+    if not isinstance(source, TeraPipePlan) and not hasattr(source, "plan_for"):
+        raise ValueError(f"select() takes a TeraPipePlan or a plan provider, got {type(source).__name__}")
+    _DEFAULT_SOURCE = source
+    _SELECTED = True
+
+
+def default_plan_source():
+    return _DEFAULT_SOURCE
 
 
 def configure(config, plan) -> None:
@@ -53,8 +67,9 @@ def check_config(config, plan: Optional[TeraPipePlan]) -> None:
 
 def deselect() -> None:
     """Make get_forward_backward_func return Megatron's own schedules again."""
-    global _SELECTED
+    global _SELECTED, _DEFAULT_SOURCE
     _SELECTED = False
+    _DEFAULT_SOURCE = None
 
 
 def selected() -> bool:

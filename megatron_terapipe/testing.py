@@ -318,6 +318,7 @@ class Case:
     forward_only: bool = False
     with_mask: bool = False
     legacy_loss: bool = False
+    slice_spec: bool = True  # False: build with Megatron's stock spec (TeraPipe must refuse)
 
 
 def _seed(seed: int) -> None:
@@ -381,7 +382,13 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(case.tp, case.pp)
     _seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp)
-    model = case.model.build(config, get_gpt_layer_spec(),
+    if case.slice_spec:
+        spec = get_gpt_layer_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec()
+    model = case.model.build(config, spec,
                              pre_process=parallel_state.is_pipeline_first_stage(),
                              post_process=parallel_state.is_pipeline_last_stage())
     load_full_state(model, full_state)
@@ -425,3 +432,66 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
     return {case.name: run_case(rank, world_size, case) for case in cases}
+
+
+# --------------------------------------------------------------------------------------------
+# Activation memory of a schedule
+# --------------------------------------------------------------------------------------------
+def build_stage_model(model_cfg: TinyGPT, tp: int, pp: int, spec=None):
+    """This rank's pipeline stage of `model_cfg`, with the slice-aware spec by default."""
+    from megatron.core import parallel_state
+
+    from .spec import get_gpt_layer_spec
+
+    config = model_cfg.config(tp, pp)
+    _seed(model_cfg.seed)
+    model = model_cfg.build(config, spec if spec is not None else get_gpt_layer_spec(),
+                            pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    return config, model
+
+
+def run_megatron_1f1b(model, config, batches, seq_length: int, micro_batch_size: int,
+                      forward_only: bool = False):
+    """Megatron-Core's own non-interleaved 1F1B schedule (the baseline users run today)."""
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_without_interleaving,
+    )
+
+    return forward_backward_pipelining_without_interleaving(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only)
+
+
+def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, plans: dict,
+                             num_microbatches: int, micro_batch_size: int,
+                             include_megatron: bool = True) -> dict[str, int]:
+    """Peak bytes of saved activations on this stage, per schedule (pipeline of world_size)."""
+    from megatron.core import parallel_state
+
+    from .cpu import enable_cpu_mode
+    from .executor import forward_backward_terapipe
+    from .memory import SavedTensorMeter
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    config, model = build_stage_model(model_cfg, 1, world_size)
+    batches = make_batches(num_microbatches, micro_batch_size, model_cfg.seq_length,
+                           model_cfg.vocab_size, seed=3)
+    params = tuple(model.parameters())
+    peaks: dict[str, int] = {}
+    for name, plan in plans.items():
+        with SavedTensorMeter(exclude=params) as meter:
+            forward_backward_terapipe(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                num_microbatches=num_microbatches, seq_length=model_cfg.seq_length,
+                micro_batch_size=micro_batch_size, plan=plan)
+        peaks[name] = meter.peak_bytes
+        model.zero_grad(set_to_none=True)
+    if include_megatron:
+        with SavedTensorMeter(exclude=params) as meter:
+            run_megatron_1f1b(model, config, batches, model_cfg.seq_length, micro_batch_size)
+        peaks["megatron_1f1b"] = meter.peak_bytes
+    parallel_state.destroy_model_parallel()
+    return peaks

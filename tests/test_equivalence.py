@@ -1,0 +1,99 @@
+"""TeraPipe against Megatron's no-pipelining baseline: losses and every parameter gradient.
+
+Each world (2 or 4 gloo processes) runs its cases once (module fixture); each case compares, on
+every rank, the TeraPipe run with `forward_backward_no_pipelining` on the full model built with
+Megatron's own local spec, from the same weights and data.
+"""
+
+import pytest
+
+from megatron_terapipe import TeraPipePlan
+from megatron_terapipe.testing import Case, TinyGPT, spawn
+
+TOL = 1e-5
+UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
+
+CASES_2 = [
+    Case("pp2_1f1b_uneven_more_mb", UNEVEN, num_microbatches=3),
+    Case("pp2_gpipe_uneven_more_mb", TeraPipePlan([5, 7, 4], order="gpipe"), num_microbatches=3),
+    Case("pp2_1f1b_one_slice_fewer_mb", TeraPipePlan([16]), num_microbatches=1),
+    Case("pp2_gpipe_learned_abs", TeraPipePlan([3, 13], order="gpipe"), num_microbatches=1,
+         model=TinyGPT(position_embedding_type="learned_absolute")),
+    Case("pp2_1f1b_learned_abs", UNEVEN, model=TinyGPT(position_embedding_type="learned_absolute")),
+    Case("pp2_1f1b_batch_slices_own_tokens", TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2]),
+         micro_batch_size=3, num_microbatches=2),
+    Case("pp2_gpipe_batch_slices", TeraPipePlan([8, 8], batch_slices=[2, 1], order="gpipe"),
+         micro_batch_size=3, num_microbatches=4),
+    Case("pp2_dataset_causal_mask", UNEVEN, with_mask=True),
+    Case("pp2_legacy_two_tuple_loss", UNEVEN, legacy_loss=True),
+    Case("pp2_per_token_loss", UNEVEN, model=TinyGPT(calculate_per_token_loss=True)),
+    Case("pp2_grouped_query_attention", UNEVEN, model=TinyGPT(num_query_groups=2)),
+    Case("pp2_tied_embeddings_ddp", UNEVEN, model=TinyGPT(untie=False), ddp=True),
+    Case("pp2_selective_recompute", UNEVEN,
+         model=TinyGPT(recompute_granularity="selective", recompute_modules=("core_attn",))),
+    Case("pp2_full_recompute", TeraPipePlan([5, 7, 4], order="gpipe"),
+         model=TinyGPT(recompute_granularity="full")),
+    Case("pp2_forward_only", UNEVEN, forward_only=True),
+]
+
+CASES_4 = [
+    Case("pp4_1f1b_more_mb", UNEVEN, pp=4, num_microbatches=5),
+    Case("pp4_gpipe_fewer_mb", TeraPipePlan([8, 4, 4], order="gpipe"), pp=4, num_microbatches=2),
+    Case("pp4_1f1b_batch_slices", TeraPipePlan([4, 12], batch_slices=[1, 1]), pp=4,
+         num_microbatches=3),
+    Case("tp2_pp2_1f1b", TeraPipePlan([6, 6, 4]), tp=2, pp=2),
+    Case("tp2_pp2_gpipe_rope_gqa", TeraPipePlan([2, 14], order="gpipe"), tp=2, pp=2,
+         model=TinyGPT(num_query_groups=2)),
+    Case("dp2_pp2_ddp_1f1b", UNEVEN, pp=2, ddp=True, num_microbatches=2),
+    Case("dp2_pp2_ddp_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
+         num_microbatches=3),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(2, "megatron_terapipe.testing:run_cases", CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
+
+
+def _check(results, case: Case) -> None:
+    saw_last = False
+    for rank_result in results:
+        r = rank_result[case.name]
+        if case.forward_only:
+            assert not r["any_grad"], f"rank {r['rank']}: forward_only left gradients"
+        else:
+            assert r["grad_error"] <= TOL, (
+                f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
+            assert r["num_params"] > 0
+        if r["last_stage"]:
+            saw_last = True
+            assert len(r["losses"]) == case.num_microbatches
+            for got, ref in zip(r["losses"], r["ref_losses"]):
+                assert got == pytest.approx(ref, rel=TOL, abs=1e-6)
+    assert saw_last
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_two_processes(world2, case):
+    _check(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_four_processes(world4, case):
+    _check(world4, case)
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe():
+    """With more microbatches than stages, 1f1b frees each microbatch before the next starts."""
+    plans = {"1f1b": TeraPipePlan([16, 16, 16, 16]),
+             "gpipe": TeraPipePlan([16, 16, 16, 16], order="gpipe")}
+    peaks = spawn(2, "megatron_terapipe.testing:measure_peak_activations",
+                  TinyGPT(seq_length=64), plans, 8, 2, False, timeout=600)
+    for stage, p in enumerate(peaks):
+        assert p["1f1b"] > 0
+        assert p["1f1b"] * 2 <= p["gpipe"], f"stage {stage}: {p}"

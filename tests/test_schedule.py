@@ -1,0 +1,129 @@
+"""The schedule representation: plans, per-stage action lists, validation and timing."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_terapipe import ScheduleError, TeraPipePlan, build_schedule, timeline, validate
+from megatron_terapipe.schedule import Action, Schedule
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seq_slices=[]), "empty"),
+    (dict(seq_slices=[4, 0, 4]), "positive"),
+    (dict(seq_slices=[4, -2]), "positive"),
+    (dict(seq_slices=[4, 4], order="zigzag"), "order must be one of"),
+    (dict(seq_slices=[4, 4], batch_slices=[2, 0]), "positive"),
+    (dict(seq_slices=[[4, 4], [8]], batch_slices=[1, 1, 1]), "one list per entry"),
+    (dict(seq_slices=[[4, 4], [6]], batch_slices=[1, 1]), "same sequence length"),
+    (dict(seq_slices=[4, [4]]), "mixes numbers and lists"),
+    (dict(seq_slices=[4.5, 3.5]), "whole numbers"),
+])
+def test_plan_rejects_malformed_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TeraPipePlan(**kwargs)
+
+
+def test_plan_validate_names_the_fix():
+    plan = TeraPipePlan([8, 8], batch_slices=[1, 2])
+    with pytest.raises(ValueError, match="sum to 16 tokens but seq_length is 32"):
+        plan.validate(32, 3)
+    with pytest.raises(ValueError, match="sum to 3 rows but micro_batch_size is 4"):
+        plan.validate(16, 4)
+    with pytest.raises(ValueError, match="multiples of 3"):
+        TeraPipePlan([9, 7]).validate(16, 1, multiple_of=3)
+    plan.validate(16, 3)
+
+
+def test_uniform_plan():
+    assert TeraPipePlan.uniform(2048, 3, multiple_of=8).seq_slices == (688, 680, 680)
+    with pytest.raises(ValueError, match="at most 4 slices"):
+        TeraPipePlan.uniform(32, 5, multiple_of=8)
+
+
+def test_plan_round_trips_through_json():
+    plan = TeraPipePlan([[8, 8], [4, 12]], batch_slices=[2, 1], order="gpipe", predicted_time=1.5)
+    again = TeraPipePlan.from_dict(plan.to_dict())
+    assert again == plan and again.token_slices == ((8, 8), (4, 12))
+
+
+plans = st.builds(
+    lambda slices, batch, order: TeraPipePlan(
+        seq_slices=slices if batch is None else [slices] * len(batch),
+        batch_slices=batch, order=order),
+    st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    st.one_of(st.none(), st.lists(st.integers(1, 2), min_size=1, max_size=3)),
+    st.sampled_from(["1f1b", "gpipe"]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(plan=plans, microbatches=st.integers(1, 5), stages=st.integers(1, 5))
+def test_every_built_schedule_is_valid_and_bubble_optimal(plan, microbatches, stages):
+    mbs = sum(plan.batch_slices) if plan.batch_slices else 2
+    schedule = build_schedule(plan, microbatches, stages, mbs)
+    validate(schedule)
+    # Unit-time cells: both orders reach the pipeline optimum (cells + stages - 1) per direction.
+    spans = timeline(schedule, lambda k, a: 1.0)
+    cells = microbatches * plan.num_cells
+    assert max(s.end for s in spans) == 2 * (cells + stages - 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan=plans, microbatches=st.integers(1, 5), stages=st.integers(1, 5))
+def test_last_stage_forwards_a_whole_microbatch_before_its_first_backward(plan, microbatches, stages):
+    """Exact loss normalisation needs the microbatch's token count before its first backward."""
+    mbs = sum(plan.batch_slices) if plan.batch_slices else 2
+    actions = build_schedule(plan, microbatches, stages, mbs).stages[-1]
+    for m in range(microbatches):
+        first_b = min(i for i, a in enumerate(actions) if a.kind == "B" and a.cell.microbatch == m)
+        last_f = max(i for i, a in enumerate(actions) if a.kind == "F" and a.cell.microbatch == m)
+        assert last_f < first_b
+
+
+def test_1f1b_bounds_cells_in_flight():
+    plan = TeraPipePlan([4, 4, 4])
+    schedule = build_schedule(plan, 6, 3, 1)
+    for k, actions in enumerate(schedule.stages):
+        live, peak = 0, 0
+        for a in actions:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == plan.num_cells + (3 - k - 1)
+    gpipe = build_schedule(TeraPipePlan([4, 4, 4], order="gpipe"), 6, 3, 1)
+    assert sum(1 for a in gpipe.stages[0] if a.kind == "F") == 18
+
+
+def _replace(schedule: Schedule, stage: int, actions) -> Schedule:
+    stages = list(schedule.stages)
+    stages[stage] = tuple(actions)
+    return Schedule(schedule.plan, schedule.num_microbatches, schedule.micro_batch_size,
+                    schedule.forward_only, tuple(stages))
+
+
+def test_validate_rejects_broken_orders():
+    good = build_schedule(TeraPipePlan([4, 4], order="gpipe"), 1, 2, 1)
+    validate(good)
+    f0, f1, b1, b0 = good.stages[1]
+    with pytest.raises(ScheduleError, match="reverse token order"):
+        validate(_replace(good, 1, [f0, f1, b0, b1]))
+    with pytest.raises(ScheduleError, match="before the token slices before it"):
+        validate(_replace(good, 1, [f1, f0, b1, b0]))
+    with pytest.raises(ScheduleError, match="before its forward"):
+        validate(_replace(good, 1, [f0, b1, f1, b0]))
+    with pytest.raises(ScheduleError, match="twice"):
+        validate(_replace(good, 1, [f0, f1, b1, b1]))
+    # Stage 0 waits for a gradient that stage 1 only sends after stage 0's next forward.
+    s0 = good.stages[0]
+    deadlock = _replace(good, 0, [s0[0], Action("B", s0[1].cell), Action("F", s0[1].cell), s0[3]])
+    with pytest.raises(ScheduleError):
+        validate(deadlock)
+
+
+def test_timeline_adds_transfer_delays():
+    schedule = build_schedule(TeraPipePlan([4, 4], order="gpipe"), 1, 2, 1)
+    spans = timeline(schedule, lambda k, a: 1.0, lambda k, a: 0.5)
+    # two cells, two stages: F F on stage 0, then stage 1 starts after 1 + 0.5
+    starts = {(s.stage, str(s.action)): s.start for s in spans}
+    assert starts[(1, "F(m0b0t0)")] == 1.5
+    assert max(s.end for s in spans) == pytest.approx(2 * (2 + 1) + 2 * 0.5 * 1 + 0.0)
