@@ -1,1 +1,49 @@
-"""Planning: cost models, the DP slicer and the schedule simulator (numpy only)."""
+"""Planning: cost models, the exact DP slicer and the schedule simulator (numpy only).
+
+    from megatron_terapipe.planner import AnalyticCostModel, model_preset, hardware_preset, solve
+    cost = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("v100"), layers_per_stage=5)
+    plan = solve(cost, seq_length=2048, micro_batch_size=1, num_stages=8)
+"""
+
+from .cost_model import (
+    AnalyticCostModel,
+    CostModel,
+    FunctionCostModel,
+    Hardware,
+    LayerMemory,
+    Link,
+    ModelDims,
+)
+from .presets import HARDWARE_PRESETS, MODEL_PRESETS, hardware_preset, model_preset
+from .profiled import LayerTimeFit, ProfiledCostModel, fit_layer_times, measure_layer_times
+from .simulator import SimulationResult, simulate
+from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve, solve_slicing
+from .trace import chrome_trace, write_chrome_trace, write_png
+
+__all__ = [
+    "AnalyticCostModel",
+    "CostModel",
+    "FunctionCostModel",
+    "HARDWARE_PRESETS",
+    "Hardware",
+    "LayerMemory",
+    "LayerTimeFit",
+    "Link",
+    "MODEL_PRESETS",
+    "ModelDims",
+    "ProfiledCostModel",
+    "SimulationResult",
+    "SlicingSolution",
+    "best_uniform_slicing",
+    "chrome_trace",
+    "fit_layer_times",
+    "hardware_preset",
+    "measure_layer_times",
+    "model_preset",
+    "plan_objective",
+    "simulate",
+    "solve",
+    "solve_slicing",
+    "write_chrome_trace",
+    "write_png",
+]

@@ -1,0 +1,191 @@
+"""Simulate a schedule under a cost model: iteration time, bubbles, peak memory per stage.
+
+The simulator times exactly the per-stage action lists the executor runs (`schedule.timeline`):
+each action takes the cost model's forward or backward time for its cell, and a result reaches
+the neighbouring stage after the cell's transfer time (sends overlap with compute).
+
+Memory on a stage, walked in that stage's action order:
+- a cell's activations are held from the start of its forward to the end of its backward
+  (in a forward-only run, until the end of its forward);
+- a cell's K/V are held from the start of its forward until the end of its own backward:
+  backwards run in reverse token order, so once B(t) is done no later slice needs slice t's K/V.
+  Forward-only: until the forward of the sequence's last token slice has run;
+- the K/V gradients of the earlier slices of a sequence appear when the backward of its last
+  slice starts (that slice reads all of them) and go with each slice's own backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..schedule import Action, Schedule, TimedAction, timeline
+from .cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Live bytes on one stage right after an allocation or a release."""
+
+    time: float
+    activation_bytes: float
+    kv_bytes: float
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What one iteration of a schedule costs under a cost model."""
+
+    schedule: Schedule
+    timeline: tuple[TimedAction, ...]
+    iteration_time: float  # seconds from the first action's start to the last action's end
+    busy: tuple[float, ...]  # seconds each stage computes
+    peak_activation_bytes: tuple[float, ...]  # per stage
+    peak_kv_bytes: tuple[float, ...]  # per stage, K/V and their gradients
+    peak_memory_bytes: tuple[float, ...]  # per stage, peak of activations + K/V together
+    memory: tuple[tuple[MemoryPoint, ...], ...] = field(repr=False)  # per stage, over time
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.busy)
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        """Seconds each stage waits during the iteration."""
+        return tuple(self.iteration_time - b for b in self.busy)
+
+    @property
+    def stage_bubble_fraction(self) -> tuple[float, ...]:
+        if self.iteration_time <= 0:
+            return tuple(0.0 for _ in self.busy)
+        return tuple(i / self.iteration_time for i in self.idle)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of all stages' time spent waiting: 1 - busy / (stages x iteration time)."""
+        if self.iteration_time <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_stages * self.iteration_time)
+
+    def summary(self) -> str:
+        gib = 1024 ** 3
+        return (f"iteration {self.iteration_time * 1e3:.3f} ms, bubble "
+                f"{100 * self.bubble_fraction:.1f}%, peak memory per stage "
+                f"{min(self.peak_memory_bytes) / gib:.2f}-{max(self.peak_memory_bytes) / gib:.2f} GiB")
+
+
+class _CellCosts:
+    """Cost-model calls cached per cell shape (schedules repeat the same shapes a lot)."""
+
+    def __init__(self, cost_model: CostModel):
+        self.cost_model = cost_model
+        self._cache: dict[tuple, float] = {}
+
+    def _get(self, key: tuple, fn, *args) -> float:
+        value = self._cache.get(key)
+        if value is None:
+            value = float(fn(*args))
+            if not value >= 0:
+                raise ValueError(f"cost model {self.cost_model.describe()} returned {value} for "
+                                 f"{key[0]}{key[1:]}; costs must be non-negative numbers")
+            self._cache[key] = value
+        return value
+
+    def compute(self, stage: int, action: Action) -> float:
+        c = action.cell
+        if action.kind == "F":
+            return self._get(("F", c.rows, c.tokens, c.context), self.cost_model.forward_time,
+                             c.rows, c.tokens, c.context)
+        return self._get(("B", c.rows, c.tokens, c.context), self.cost_model.backward_time,
+                         c.rows, c.tokens, c.context)
+
+    def transfer(self, stage: int, action: Action) -> float:
+        c = action.cell
+        return self._get(("X", c.rows, c.tokens), self.cost_model.transfer_time, c.rows, c.tokens)
+
+    def activation(self, action: Action) -> float:
+        c = action.cell
+        return self._get(("A", c.rows, c.tokens, c.context), self.cost_model.activation_bytes,
+                         c.rows, c.tokens, c.context)
+
+    def kv(self, action: Action) -> float:
+        c = action.cell
+        return self._get(("KV", c.rows, c.tokens), self.cost_model.kv_bytes, c.rows, c.tokens)
+
+
+def simulate(schedule: Schedule, cost_model: CostModel,
+             timed: Optional[list[TimedAction]] = None) -> SimulationResult:
+    """Time `schedule` under `cost_model` and track memory per stage.
+
+    `timed` may pass a timeline already computed for this schedule and cost model.
+    """
+    costs = _CellCosts(cost_model)
+    if timed is None:
+        timed = timeline(schedule, costs.compute, costs.transfer)
+    K = schedule.num_stages
+    per_stage: list[list[TimedAction]] = [[] for _ in range(K)]
+    for ta in timed:
+        per_stage[ta.stage].append(ta)
+    if timed:
+        start = min(ta.start for ta in timed)
+        iteration = max(ta.end for ta in timed) - start
+    else:
+        iteration = 0.0
+    busy = []
+    peaks_act, peaks_kv, peaks_total, memory = [], [], [], []
+    for k in range(K):
+        actions = per_stage[k]  # already in the stage's own order
+        busy.append(sum(ta.end - ta.start for ta in actions))
+        points, peak_a, peak_kv, peak_t = _stage_memory(actions, costs, schedule.forward_only)
+        peaks_act.append(peak_a)
+        peaks_kv.append(peak_kv)
+        peaks_total.append(peak_t)
+        memory.append(tuple(points))
+    return SimulationResult(schedule=schedule, timeline=tuple(timed), iteration_time=iteration,
+                            busy=tuple(busy), peak_activation_bytes=tuple(peaks_act),
+                            peak_kv_bytes=tuple(peaks_kv), peak_memory_bytes=tuple(peaks_total),
+                            memory=tuple(memory))
+
+
+def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: bool):
+    """Walk one stage's actions in order; return memory points and the three peaks."""
+    act = kv = 0.0
+    peak_a = peak_kv = peak_t = 0.0
+    points: list[MemoryPoint] = []
+    # keys are (microbatch, batch slice, token slice): cheaper to hash than Cell
+    kv_of: dict[tuple[int, int, int], float] = {}  # K/V bytes of cells whose K/V are live
+    grads_of: dict[tuple[int, int, int], float] = {}  # K/V gradient buffers allocated
+    slices_seen: dict[tuple[int, int], list[int]] = {}  # sequence -> token slices run forward
+
+    def record(time: float) -> None:
+        nonlocal peak_a, peak_kv, peak_t
+        peak_a, peak_kv, peak_t = max(peak_a, act), max(peak_kv, kv), max(peak_t, act + kv)
+        points.append(MemoryPoint(time, act, kv))
+
+    for ta in actions:
+        a, c = ta.action, ta.action.cell
+        seq = (c.microbatch, c.batch_slice)
+        key = (c.microbatch, c.batch_slice, c.token_slice)
+        if a.kind == "F":
+            act += costs.activation(a)
+            kv_of[key] = costs.kv(a)
+            kv += kv_of[key]
+            slices_seen.setdefault(seq, []).append(c.token_slice)
+            record(ta.start)
+            if forward_only:
+                act -= costs.activation(a)
+                if c.is_last_token_slice:
+                    kv -= sum(kv_of.pop(seq + (t,), 0.0) for t in slices_seen.pop(seq, []))
+                record(ta.end)
+        else:
+            if c.is_last_token_slice:  # its backward writes dK/dV into every earlier slice
+                for t in slices_seen.get(seq, []):
+                    earlier = seq + (t,)
+                    if t < c.token_slice and earlier not in grads_of:
+                        grads_of[earlier] = kv_of.get(earlier, 0.0)
+                        kv += grads_of[earlier]
+                record(ta.start)
+            act -= costs.activation(a)
+            kv -= kv_of.pop(key, 0.0) + grads_of.pop(key, 0.0)
+            record(ta.end)
+    return points, peak_a, peak_kv, peak_t

@@ -1,0 +1,109 @@
+"""Pictures of a simulated schedule: Chrome-trace JSON (Perfetto, chrome://tracing) and PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Union
+
+from .simulator import SimulationResult
+
+PathLike = Union[str, Path]
+
+
+def action_label(kind: str, cell) -> str:
+    """"F m0 b0 t1": forward of microbatch 0, batch slice 0, token slice 1."""
+    return f"{kind} m{cell.microbatch} b{cell.batch_slice} t{cell.token_slice}"
+
+
+def chrome_trace(result: SimulationResult) -> dict:
+    """Trace events: one process per stage, one complete event ('X') per action, memory counters.
+
+    Times are microseconds, as the trace format expects.
+    """
+    events: list[dict] = []
+    for k in range(result.num_stages):
+        events.append({"ph": "M", "name": "process_name", "pid": k, "tid": 0,
+                       "args": {"name": f"stage {k}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": k, "tid": 0,
+                       "args": {"sort_index": k}})
+        events.append({"ph": "M", "name": "thread_name", "pid": k, "tid": 0,
+                       "args": {"name": "compute"}})
+    for ta in result.timeline:
+        c = ta.action.cell
+        events.append({
+            "name": action_label(ta.action.kind, c),
+            "cat": "forward" if ta.action.kind == "F" else "backward",
+            "ph": "X", "pid": ta.stage, "tid": 0,
+            "ts": ta.start * 1e6, "dur": (ta.end - ta.start) * 1e6,
+            "args": {"microbatch": c.microbatch, "batch_slice": c.batch_slice,
+                     "token_slice": c.token_slice, "rows": c.rows, "tokens": c.tokens,
+                     "context": c.context},
+        })
+    for k, points in enumerate(result.memory):
+        for p in points:
+            events.append({"name": "memory (MiB)", "ph": "C", "pid": k, "tid": 0,
+                           "ts": p.time * 1e6,
+                           "args": {"activations": p.activation_bytes / 2 ** 20,
+                                    "kv": p.kv_bytes / 2 ** 20}})
+    plan = result.schedule.plan
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"plan": plan.describe(), "num_microbatches": result.schedule.num_microbatches,
+                          "iteration_time_s": result.iteration_time,
+                          "bubble_fraction": result.bubble_fraction}}
+
+
+def write_chrome_trace(result: SimulationResult, path: PathLike) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(chrome_trace(result)))
+    return path
+
+
+def write_png(result: SimulationResult, path: PathLike, title: str = "", dpi: int = 110) -> Path:
+    """Timeline picture: one row per stage, one box per action, coloured by microbatch;
+    backward boxes are hatched and lighter. Needs matplotlib (`pip install matplotlib`)."""
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("the PNG timeline needs matplotlib: pip install 'megatron-terapipe[plot]'"
+                          ) from exc
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    K = result.num_stages
+    M = result.schedule.num_microbatches
+    cmap = plt.get_cmap("tab10" if M <= 10 else "tab20")
+    colours = [cmap(m % cmap.N) for m in range(M)]
+    height = max(2.0, 0.35 * K + 1.4)
+    fig, ax = plt.subplots(figsize=(12, height))
+    scale = 1e3  # milliseconds on the axis
+    # one collection per (stage, microbatch, direction): fast even for many thousand boxes
+    boxes: dict[tuple[int, int, str], list[tuple[float, float]]] = {}
+    for ta in result.timeline:
+        key = (ta.stage, ta.action.cell.microbatch, ta.action.kind)
+        boxes.setdefault(key, []).append((ta.start * scale, (ta.end - ta.start) * scale))
+    for (stage, mb, kind), ranges in boxes.items():
+        forward = kind == "F"
+        ax.broken_barh(ranges, (stage - 0.4, 0.8), facecolors=colours[mb],
+                       alpha=1.0 if forward else 0.55, hatch=None if forward else "//",
+                       edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(K))
+    ax.set_yticklabels([f"stage {k}" for k in range(K)])
+    ax.set_ylim(K - 0.5, -0.5)  # stage 0 on top
+    ax.set_xlabel("time (ms)")
+    shown = min(M, 10)
+    handles = [Patch(facecolor=colours[m], label=f"microbatch {m}") for m in range(shown)]
+    if M > shown:
+        handles.append(Patch(facecolor="white", label=f"... {M - shown} more"))
+    handles += [Patch(facecolor="grey", edgecolor="black", label="forward"),
+                Patch(facecolor="grey", alpha=0.55, hatch="//", edgecolor="black", label="backward")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    heading = title or result.schedule.plan.describe()
+    ax.set_title(f"{heading}\niteration {result.iteration_time * 1e3:.2f} ms, "
+                 f"bubble {100 * result.bubble_fraction:.1f}%", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
