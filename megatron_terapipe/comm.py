@@ -97,11 +97,13 @@ class MegatronTransport(Transport):
         self.is_first = is_first
         self.is_last = is_last
 
+    # Megatron reads a list of ints as one shape but iterates a list in its fused calls, so
+    # shapes go in as torch.Size (single) or [torch.Size] (fused).
     def recv_forward(self, shape):
-        return self.p2p.recv_forward(list(shape), self.is_first)
+        return self.p2p.recv_forward(torch.Size(shape), self.is_first)
 
     def recv_backward(self, shape):
-        return self.p2p.recv_backward(list(shape), self.is_last)
+        return self.p2p.recv_backward(torch.Size(shape), self.is_last)
 
     def send_forward(self, tensor):
         self.p2p.send_forward(tensor, self.is_last)
@@ -110,17 +112,22 @@ class MegatronTransport(Transport):
         self.p2p.send_backward(tensor, self.is_first)
 
     def send_forward_recv_backward(self, tensor, shape):
-        return self.p2p.send_forward_recv_backward(tensor, list(shape), self.is_last)
+        return self.p2p.send_forward_recv_backward(tensor, [torch.Size(shape)], self.is_last)
 
     def send_backward_recv_forward(self, tensor, shape):
-        return self.p2p.send_backward_recv_forward(tensor, list(shape), self.is_first)
+        return self.p2p.send_backward_recv_forward(tensor, [torch.Size(shape)], self.is_first)
 
 
 def make_transport(pp_group, config, device: torch.device, is_first: bool, is_last: bool,
                    p2p_communicator=None) -> Transport:
     """Megatron's communicator where it works (CUDA), the device-aware torch path elsewhere."""
     dtype = config.pipeline_dtype or torch.float32
-    if device.type == "cuda":
+    # config.terapipe_transport ("megatron" or "torch") overrides the choice, e.g. to run
+    # Megatron's communicator on gloo in tests.
+    choice = getattr(config, "terapipe_transport", None) or ("megatron" if device.type == "cuda" else "torch")
+    if choice not in ("megatron", "torch"):
+        raise ValueError(f"terapipe_transport must be 'megatron' or 'torch', got {choice!r}")
+    if choice == "megatron":
         if p2p_communicator is None:
             import copy
 

@@ -319,6 +319,8 @@ class Case:
     with_mask: bool = False
     legacy_loss: bool = False
     slice_spec: bool = True  # False: build with Megatron's stock spec (TeraPipe must refuse)
+    transport: Optional[str] = None  # "megatron": Megatron's P2PCommunicator, as on GPUs
+    tolerance: float = 1e-5
 
 
 def _seed(seed: int) -> None:
@@ -404,6 +406,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         config.finalize_model_grads_func = finalize_model_grads
         model.zero_grad_buffer()
     configure(config, case.plan)
+    config.terapipe_transport = case.transport
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = batches_all[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
     fs = legacy_forward_step if case.legacy_loss else forward_step

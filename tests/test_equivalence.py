@@ -6,6 +6,7 @@ Megatron's own local spec, from the same weights and data.
 """
 
 import pytest
+import torch
 
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.testing import Case, TinyGPT, spawn
@@ -34,6 +35,13 @@ CASES_2 = [
     Case("pp2_full_recompute", TeraPipePlan([5, 7, 4], order="gpipe"),
          model=TinyGPT(recompute_granularity="full")),
     Case("pp2_forward_only", UNEVEN, forward_only=True),
+    # Megatron's own P2PCommunicator (the CUDA path) with its fused send/receive calls.
+    Case("pp2_megatron_p2p_1f1b", UNEVEN, transport="megatron", num_microbatches=4),
+    Case("pp2_megatron_p2p_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), transport="megatron"),
+    # bf16 through Megatron's Float16Module: both sides round differently once slices change
+    # the summation order, so the bound is bf16's (8 mantissa bits), not fp32's.
+    Case("pp2_bf16_float16module", UNEVEN, model=TinyGPT(bf16=True, params_dtype=torch.bfloat16),
+         tolerance=5e-2),
 ]
 
 CASES_4 = [
@@ -41,6 +49,8 @@ CASES_4 = [
     Case("pp4_gpipe_fewer_mb", TeraPipePlan([8, 4, 4], order="gpipe"), pp=4, num_microbatches=2),
     Case("pp4_1f1b_batch_slices", TeraPipePlan([4, 12], batch_slices=[1, 1]), pp=4,
          num_microbatches=3),
+    Case("pp4_megatron_p2p_1f1b", TeraPipePlan([8, 8]), pp=4, num_microbatches=5,
+         transport="megatron"),
     Case("tp2_pp2_1f1b", TeraPipePlan([6, 6, 4]), tp=2, pp=2),
     Case("tp2_pp2_gpipe_rope_gqa", TeraPipePlan([2, 14], order="gpipe"), tp=2, pp=2,
          model=TinyGPT(num_query_groups=2)),
@@ -67,14 +77,15 @@ def _check(results, case: Case) -> None:
         if case.forward_only:
             assert not r["any_grad"], f"rank {r['rank']}: forward_only left gradients"
         else:
-            assert r["grad_error"] <= TOL, (
+            assert r["grad_error"] <= case.tolerance, (
                 f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
             assert r["num_params"] > 0
         if r["last_stage"]:
             saw_last = True
             assert len(r["losses"]) == case.num_microbatches
             for got, ref in zip(r["losses"], r["ref_losses"]):
-                assert got == pytest.approx(ref, rel=TOL, abs=1e-6)
+                assert got == pytest.approx(ref, rel=1e-3 if case.model.bf16 else TOL,
+                                            abs=1e-6)
     assert saw_last
 
 
