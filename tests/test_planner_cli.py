@@ -1,0 +1,80 @@
+"""terapipe-plan: output, files it writes, and errors that name the flag."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_terapipe.plan import TeraPipePlan
+from megatron_terapipe.planner.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--model", "gpt3-1b", "--pipeline-stages", "4", "--seq-length", "1024",
+        "--granularity", "64"]
+
+
+def test_prints_plan_and_comparison(capsys):
+    assert main(BASE + ["--micro-batch-size", "2", "--num-microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    for text in ("chosen plan", "TeraPipe DP", "uniform x", "no token slicing", "speedup",
+                 "peak GiB per stage", "capped DPs"):
+        assert text in out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.startswith(("TeraPipe DP", "no token slicing"))}
+    assert rows["no"].rstrip().endswith("1.00x")  # the baseline's own speedup
+
+
+def test_writes_trace_png_and_plan(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    trace, png, plan_path = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "plan.json"
+    assert main(BASE + ["--trace", str(trace), "--png", str(png), "--save-plan", str(plan_path),
+                        "--order", "gpipe"]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"].startswith("F m0 b0 t0") for e in events)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plan = TeraPipePlan.from_dict(json.loads(plan_path.read_text()))
+    assert plan.seq_length == 1024 and plan.order == "gpipe" and plan.predicted_time > 0
+
+
+def test_custom_model_dimensions(capsys):
+    assert main(["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
+                 "--pipeline-stages", "2", "--seq-length", "512", "--granularity", "32",
+                 "--hardware", "h100"]) == 0
+    assert "8 layers, hidden 1024" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--pipeline-stages", "0"], "--pipeline-stages"),
+    (["--pipeline-stages", "5"], "--pipeline-stages"),  # 24 layers do not split in 5
+    (["--tensor-parallel-size", "3"], "--tensor-parallel-size"),
+    (["--granularity", "100"], "--granularity"),
+    (["--seq-length", "-4"], "--seq-length"),
+    (["--hardware", "tpu"], "--hardware"),
+    (["--batch-sizes", "3,5"], "--batch-sizes"),
+    (["--profile", "/nonexistent/profile.json"], "--profile"),
+])
+def test_bad_flags_are_named(argv, flag, capsys):
+    args = list(BASE)
+    for i in range(0, len(argv), 2):  # later flags override earlier ones in argparse
+        args += argv[i:i + 2]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_model_is_required(capsys):
+    with pytest.raises(SystemExit):
+        main(["--pipeline-stages", "2", "--seq-length", "64"])
+    assert "--num-layers" in capsys.readouterr().err
+
+
+def test_runs_as_a_module():
+    proc = subprocess.run([sys.executable, "-m", "megatron_terapipe.planner.cli", *BASE],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "TeraPipe DP" in proc.stdout
