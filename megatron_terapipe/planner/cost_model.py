@@ -176,7 +176,7 @@ class LayerMemory:
         else:
             # softmax output, its dropout mask and dropout output over all keys (l + c) per query
             scores = (2 * d + 1) * m.num_attention_heads * b * l * (l + c) / t
-        return per_token_row + scores
+        return np.broadcast_to(per_token_row + scores, np.broadcast(b, l, c).shape)
 
     def kv_bytes(self, batch: ArrayLike, length: ArrayLike) -> np.ndarray:
         b, l = _f64(batch, length)
