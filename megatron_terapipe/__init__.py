@@ -9,7 +9,7 @@
 from .cpu import enable_cpu_mode
 from .executor import forward_backward_terapipe
 from .integration import configure, install
-from .plan import TeraPipePlan
+from .plan import PlanTable, TeraPipePlan
 from .schedule import Action, Cell, Schedule, ScheduleError, build_schedule, timeline, validate
 from .spec import get_gpt_layer_spec
 
@@ -20,6 +20,7 @@ __all__ = [
     "Cell",
     "Schedule",
     "ScheduleError",
+    "PlanTable",
     "TeraPipePlan",
     "build_schedule",
     "configure",

@@ -37,6 +37,31 @@ def slice_batch(batch: Any, cell: Cell, seq_length: int, micro_batch_size: int) 
     return slice_tensor(batch, cell, seq_length, micro_batch_size)
 
 
+def check_lengths(batch: Any, seq_length: int, micro_batch_size: int) -> None:
+    """The plan's shapes come from seq_length: a batch of another length must not slip through."""
+    if isinstance(batch, dict):
+        if "cu_seqlens" in batch or "cu_seqlens_q" in batch:
+            raise ValueError(
+                "TeraPipe does not support packed (THD) sequences: the batch carries cu_seqlens; "
+                "use padded [b, s] batches or Megatron's own schedule")
+        tokens = batch.get("tokens", batch.get("input_ids"))
+    elif isinstance(batch, (list, tuple)):
+        tokens = next((v for v in batch if isinstance(v, torch.Tensor) and v.dim() == 2), None)
+    else:
+        tokens = batch if isinstance(batch, torch.Tensor) else None
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+        rows, length = tokens.shape
+        if length != seq_length:
+            raise ValueError(
+                f"TeraPipe: the batch holds sequences of length {length} but the schedule was "
+                f"called with seq_length={seq_length}: pass seq_length={length} and have a plan "
+                f"for it (see PlanTable)")
+        if rows != micro_batch_size:
+            raise ValueError(
+                f"TeraPipe: the batch has {rows} rows but the schedule was called with "
+                f"micro_batch_size={micro_batch_size}")
+
+
 def check_causal_mask(batch: Any, seq_length: int) -> None:
     """Token slicing is exact only if no token attends to a later one: reject other masks."""
     masks = []
@@ -83,6 +108,7 @@ class CellData:
                 raise RuntimeError(
                     f"TeraPipe: microbatch {microbatch} was read again after it was released")
             batch = next(self.source)  # type: ignore[arg-type]
+            check_lengths(batch, self.seq_length, self.micro_batch_size)
             if self.check_mask:
                 check_causal_mask(batch, self.seq_length)
             self._batches[microbatch] = batch

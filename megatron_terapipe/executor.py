@@ -112,6 +112,16 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
         raise ValueError(
             "TeraPipe: the model was built without the slice-aware attention: build GPTModel "
             "with transformer_layer_spec=megatron_terapipe.get_gpt_layer_spec()")
+    from .attention import SliceAttention
+
+    for module in model.modules():
+        if isinstance(module, SliceAttention):
+            kind = getattr(module.attn_mask_type, "name", str(module.attn_mask_type))
+            if kind not in ("causal", "padding_causal", "None"):
+                raise ValueError(
+                    f"TeraPipe needs causal self-attention, but layer {module.layer_number} uses "
+                    f"attn_mask_type={kind}: token slices cannot see later tokens; keep the "
+                    "spec's causal mask type or use Megatron's own schedule")
 
 
 class _StageExecutor:

@@ -49,7 +49,7 @@ def get_gpt_layer_spec(backend: str = "local", **kwargs: Any):
     if kwargs.get("multi_latent_attention"):
         raise ValueError("TeraPipe does not support multi-latent attention yet")
     if backend == "local":
-        base = gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
+        base = _local_norms_to_torch(gpt_layer_specs.get_gpt_layer_local_spec(**kwargs))
     elif backend == "te":
         if not transformer_engine_available():
             raise ValueError(
@@ -59,6 +59,61 @@ def get_gpt_layer_spec(backend: str = "local", **kwargs: Any):
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'local', 'te' or 'auto'")
     return with_slice_attention(base)
+
+
+class TorchNorm:
+    """Megatron's torch LayerNorm/RMSNorm, also under sequence parallelism.
+
+    Megatron's local norm refuses sequence parallelism because only TE/apex norms mark their
+    parameters for the tensor-parallel all-reduce of their gradients. This one marks them, so
+    the local spec runs sequence-parallel wherever the collectives exist (gloo included).
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"TorchNorm supports LayerNorm and RMSNorm, not {config.normalization}")
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def _local_norms_to_torch(spec):
+    """Swap the local spec's norms for TorchNorm (which also runs sequence-parallel)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    layer = spec.submodules
+    for slot in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
+        if getattr(layer, slot, None) is WrappedTorchNorm:
+            setattr(layer, slot, TorchNorm)
+    return spec
+
+
+def get_gpt_decoder_block_spec(config, backend: str = "local", vp_stage=None, **kwargs: Any):
+    """Block spec for this rank's layers: slice-aware layers plus the final norm.
+
+    Needed for the local spec with sequence parallelism (the block's final norm must support it);
+    otherwise `get_gpt_layer_spec()` is enough.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_spec(backend=backend, **kwargs)
+    final_norm = TorchNorm
+    if backend != "local":
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        final_norm = LayerNormImpl
+    layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm))
 
 
 def uses_slice_attention(model: torch.nn.Module) -> bool:

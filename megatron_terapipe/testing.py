@@ -152,7 +152,7 @@ class TinyGPT:
             params_dtype=self.params_dtype, bf16=self.bf16,
             hidden_dropout=0.0, attention_dropout=0.0,
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel and tp > 1,  # the TP=1 baseline has none
             calculate_per_token_loss=self.calculate_per_token_loss,
             **extra)
 
@@ -384,7 +384,11 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     parallel_state.initialize_model_parallel(case.tp, case.pp)
     _seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp)
-    if case.slice_spec:
+    if case.slice_spec and case.model.sequence_parallel:
+        from .spec import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config)
+    elif case.slice_spec:
         spec = get_gpt_layer_spec()
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -498,3 +502,60 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
         peaks["megatron_1f1b"] = meter.peak_bytes
     parallel_state.destroy_model_parallel()
     return peaks
+
+
+def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: dict) -> list[dict]:
+    """One TeraPipe model trained on batches whose length changes per iteration (PlanTable).
+
+    Every iteration is compared with Megatron's no-pipelining baseline at that length.
+    """
+    from megatron.core import parallel_state
+
+    from . import configure
+    from .cpu import enable_cpu_mode
+    from .executor import forward_backward_terapipe
+    from .plan import PlanTable
+
+    enable_cpu_mode()
+    longest = max(lengths)
+    base_case = Case("variable", None, model=TinyGPT(seq_length=longest), num_microbatches=2)
+    data = {L: make_batches(2, 2, L, base_case.model.vocab_size, seed=L) for L in set(lengths)}
+    refs = {L: _baseline(base_case, data[L]) for L in set(lengths)}
+    parallel_state.initialize_model_parallel(1, world_size)
+    config, model = build_stage_model(base_case.model, 1, world_size)
+    load_full_state(model, refs[lengths[0]][2])
+    configure(config, PlanTable(plans))
+    out = []
+    for L in lengths:
+        model.zero_grad(set_to_none=True)
+        losses = forward_backward_terapipe(
+            forward_step_func=forward_step, data_iterator=iter(data[L]), model=[model],
+            num_microbatches=2, seq_length=L, micro_batch_size=2)
+        err, name = max_relative_error(shard_grads(model), model, refs[L][1])
+        result = {"length": L, "grad_error": err, "worst_param": name}
+        if parallel_state.is_pipeline_last_stage():
+            result["losses"] = _report_values(losses)
+            result["ref_losses"] = _report_values(refs[L][0])
+        out.append(result)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch_length: int) -> None:
+    """Call the schedule with seq_length that the data does not have (must raise, not hang)."""
+    from megatron.core import parallel_state
+
+    from . import configure
+    from .cpu import enable_cpu_mode
+    from .executor import forward_backward_terapipe
+    from .plan import TeraPipePlan
+
+    enable_cpu_mode()
+    model_cfg = TinyGPT(seq_length=max(seq_length, batch_length))
+    parallel_state.initialize_model_parallel(1, world_size)
+    config, model = build_stage_model(model_cfg, 1, world_size)
+    configure(config, TeraPipePlan.uniform(seq_length, 2))
+    batches = make_batches(2, 2, batch_length, model_cfg.vocab_size)
+    forward_backward_terapipe(forward_step_func=forward_step, data_iterator=iter(batches),
+                              model=[model], num_microbatches=2, seq_length=seq_length,
+                              micro_batch_size=2)

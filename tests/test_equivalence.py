@@ -54,6 +54,12 @@ CASES_4 = [
     Case("tp2_pp2_1f1b", TeraPipePlan([6, 6, 4]), tp=2, pp=2),
     Case("tp2_pp2_gpipe_rope_gqa", TeraPipePlan([2, 14], order="gpipe"), tp=2, pp=2,
          model=TinyGPT(num_query_groups=2)),
+    # Sequence parallelism: slices are multiples of TP, stage transfers carry tokens / TP.
+    Case("tp2_pp2_sequence_parallel", TeraPipePlan([6, 6, 4]), tp=2, pp=2, ddp=True,
+         model=TinyGPT(sequence_parallel=True)),
+    Case("tp2_pp2_sequence_parallel_gpipe_learned_abs", TeraPipePlan([2, 10, 4], order="gpipe"),
+         tp=2, pp=2, ddp=True,
+         model=TinyGPT(sequence_parallel=True, position_embedding_type="learned_absolute")),
     Case("dp2_pp2_ddp_1f1b", UNEVEN, pp=2, ddp=True, num_microbatches=2),
     Case("dp2_pp2_ddp_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
          num_microbatches=3),
