@@ -1,0 +1,37 @@
+"""Measuring a real Megatron layer on token slices (CPU, tiny model) and planning with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from megatron_terapipe.planner import Link, ProfiledCostModel, solve_slicing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_measure_fit_save_and_plan(tmp_path):
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "megatron_terapipe.planner.measure",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+         "--batch-sizes", "1,2", "--granularity", "16", "--points", "4", "--dtype", "float32",
+         "--repeats", "2", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "measuring layer" in proc.stderr  # progress goes to stderr
+    assert "held-out error" in proc.stdout
+    data = json.loads(out.read_text())
+    meta = data["metadata"]
+    assert meta["device_type"] == "cpu" and meta["dtype"] == "float32"
+    assert meta["model"]["hidden_size"] == 64 and meta["tensor_parallel"] == 1
+    assert meta["torch_version"] and meta["megatron_core_version"]
+    times = data["measurements"]["forward"] + data["measurements"]["backward"]
+    assert all(t > 0 for t in times)
+    assert sorted(set(data["measurements"]["context"]))[0] == 0 and max(data["measurements"]["context"]) > 0
+    cost = ProfiledCostModel.load(out, layers_per_stage=2, link=Link(10e9, 1e-5))
+    solution = solve_slicing(cost, 128, 2, 4, granularity=16)
+    assert solution.plan.seq_length == 128
