@@ -59,15 +59,22 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queu
 
 
 class WorkerError(RuntimeError):
-    pass
+    """A worker failed. `reports` maps rank -> traceback for every rank that reported a failure;
+    `killed` lists ranks the harness had to stop because they neither finished nor failed."""
+
+    def __init__(self, message: str, reports: dict[int, str], killed: list[int]) -> None:
+        super().__init__(message)
+        self.reports = reports
+        self.killed = killed
 
 
 def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, threads: int = 1,
-          pg_timeout: float = 120.0) -> list[Any]:
+          pg_timeout: float = 120.0, grace: float = 30.0) -> list[Any]:
     """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes.
 
-    Returns each rank's result. If any rank fails, the others are stopped and WorkerError
-    carries the first traceback; if the run exceeds `timeout` seconds, TimeoutError.
+    Returns each rank's result. If any rank fails, the others get `grace` seconds to fail or
+    finish on their own (a dead peer's closed socket ends their waits), then are killed;
+    WorkerError carries every report. If the run exceeds `timeout` seconds, TimeoutError.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -78,37 +85,41 @@ def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, thre
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
-    failure: Optional[str] = None
+    killed: list[int] = []
     try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                if failures:
+                    break
                 raise TimeoutError(f"{target} did not finish within {timeout:.0f} s on {world_size} ranks")
             try:
-                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+                rank, ok, payload = queue.get(timeout=min(deadline - now, 1.0))
             except Exception:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead and failure is None and len(results) < world_size:
-                    # A rank died without reporting (e.g. killed): give peers a moment, then stop.
-                    time.sleep(2.0)
-                    if queue.empty():
-                        failure = f"rank process exited with code {dead[0].exitcode} without a report"
-                        break
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in failures and r not in results:
+                        failures[r] = f"process exited with code {p.exitcode} without a report"
                 continue
-            if not ok:
-                failure = f"rank {rank} failed:\n{payload}"
-                break
-            results[rank] = payload
+            if ok:
+                results[rank] = payload
+            else:
+                failures[rank] = payload
+                deadline = min(deadline, time.monotonic() + grace)
     finally:
-        for p in procs:
-            p.join(timeout=0.5 if failure else 10)
-        for p in procs:
+        for r, p in enumerate(procs):
+            p.join(timeout=2 if failures else 10)
             if p.is_alive():
+                if r not in results and r not in failures:
+                    killed.append(r)
                 p.kill()
                 p.join()
-    if failure is not None:
-        raise WorkerError(failure)
+    if failures:
+        first = min(failures)
+        text = "\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items()))
+        raise WorkerError(f"{len(failures)} of {world_size} ranks failed (first: rank {first})\n{text}",
+                          failures, killed)
     return [results[r] for r in range(world_size)]
 
 
@@ -559,3 +570,50 @@ def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch
     forward_backward_terapipe(forward_step_func=forward_step, data_iterator=iter(batches),
                               model=[model], num_microbatches=2, seq_length=seq_length,
                               micro_batch_size=2)
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
+                     order: str = "1f1b") -> str:
+    """A TeraPipe run in which `fail_rank` raises in forward_step, loss_func or backward."""
+    from functools import partial
+
+    from megatron.core import parallel_state
+
+    from . import configure
+    from .cpu import enable_cpu_mode
+    from .executor import forward_backward_terapipe
+    from .plan import TeraPipePlan
+
+    enable_cpu_mode()
+    model_cfg = TinyGPT(num_layers=world_size)
+    parallel_state.initialize_model_parallel(1, world_size)
+    config, model = build_stage_model(model_cfg, 1, world_size)
+    configure(config, TeraPipePlan([4, 4, 8], order=order))
+    calls = {"n": 0}
+    failing = rank == fail_rank
+
+    def failing_loss(loss_mask, output_tensor):
+        raise InjectedFailure(f"injected failure in loss_func on rank {rank}")
+
+    def step(data_iterator, model):
+        calls["n"] += 1
+        if failing and where == "forward" and calls["n"] == 3:
+            raise InjectedFailure(f"injected failure in forward_step on rank {rank}")
+        output, loss = forward_step(data_iterator, model)
+        if failing and where == "loss" and calls["n"] == 2:
+            loss = partial(failing_loss, None)
+        if failing and where == "backward" and calls["n"] == 2:
+            def boom(grad):
+                raise InjectedFailure(f"injected failure in backward on rank {rank}")
+            output.register_hook(boom)
+        return output, loss
+
+    batches = make_batches(3, 2, model_cfg.seq_length, model_cfg.vocab_size)
+    forward_backward_terapipe(forward_step_func=step, data_iterator=iter(batches), model=[model],
+                              num_microbatches=3, seq_length=model_cfg.seq_length,
+                              micro_batch_size=2)
+    return "finished"

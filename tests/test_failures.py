@@ -1,0 +1,27 @@
+"""A rank that raises inside the schedule must not leave its peers waiting forever."""
+
+import time
+
+import pytest
+
+from megatron_terapipe.testing import WorkerError, spawn
+
+SCENARIOS = [
+    (2, 1, "forward"), (2, 1, "loss"), (2, 0, "backward"),
+    (4, 2, "forward"), (4, 3, "loss"), (4, 1, "backward"),
+]
+
+
+@pytest.mark.parametrize("world, fail_rank, where", SCENARIOS,
+                         ids=[f"{w}proc-rank{r}-{where}" for w, r, where in SCENARIOS])
+def test_every_rank_exits_with_an_error(world, fail_rank, where):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        spawn(world, "megatron_terapipe.testing:run_with_failure", fail_rank, where,
+              timeout=120, grace=45)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert f"injected failure in {where if where != 'forward' else 'forward_step'}" in err.reports[fail_rank]
+    # Every peer that was still waiting ended with its own error; none had to be killed.
+    assert err.killed == []
+    assert elapsed < 60, f"took {elapsed:.0f} s"
