@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .plan import TeraPipePlan
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SELECTED = False
 _DEFAULT_SOURCE = None  # plan or provider used when a model config carries none
+_SCHEDULE_WRAPPER: Optional[Callable[[Callable], Callable]] = None  # e.g. MegatronLMCells
+_SLICE_ATTENTION_IN_GPT_MODELS = False
 
 
 def select(source) -> None:
@@ -67,9 +71,10 @@ def check_config(config, plan: Optional[TeraPipePlan]) -> None:
 
 def deselect() -> None:
     """Make get_forward_backward_func return Megatron's own schedules again."""
-    global _SELECTED, _DEFAULT_SOURCE
+    global _SELECTED, _DEFAULT_SOURCE, _SCHEDULE_WRAPPER
     _SELECTED = False
     _DEFAULT_SOURCE = None
+    _SCHEDULE_WRAPPER = None
 
 
 def selected() -> bool:
@@ -86,6 +91,8 @@ def _terapipe_or_megatron(*args, **kwargs):
             raise ValueError("TeraPipe does not support virtual pipeline stages: drop "
                              "--num-layers-per-virtual-pipeline-stage")
         del pp_size
+        if _SCHEDULE_WRAPPER is not None:
+            return _SCHEDULE_WRAPPER(forward_backward_terapipe)
         return forward_backward_terapipe
     assert _ORIGINAL_GET_FORWARD_BACKWARD is not None
     return _ORIGINAL_GET_FORWARD_BACKWARD(*args, **kwargs)
@@ -117,3 +124,189 @@ def original_get_forward_backward_func() -> Callable:
     from megatron.core.pipeline_parallel import schedules
 
     return _ORIGINAL_GET_FORWARD_BACKWARD or schedules.get_forward_backward_func
+
+
+def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> None:
+    """While TeraPipe is selected, get_forward_backward_func returns `wrapper(schedule)`.
+
+    `setup_from_args` uses it to run Megatron-LM's forward_step per cell (MegatronLMCells).
+    None restores the plain schedule.
+    """
+    global _SCHEDULE_WRAPPER
+    _SCHEDULE_WRAPPER = wrapper
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT models built by an unmodified script get slice-aware attention
+# ---------------------------------------------------------------------------------------------
+def slice_attention_spec(spec):
+    """`spec` (a GPT layer ModuleSpec, or a block spec with layer_specs) with SliceAttention."""
+    from .spec import with_slice_attention
+
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:  # TransformerBlockSubmodules: one spec per layer
+        import copy
+
+        spec = copy.copy(spec)
+        spec.layer_specs = [with_slice_attention(s) for s in layer_specs]
+        return spec
+    return with_slice_attention(spec)
+
+
+def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
+    """Make every GPTModel built from now on use slice-aware core attention in its layer spec.
+
+    This is how an unmodified Megatron-LM script (its gpt_builder picks Megatron's local or
+    Transformer Engine spec) gets the attention TeraPipe needs. The constructor is wrapped once;
+    `enable=False` turns the substitution off again.
+    """
+    global _SLICE_ATTENTION_IN_GPT_MODELS
+    _SLICE_ATTENTION_IN_GPT_MODELS = enable
+    if not enable:
+        return
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if getattr(GPTModel.__init__, "_terapipe_wrapped", False):
+        return
+    original = GPTModel.__init__
+
+    @functools.wraps(original)
+    def __init__(self, config, transformer_layer_spec=None, *args, **kwargs):
+        if _SLICE_ATTENTION_IN_GPT_MODELS and transformer_layer_spec is not None:
+            transformer_layer_spec = slice_attention_spec(transformer_layer_spec)
+        original(self, config, transformer_layer_spec, *args, **kwargs)
+
+    __init__._terapipe_wrapped = True  # type: ignore[attr-defined]
+    GPTModel.__init__ = __init__  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron-LM's forward_step / get_batch / loss_func, unchanged, on token slices
+# ---------------------------------------------------------------------------------------------
+def megatron_lm_args() -> Optional[Any]:
+    """Megatron-LM's global args (megatron.training.get_args()), or None outside Megatron-LM."""
+    module = sys.modules.get("megatron.training.global_vars")
+    return getattr(module, "_GLOBAL_ARGS", None) if module is not None else None
+
+
+@contextlib.contextmanager
+def megatron_lm_cell_args(args, cell, drop_mask: bool) -> Iterator[None]:
+    """The global args as one cell sees them: seq_length and micro_batch_size are the cell's.
+
+    Megatron-LM's get_batch_on_this_tp_rank allocates the tensors that tensor-parallel ranks
+    other than 0 receive with shape (args.micro_batch_size, args.seq_length); rank 0 sends the
+    cell's cut batch. With drop_mask, no attention mask is allocated either (rank 0 sends none:
+    see CellBatches), because a cut causal mask [rows, 1, tokens, end] is not square.
+    """
+    saved = {k: getattr(args, k, None)
+             for k in ("seq_length", "micro_batch_size", "create_attention_mask_in_dataloader")}
+    args.seq_length = cell.tokens
+    args.micro_batch_size = cell.rows
+    if drop_mask:
+        args.create_attention_mask_in_dataloader = False
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(args, k, v)
+
+
+def is_causal_cut(mask, cell) -> bool:
+    """Whether `mask` ([b or 1, 1, tokens, end], True = masked) is the plain causal mask cut to
+    the cell, i.e. what slice-aware attention applies anyway without a mask."""
+    import torch
+
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
+        return False
+    if tuple(mask.shape[-2:]) != (cell.tokens, cell.token_end):
+        return False
+    future = torch.ones(cell.tokens, cell.token_end, dtype=torch.bool,
+                        device=mask.device).triu(cell.token_start + 1)
+    return bool((mask.bool() == future).all())
+
+
+class CellBatches:
+    """The cell iterator as Megatron-LM's get_batch needs it: contiguous tensors (they are
+    broadcast over the tensor-parallel group), and a plain causal mask left out (slice-aware
+    attention applies it itself; with TP > 1 it must go, see megatron_lm_cell_args)."""
+
+    def __init__(self, inner: Iterator, cell, must_drop_mask: bool) -> None:
+        self.inner = inner
+        self.cell = cell
+        self.must_drop_mask = must_drop_mask
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        import torch
+
+        batch = next(self.inner)
+        if isinstance(batch, dict):
+            batch = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
+                     for k, v in batch.items()}
+            if "attention_mask" in batch:
+                mask = batch["attention_mask"]
+                if mask is None or is_causal_cut(mask, self.cell):
+                    del batch["attention_mask"]
+                elif self.must_drop_mask:
+                    raise ValueError(
+                        "TeraPipe with --tensor-model-parallel-size > 1 supports only the plain "
+                        "causal attention mask, but the data has another one (e.g. from "
+                        "--reset-attention-mask): drop it, or use --tensor-model-parallel-size 1")
+        elif isinstance(batch, (list, tuple)):
+            batch = type(batch)(v.contiguous() if isinstance(v, torch.Tensor) else v for v in batch)
+        return batch
+
+
+class MegatronLMCells:
+    """Schedule wrapper for Megatron-LM scripts (see set_schedule_wrapper).
+
+    Runs the script's forward_step for each cell with the cell's shape in Megatron-LM's global
+    args (megatron_lm_cell_args) and its batch through CellBatches, so that stock pretrain_gpt
+    forward_step, get_batch and loss_func work unchanged, also with tensor parallelism. With a
+    trace path, the measured timeline of the first two training iterations is written there
+    (the second overwrites the first: it has no warm-up effects).
+    """
+
+    def __init__(self, trace: Optional[str] = None) -> None:
+        self.trace = trace
+        self.training_runs = 0
+
+    def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
+        from .attention import active_cell
+
+        if getattr(forward_step_func, "_terapipe_cells", False):
+            return forward_step_func
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator, model, *args, **kwargs):
+            active = active_cell()
+            megatron_args = megatron_lm_args()
+            if active is None or megatron_args is None:
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+            cell = active.cell
+            tp = int(getattr(megatron_args, "tensor_model_parallel_size", 1) or 1)
+            if data_iterator is not None:
+                data_iterator = CellBatches(data_iterator, cell, must_drop_mask=tp > 1)
+            with megatron_lm_cell_args(megatron_args, cell, drop_mask=tp > 1):
+                return forward_step_func(data_iterator, model, *args, **kwargs)
+
+        forward_step._terapipe_cells = True  # type: ignore[attr-defined]
+        return forward_step
+
+    def __call__(self, schedule: Callable) -> Callable:
+        @functools.wraps(schedule)
+        def forward_backward_terapipe(**kwargs):
+            if kwargs.get("forward_step_func") is not None:
+                kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
+            result = schedule(**kwargs)
+            if self.trace and not kwargs.get("forward_only", False) and self.training_runs < 2:
+                self.training_runs += 1
+                from . import executor
+                from .run_trace import gather_trace
+
+                gather_trace(executor.LAST_RUN, self.trace)  # every rank calls the schedule
+            return result
+
+        return forward_backward_terapipe

@@ -1,0 +1,135 @@
+"""Zero-edit launcher: run an unmodified Megatron-LM training script with TeraPipe available.
+
+    torchrun --nproc-per-node 8 -m megatron_terapipe.launch pretrain_gpt.py \\
+        <Megatron-LM arguments> --pipeline-schedule terapipe [--terapipe-* flags]
+
+The launcher puts the script's directory first on sys.path (as `python pretrain_gpt.py` does),
+installs the hooks (`install_hooks`) and runs the script with runpy as __main__. The hooks:
+
+- every `megatron.training.arguments.parse_args` call adds the TeraPipe flags to the script's
+  own `extra_args_provider` (the script's parser accepts --pipeline-schedule etc.);
+- right after Megatron-LM's `validate_args` (before torch.distributed starts), the TeraPipe flags
+  are validated and, with --pipeline-schedule terapipe, TeraPipe is selected
+  (`arguments.setup_from_args`): GPT models get slice-aware attention, the plan is chosen at the
+  first iteration, and forward_step runs per cell with the cell's shape in the global args;
+- `get_forward_backward_func`, in megatron.core and in megatron.training.training, returns the
+  TeraPipe schedule when it is selected and Megatron's own otherwise.
+
+Scripts you edit yourself can call `install_hooks()` before `pretrain(...)` instead
+(see patches/pretrain_gpt_terapipe.patch).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import runpy
+import sys
+from typing import Callable, Optional, Sequence
+
+USAGE = """\
+usage: python -m megatron_terapipe.launch SCRIPT [script arguments ...]
+       python -m megatron_terapipe.launch -m MODULE [module arguments ...]
+
+Runs a Megatron-LM training script (e.g. pretrain_gpt.py) unmodified, with TeraPipe's flags
+(--pipeline-schedule {1f1b,terapipe}, --terapipe-*) added to its arguments. Use it under
+torchrun: torchrun --nproc-per-node N -m megatron_terapipe.launch pretrain_gpt.py ...
+"""
+
+
+class LauncherError(RuntimeError):
+    pass
+
+
+def _wrap_parse_args(original: Callable) -> Callable:
+    if getattr(original, "_terapipe_wrapped", False):
+        return original
+    from .arguments import add_terapipe_args, combine_extra_args
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, *args, **kwargs):
+        return original(combine_extra_args(extra_args_provider, add_terapipe_args), *args, **kwargs)
+
+    parse_args._terapipe_wrapped = True  # type: ignore[attr-defined]
+    return parse_args
+
+
+def _wrap_validate(original: Callable) -> Callable:
+    if getattr(original, "_terapipe_wrapped", False):
+        return original
+
+    @functools.wraps(original)
+    def validate(args, *rest, **kwargs):
+        result = original(args, *rest, **kwargs)
+        from .arguments import setup_from_args
+
+        setup_from_args(result if result is not None and hasattr(result, "__dict__") else args)
+        return result
+
+    validate._terapipe_wrapped = True  # type: ignore[attr-defined]
+    return validate
+
+
+def _patch(module, name: str, wrap: Callable[[Callable], Callable]) -> bool:
+    original = getattr(module, name, None)
+    if original is None:
+        return False
+    setattr(module, name, wrap(original))
+    return True
+
+
+def install_hooks() -> None:
+    """Hook Megatron-LM's argument parsing, argument validation and schedule choice.
+
+    Needs Megatron-LM's `megatron.training` importable (run from the Megatron-LM checkout, or
+    put it on PYTHONPATH). Calling it again is harmless.
+    """
+    from . import integration
+
+    # Patch megatron.core first: megatron.training.training binds get_forward_backward_func
+    # when it is imported (just below), and then gets the patched function.
+    integration.install()
+    try:
+        import megatron.training.arguments as megatron_arguments
+        import megatron.training.initialize as megatron_initialize
+    except ImportError as exc:
+        raise LauncherError(
+            f"megatron_terapipe.launch needs Megatron-LM's megatron.training ({exc}): run it on a "
+            "script in a Megatron-LM checkout (its directory goes first on sys.path) or put the "
+            "checkout on PYTHONPATH") from exc
+    for module in (megatron_arguments, megatron_initialize):
+        _patch(module, "parse_args", _wrap_parse_args)
+        _patch(module, "validate_args", _wrap_validate)
+    _patch(megatron_initialize, "validate_yaml", _wrap_validate)
+    integration.install()  # names imported by megatron.training.* before this point
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            sys.stderr.write(USAGE)
+            return 2
+        module, rest = argv[1], argv[2:]
+        sys.argv = [module] + rest
+        install_hooks()
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return 0
+    script, rest = argv[0], argv[1:]
+    if not os.path.isfile(script):
+        sys.stderr.write(f"megatron_terapipe.launch: no such script: {script}\n\n{USAGE}")
+        return 2
+    # What `python SCRIPT` does: the script's directory first on sys.path (Megatron-LM's
+    # pretrain_gpt.py imports gpt_builders, model_provider and megatron.training from there).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.argv = [script] + rest
+    install_hooks()
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
