@@ -78,3 +78,32 @@ def test_runs_as_a_module():
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "TeraPipe DP" in proc.stdout
+
+
+def _synthetic_profile(tmp_path, hidden=2048, heads=16):
+    """A layer profile of the paper's form for the gpt3-1b shape (no measuring needed)."""
+    import numpy as np
+
+    from megatron_terapipe.planner import ModelDims, fit_layer_times
+    from megatron_terapipe.planner.profiled import LayerMeasurements, default_grid
+
+    cells = np.array(default_grid(1024, [1, 2], granularity=64, points=5), dtype=float)
+    b, l, c = cells.T
+    t = 3e-4 + b * (4e-6 * l + 2e-9 * l * c)
+    model = ModelDims(num_layers=24, hidden_size=hidden, num_attention_heads=heads)
+    meta = {"device": "synthetic", "dtype": "bfloat16", "model": model.to_dict(), "tensor_parallel": 1}
+    return fit_layer_times(LayerMeasurements(b, l, c, t, 2 * t, meta)).save(tmp_path / "profile.json")
+
+
+def test_profile_flag_uses_the_profile(tmp_path, capsys):
+    path = _synthetic_profile(tmp_path)
+    assert main(BASE + ["--profile", str(path)]) == 0
+    assert "profiled: synthetic bfloat16" in capsys.readouterr().out
+
+
+def test_profile_of_another_model_is_refused(tmp_path, capsys):
+    path = _synthetic_profile(tmp_path, hidden=1024, heads=8)
+    with pytest.raises(SystemExit):
+        main(BASE + ["--profile", str(path)])
+    err = capsys.readouterr().err
+    assert "--profile" in err and "profile.json" in err and "hidden_size" in err
