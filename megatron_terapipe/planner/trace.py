@@ -16,6 +16,19 @@ def action_label(kind: str, cell) -> str:
     return f"{kind} m{cell.microbatch} b{cell.batch_slice} t{cell.token_slice}"
 
 
+def short_plan_text(plan, limit: int = 110) -> str:
+    """plan.describe(), or a summary of it when that is too long for a title."""
+    text = plan.describe()
+    if len(text) <= limit:
+        return text
+    counts = sorted({len(ts) for ts in plan.token_slices})
+    slices = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    rows = plan.batch_slices or ("all",)
+    shown = ", ".join(str(r) for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    return (f"order={plan.order}; {len(rows)} batch slice(s) of [{shown}] rows; "
+            f"{slices} token slices each")
+
+
 def chrome_trace(result: SimulationResult) -> dict:
     """Trace events: one process per stage, one complete event ('X') per action, memory counters.
 
@@ -99,7 +112,7 @@ def write_png(result: SimulationResult, path: PathLike, title: str = "", dpi: in
     handles += [Patch(facecolor="grey", edgecolor="black", label="forward"),
                 Patch(facecolor="grey", alpha=0.55, hatch="//", edgecolor="black", label="backward")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    heading = title or result.schedule.plan.describe()
+    heading = title or short_plan_text(result.schedule.plan)
     ax.set_title(f"{heading}\niteration {result.iteration_time * 1e3:.2f} ms, "
                  f"bubble {100 * result.bubble_fraction:.1f}%", fontsize=9)
     fig.tight_layout()
