@@ -331,6 +331,8 @@ class Case:
     legacy_loss: bool = False
     slice_spec: bool = True  # False: build with Megatron's stock spec (TeraPipe must refuse)
     transport: Optional[str] = None  # "megatron": Megatron's P2PCommunicator, as on GPUs
+    attn_mask_type: Optional[str] = None  # e.g. "no_mask": a non-causal spec (must be refused)
+    bad_output: bool = False  # forward_step returns one token too few (must be refused)
     tolerance: float = 1e-5
 
 
@@ -401,6 +403,10 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         spec = get_gpt_decoder_block_spec(config)
     elif case.slice_spec:
         spec = get_gpt_layer_spec()
+        if case.attn_mask_type is not None:
+            from megatron.core.transformer.enums import AttnMaskType
+
+            spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType[case.attn_mask_type]
     else:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -425,6 +431,10 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = batches_all[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
     fs = legacy_forward_step if case.legacy_loss else forward_step
+    if case.bad_output:
+        def fs(data_iterator, model, _inner=fs):
+            output, loss = _inner(data_iterator, model)
+            return (output[:-1] if not parallel_state.is_pipeline_last_stage() else output), loss
     losses = forward_backward_terapipe(
         forward_step_func=fs, data_iterator=iter(mine), model=[model],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,

@@ -36,9 +36,25 @@ def test_configure_rejects_non_plans():
     (Case("bad_sum", TeraPipePlan([8, 4])), "sum to 12 tokens but seq_length is 16"),
     (Case("bad_rows", TeraPipePlan([8, 8], batch_slices=[1, 2])), "sum to 3 rows but micro_batch_size is 2"),
     (Case("stock_spec", TeraPipePlan([8, 8]), slice_spec=False), "without the slice-aware attention"),
+    (Case("non_causal_spec", TeraPipePlan([8, 8]), attn_mask_type="no_mask"),
+     "needs causal self-attention, but layer 1 uses attn_mask_type=no_mask"),
+    (Case("output_shape", TeraPipePlan([8, 8]), bad_output=True),
+     r"returned \(7, 2, 32\) for cell m0b0t0 on stage 0, but the plan predicts \[tokens, rows, hidden\] = \[8, 2, 32\]"),
 ])
 def test_bad_runs_fail_fast_on_every_rank(case, message):
     start = time.monotonic()
     with pytest.raises(WorkerError, match=message):
         spawn(2, "megatron_terapipe.testing:run_cases", [case], timeout=120)
     assert time.monotonic() - start < 60
+
+
+def test_packed_sequences_are_refused():
+    import torch
+
+    from megatron_terapipe.batching import check_lengths
+
+    batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 8])}
+    with pytest.raises(ValueError, match="packed \\(THD\\) sequences"):
+        check_lengths(batch, 8, 1)
+    with pytest.raises(ValueError, match="4 rows but the schedule was called with micro_batch_size=2"):
+        check_lengths({"tokens": torch.zeros(4, 8)}, 8, 2)
