@@ -11,12 +11,42 @@ from .executor import forward_backward_terapipe
 from .integration import configure, install
 from .plan import PlanTable, TeraPipePlan
 from .schedule import Action, Cell, Schedule, ScheduleError, build_schedule, timeline, validate
-from .spec import get_gpt_layer_spec
+from .planner import (
+    AnalyticCostModel,
+    CostModel,
+    ModelDims,
+    ProfiledCostModel,
+    SimulationResult,
+    hardware_preset,
+    measure_layer_times,
+    model_preset,
+    simulate,
+    solve,
+    solve_slicing,
+    write_chrome_trace,
+    write_png,
+)
+from .spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "AnalyticCostModel",
+    "CostModel",
+    "ModelDims",
+    "ProfiledCostModel",
+    "SimulationResult",
+    "TorchNorm",
+    "get_gpt_decoder_block_spec",
+    "hardware_preset",
+    "measure_layer_times",
+    "model_preset",
+    "simulate",
+    "solve",
+    "solve_slicing",
+    "write_chrome_trace",
+    "write_png",
     "Cell",
     "Schedule",
     "ScheduleError",

@@ -174,67 +174,62 @@ def timeline(schedule: Schedule,
     neighbour (forward: stage+1, backward: stage-1). Sends are asynchronous: a stage never waits
     for its own send. Raises ScheduleError on a deadlock.
     """
-    return _retime(schedule, _topological_order(schedule), compute_time, transfer_time)
-
-
-def _topological_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """A global order of all actions that respects every dependency; ScheduleError if none."""
     K = schedule.num_stages
+    index: dict[Cell, int] = {}
+    for actions in schedule.stages:
+        for a in actions:
+            if a.cell not in index:
+                index[a.cell] = len(index)
+    n = len(index)
+    # finish[kind][stage][cell id]: when that action ended (None: not yet run).
+    finish_f: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+    finish_b: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+    sent_f: list[list[float]] = [[0.0] * n for _ in range(K)]  # when stage k+1 may use F
+    sent_b: list[list[float]] = [[0.0] * n for _ in range(K)]  # when stage k-1 may use B
     pos = [0] * K
-    done: set[tuple[Kind, Cell, int]] = set()
-    order: list[tuple[int, Action]] = []
+    free_at = [0.0] * K
+    out: list[TimedAction] = []
     remaining = sum(len(s) for s in schedule.stages)
     while remaining:
         progressed = False
         for k in range(K):
-            while pos[k] < len(schedule.stages[k]):
-                action = schedule.stages[k][pos[k]]
-                if any(d not in done for d in _dependencies(action, k, K)):
-                    break
-                done.add((action.kind, action.cell, k))
-                order.append((k, action))
+            actions = schedule.stages[k]
+            while pos[k] < len(actions):
+                action = actions[pos[k]]
+                i = index[action.cell]
+                start = free_at[k]
+                if action.kind == "F":
+                    if k > 0:
+                        if finish_f[k - 1][i] is None:
+                            break
+                        start = max(start, sent_f[k - 1][i])
+                else:
+                    own = finish_f[k][i]
+                    if own is None:
+                        break
+                    start = max(start, own)
+                    if k < K - 1:
+                        if finish_b[k + 1][i] is None:
+                            break
+                        start = max(start, sent_b[k + 1][i])
+                end = start + compute_time(k, action)
+                free_at[k] = end
+                if action.kind == "F":
+                    finish_f[k][i] = end
+                    if k < K - 1:
+                        sent_f[k][i] = end + transfer_time(k, action)
+                else:
+                    finish_b[k][i] = end
+                    if k > 0:
+                        sent_b[k][i] = end + transfer_time(k, action)
+                out.append(TimedAction(k, action, start, end))
                 pos[k] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {k: str(schedule.stages[k][pos[k]]) for k in range(K) if pos[k] < len(schedule.stages[k])}
+            stuck = {k: str(schedule.stages[k][pos[k]]) for k in range(K)
+                     if pos[k] < len(schedule.stages[k])}
             raise ScheduleError(f"schedule deadlocks: stages wait at {stuck}")
-    return order
-
-
-def _dependencies(action: Action, k: int, K: int) -> list[tuple[Kind, Cell, int]]:
-    c = action.cell
-    if action.kind == "F":
-        return [("F", c, k - 1)] if k > 0 else []
-    deps = [("F", c, k)]
-    if k < K - 1:
-        deps.append(("B", c, k + 1))
-    return deps
-
-
-def _retime(schedule: Schedule, order: Sequence[tuple[int, Action]],
-            compute_time: Callable[[int, Action], float],
-            transfer_time: Callable[[int, Action], float]) -> list[TimedAction]:
-    """Start and end of every action, visiting them in a dependency-respecting order."""
-    K = schedule.num_stages
-    free_at = [0.0] * K
-    finish: dict[tuple[Kind, Cell, int], float] = {}
-    out = []
-    for k, action in order:
-        c = action.cell
-        start = free_at[k]
-        if action.kind == "F":
-            if k > 0:
-                src = ("F", c, k - 1)
-                start = max(start, finish[src] + transfer_time(k - 1, Action("F", c)))
-        else:
-            start = max(start, finish[("F", c, k)])
-            if k < K - 1:
-                start = max(start, finish[("B", c, k + 1)] + transfer_time(k + 1, Action("B", c)))
-        end = start + compute_time(k, action)
-        free_at[k] = end
-        finish[(action.kind, c, k)] = end
-        out.append(TimedAction(k, action, start, end))
     return out
 
 
