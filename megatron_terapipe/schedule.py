@@ -285,3 +285,97 @@ def format_schedule(schedule: Schedule, stages: Optional[Iterable[int]] = None) 
     for k in (stages if stages is not None else range(schedule.num_stages)):
         lines.append(f"stage {k}: " + " ".join(str(a) for a in schedule.stages[k]))
     return "\n".join(lines)
+
+
+def shared_timeline(schedule: Schedule,
+                    compute_time: Callable[[int, Action], float],
+                    transfer_time: Callable[[int, Action], float] = lambda stage, action: 0.0,
+                    cores: float = 1.0) -> list[TimedAction]:
+    """Like `timeline`, for stages that share `cores` processors (processor sharing).
+
+    When n stages compute at once, each runs at min(1, cores / n) of its own speed: e.g. a
+    2-stage CPU run on a machine whose processes really share one core. compute_time is the
+    action's duration when it runs alone.
+    """
+    if cores <= 0:
+        raise ValueError(f"cores must be positive, got {cores}")
+    K = schedule.num_stages
+    index: dict[Cell, int] = {}
+    for actions in schedule.stages:
+        for a in actions:
+            index.setdefault(a.cell, len(index))
+    n = len(index)
+    finish_f: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+    finish_b: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+    sent_f = [[0.0] * n for _ in range(K)]
+    sent_b = [[0.0] * n for _ in range(K)]
+    pos = [0] * K
+    free_at = [0.0] * K
+    running: dict[int, list] = {}  # stage -> [action, start, remaining seconds of solo work]
+    out: list[TimedAction] = []
+    now = 0.0
+    eps = 1e-12
+
+    def ready_time(k: int) -> Optional[float]:
+        """When stage k's next action may start, or None if a dependency has not run."""
+        action = schedule.stages[k][pos[k]]
+        i = index[action.cell]
+        t = free_at[k]
+        if action.kind == "F":
+            if k > 0:
+                if finish_f[k - 1][i] is None:
+                    return None
+                t = max(t, sent_f[k - 1][i])
+        else:
+            if finish_f[k][i] is None:
+                return None
+            t = max(t, finish_f[k][i])
+            if k < K - 1:
+                if finish_b[k + 1][i] is None:
+                    return None
+                t = max(t, sent_b[k + 1][i])
+        return t
+
+    while True:
+        wake = float("inf")
+        for k in range(K):
+            if k in running or pos[k] >= len(schedule.stages[k]):
+                continue
+            t = ready_time(k)
+            if t is None:
+                continue
+            if t <= now + eps:
+                action = schedule.stages[k][pos[k]]
+                running[k] = [action, now, compute_time(k, action)]
+            else:
+                wake = min(wake, t)
+        if not running:
+            if wake == float("inf"):
+                left = {k: str(schedule.stages[k][pos[k]]) for k in range(K)
+                        if pos[k] < len(schedule.stages[k])}
+                if left:
+                    raise ScheduleError(f"schedule deadlocks: stages wait at {left}")
+                return out
+            now = wake
+            continue
+        rate = min(1.0, cores / len(running))
+        step = min(min(r[2] for r in running.values()) / rate, wake - now)
+        now += step
+        for k in list(running):
+            entry = running[k]
+            entry[2] -= step * rate
+            if entry[2] <= eps:
+                action, start = entry[0], entry[1]
+                i = index[action.cell]
+                if action.kind == "F":
+                    finish_f[k][i] = now
+                    if k < K - 1:
+                        sent_f[k][i] = now + transfer_time(k, action)
+                else:
+                    finish_b[k][i] = now
+                    if k > 0:
+                        sent_b[k][i] = now + transfer_time(k, action)
+                free_at[k] = now
+                out.append(TimedAction(k, action, start, now))
+                pos[k] += 1
+                del running[k]

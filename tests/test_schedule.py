@@ -127,3 +127,19 @@ def test_timeline_adds_transfer_delays():
     starts = {(s.stage, str(s.action)): s.start for s in spans}
     assert starts[(1, "F(m0b0t0)")] == 1.5
     assert max(s.end for s in spans) == pytest.approx(2 * (2 + 1) + 2 * 0.5 * 1 + 0.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=plans, microbatches=st.integers(1, 4), stages=st.integers(1, 4),
+       costs=st.lists(st.floats(0.1, 3.0), min_size=2, max_size=2))
+def test_shared_timeline_limits(plan, microbatches, stages, costs):
+    """Enough cores: the ordinary timeline. One core: exactly the total work (no idle core)."""
+    from megatron_terapipe.schedule import shared_timeline
+
+    mbs = sum(plan.batch_slices) if plan.batch_slices else 2
+    schedule = build_schedule(plan, microbatches, stages, mbs)
+    cost = lambda k, a: costs[0] * a.cell.tokens if a.kind == "F" else costs[1] * a.cell.tokens
+    alone = max(s.end for s in timeline(schedule, cost))
+    assert max(s.end for s in shared_timeline(schedule, cost, cores=stages)) == pytest.approx(alone)
+    work = sum(cost(k, a) for k, acts in enumerate(schedule.stages) for a in acts)
+    assert max(s.end for s in shared_timeline(schedule, cost, cores=1.0)) == pytest.approx(work)

@@ -114,12 +114,19 @@ class _CellCosts:
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,
-             timed: Optional[list[TimedAction]] = None) -> SimulationResult:
+             timed: Optional[list[TimedAction]] = None,
+             cores: Optional[float] = None) -> SimulationResult:
     """Time `schedule` under `cost_model` and track memory per stage.
 
-    `timed` may pass a timeline already computed for this schedule and cost model.
+    `timed` may pass a timeline already computed for this schedule and cost model. `cores`:
+    the stages share this many processors (e.g. a CPU run whose processes share cores); None
+    means every stage has its own device.
     """
     costs = _CellCosts(cost_model)
+    if timed is None and cores is not None and cores < schedule.num_stages:
+        from ..schedule import shared_timeline
+
+        timed = shared_timeline(schedule, costs.compute, costs.transfer, cores)
     if timed is None:
         timed = timeline(schedule, costs.compute, costs.transfer)
     K = schedule.num_stages
