@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -406,16 +405,16 @@ def profile_cells(args, seq_length: int, micro_batch_size: int) -> list[tuple[in
 
 
 def default_measure(args, cells: list[tuple[int, int, int]]):
-    """Measure one layer of this model on this device (every rank runs it; see plan_for)."""
-    try:
-        from .planner import measure as measure_module
-    except ImportError:
-        raise TeraPipeArgumentError(
-            "--terapipe-cost-model profile needs megatron_terapipe.planner.measure, which this "
-            "installation lacks: use --terapipe-cost-model analytic or a profile JSON file") from None
-    return measure_module.measure_layer_times(
-        model_dims_from_args(args), cells, tensor_parallel=_tp_size(args),
-        dtype=_dtype_name(args), sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+    """Measure one layer of this model on this device (every rank runs it; see plan_for).
+
+    Uses the planner's measure_layer_times: Megatron's GPT layer with slice-aware attention on
+    real token slices, tensor-parallel as the run is.
+    """
+    from .planner.measure import measure_layer_times
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(_dtype_name(args), "float32")
+    return measure_layer_times(model_dims_from_args(args), cells, dtype=dtype,
+                               repeats=2, warmup=1, progress=_rank() == 0)
 
 
 def fit_measurements(args, measurements, seq_length: int, micro_batch_size: int):
@@ -454,30 +453,42 @@ def _broadcast(obj: Any) -> Any:
 
 
 def _with_rng_kept(fn: Callable[[], Any]) -> Any:
-    """Run `fn` (which builds and runs a layer) without moving this rank's random streams."""
+    """Run `fn` (which builds and runs a layer) without moving this rank's random streams:
+    torch's CPU and CUDA generators and Megatron's model-parallel RNG tracker come back as they
+    were (the measurement seeds and replaces the tracker)."""
     import torch
 
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    tracker_states = None
     try:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        tracker = get_cuda_rng_tracker()
-        tracker_states = tracker.get_states()
-    except Exception:
-        tracker = None
+        from megatron.core.tensor_parallel import random as tp_random
+    except ImportError:  # pragma: no cover
+        tp_random = None
+    saved_tracker = None
+    if tp_random is not None:
+        tracker = tp_random._CUDA_RNG_STATE_TRACKER
+        states = None
+        if tracker is not None:
+            try:
+                states = tracker.get_states()
+            except Exception:  # pragma: no cover
+                states = None
+        saved_tracker = (tracker, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED, states)
     try:
         return fn()
     finally:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        if tracker is not None and tracker_states is not None:
-            try:
-                tracker.set_states(tracker_states)
-            except Exception:  # pragma: no cover
-                pass
+        if saved_tracker is not None:
+            tracker, initialized, states = saved_tracker
+            tp_random._CUDA_RNG_STATE_TRACKER = tracker
+            tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
+            if tracker is not None and states is not None:
+                try:
+                    tracker.set_states(states)
+                except Exception:  # pragma: no cover
+                    pass
 
 
 @dataclass

@@ -12,7 +12,6 @@ from functools import partial
 
 import torch
 
-from megatron.core import parallel_state
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
