@@ -1,0 +1,343 @@
+"""TeraPipe against Megatron-Core's own 1F1B schedule, side by side in one process tree.
+
+    python benchmarks/bench_schedules.py                # the full suite (CPU, ~10-15 min)
+    python benchmarks/bench_schedules.py --quick        # smaller model, fewer repeats
+    python benchmarks/bench_schedules.py --device cuda  # the same suite on 2 GPUs (NCCL)
+
+What it measures, on 2 pipeline stages (2 processes, one thread each on CPU):
+1. parallel capacity: how many cores' worth of compute two processes really get here;
+2. speed: Megatron-Core's `forward_backward_pipelining_without_interleaving` (through
+   `enable_cpu_mode` on CPU), TeraPipe with the DP plan from a cost model profiled on this
+   device, and TeraPipe with the best uniform slicing; 1 and 4 microbatches, plus a long
+   sequence case; repeats interleaved so machine noise hits every configuration alike;
+3. memory: peak saved activation + K/V bytes per stage with 8 microbatches (TeraPipe gpipe,
+   TeraPipe 1f1b, Megatron 1F1B);
+4. planner: solver time at the planner issue's three sizes;
+5. fidelity: the simulator's predicted iteration time (same cost model, same schedule, stages
+   sharing the measured parallel capacity) against each measured time.
+It writes a JSON of results and a PNG chart and prints a table whose last line is the headline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
+from megatron_terapipe.testing import TinyGPT, spawn  # noqa: E402
+
+STAGES = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Parallel capacity of this machine
+# ---------------------------------------------------------------------------------------------
+def _matmul_seconds(queue, size: int, loops: int) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(loops):
+        a @ b
+    queue.put(time.perf_counter() - start)
+
+
+def parallel_capacity(processes: int = STAGES, size: int = 1024, loops: int = 40) -> float:
+    """Cores' worth of throughput `processes` single-threaded processes get at once."""
+    ctx = mp.get_context("spawn")
+
+    def run(n: int) -> float:
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_matmul_seconds, args=(queue, size, loops)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        times = [queue.get() for _ in procs]
+        for p in procs:
+            p.join()
+        return max(times)
+
+    alone = min(run(1) for _ in range(2))
+    together = min(run(processes) for _ in range(2))
+    return processes * alone / together
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Speed
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SpeedCase:
+    name: str
+    model: TinyGPT
+    num_microbatches: int
+    granularity: int
+    repeats: int
+    plans: dict = field(default_factory=dict)  # label -> TeraPipePlan (None: Megatron 1F1B)
+
+
+def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
+    """Every configuration of `case`, interleaved, `repeats` times; wall seconds per run."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_terapipe.executor import forward_backward_terapipe
+    from megatron_terapipe.testing import build_stage_model, forward_step, make_batches, run_megatron_1f1b
+
+    if device == "cpu":
+        from megatron_terapipe.cpu import enable_cpu_mode
+
+        enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, world_size)
+    config, model = build_stage_model(case.model, 1, world_size)
+    model.to(device)
+    seq = case.model.seq_length
+    batches = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+               for b in make_batches(case.num_microbatches, 1, seq, case.model.vocab_size,
+                                     masked_rows=False)]
+    times: dict[str, list[float]] = {label: [] for label in case.plans}
+
+    def run(label: str) -> None:
+        plan = case.plans[label]
+        if plan is None:
+            run_megatron_1f1b(model, config, batches, seq, 1)
+        else:
+            forward_backward_terapipe(forward_step_func=forward_step, data_iterator=iter(batches),
+                                      model=[model], num_microbatches=case.num_microbatches,
+                                      seq_length=seq, micro_batch_size=1, plan=plan)
+
+    for label in case.plans:  # warm-up: allocator, kernels, gloo connections
+        run(label)
+        model.zero_grad(set_to_none=True)
+    for _ in range(case.repeats):
+        for label in case.plans:
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            run(label)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            times[label].append(time.perf_counter() - start)
+    parallel_state.destroy_model_parallel()
+    return times
+
+
+def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
+                       cache: Optional[str]):
+    """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`)."""
+    from megatron_terapipe.planner import ModelDims, ProfiledCostModel, fit_layer_times, measure_layer_times
+    from megatron_terapipe.planner.cost_model import Link
+
+    dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads)
+    fit = None
+    if cache and os.path.exists(cache):
+        from megatron_terapipe.planner import LayerTimeFit
+
+        try:
+            fit = LayerTimeFit.load(cache)
+        except ValueError as exc:
+            print(f"  ignoring the cached profile: {exc}")
+    if fit is None:
+        measurements = measure_layer_times(dims, seq_length=model.seq_length, batch_sizes=(1,),
+                                           granularity=granularity, dtype="float32", device=device,
+                                           repeats=3)
+        fit = fit_layer_times(measurements)
+        if cache:
+            fit.save(cache)
+    # Stage-to-stage transfers stay on this host: loopback bandwidth, tiny latency.
+    link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
+    return ProfiledCostModel(fit, layers_per_stage=layers_per_stage, link=link, model=dims,
+                             dtype_bytes=4)
+
+
+def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
+    """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
+    from megatron_terapipe.planner import best_uniform_slicing, simulate, solve
+    from megatron_terapipe.schedule import build_schedule
+
+    seq = model.seq_length
+    best = None
+    for order in ("1f1b", "gpipe"):
+        plan = solve(cost, seq, 1, STAGES, granularity=granularity,
+                     num_microbatches=num_microbatches, order=order, batch_sizes="none")
+        if best is None or plan.predicted_time < best.predicted_time:
+            best = plan
+    uniform, _ = best_uniform_slicing(cost, seq, 1, STAGES, granularity=granularity,
+                                      num_microbatches=num_microbatches, order=best.order)
+    uniform = TeraPipePlan(uniform.seq_slices, order=best.order,
+                           predicted_time=simulate(build_schedule(uniform, num_microbatches, STAGES, 1),
+                                                   cost).iteration_time)
+    plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
+    info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
+            "uniform_slices": len(uniform.seq_slices)}
+    return plans, info
+
+
+def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches: int,
+            cores: float) -> float:
+    """Simulated iteration time; Megatron's 1F1B is the 1f1b order with one slice."""
+    from megatron_terapipe.planner import simulate
+    from megatron_terapipe.schedule import build_schedule
+
+    if plan is None:
+        plan = TeraPipePlan([model.seq_length], order="1f1b")
+    schedule = build_schedule(plan, num_microbatches, STAGES, 1)
+    return simulate(schedule, cost, cores=cores).iteration_time
+
+
+# ---------------------------------------------------------------------------------------------
+# 3-4. Memory and planner
+# ---------------------------------------------------------------------------------------------
+def memory_table(model: TinyGPT, plan: TeraPipePlan, num_microbatches: int) -> dict:
+    plans = {"terapipe_gpipe": TeraPipePlan(plan.seq_slices, order="gpipe"),
+             "terapipe_1f1b": TeraPipePlan(plan.seq_slices, order="1f1b")}
+    peaks = spawn(STAGES, "megatron_terapipe.testing:measure_peak_activations", model, plans,
+                  num_microbatches, 1, True, timeout=1800)
+    return {name: [p[name] for p in peaks] for name in ("terapipe_gpipe", "terapipe_1f1b", "megatron_1f1b")}
+
+
+def planner_times(repeats: int) -> list[dict]:
+    from bench_planner import CASES, time_solver
+
+    out = []
+    for seq, gran, rows, stages, target in CASES[:3]:
+        seconds = time_solver(seq, gran, rows, stages, repeats)
+        out.append({"seq": seq, "granularity": gran, "rows": rows, "stages": stages,
+                    "seconds": seconds, "target": target})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+def chart(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["speed"]
+    labels = [f"{r['case']}\n{r['config']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 1.1), 4.5))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["measured_s"] for r in rows], width=0.4, label="measured (median)")
+    ax.bar([i + 0.2 for i in x], [r["predicted_s"] for r in rows], width=0.4, label="simulator")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("seconds per iteration")
+    ax.set_title(f"2-stage pipeline on {results['machine']['device']} "
+                 f"(parallel capacity {results['machine']['parallel_capacity']:.2f} cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="small model, fewer repeats (a smoke run)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    quick = args.quick
+    repeats = args.repeats or (2 if quick else 5)
+
+    started = time.perf_counter()
+    capacity = parallel_capacity() if args.device == "cpu" else float(STAGES)
+    machine = {"device": args.device, "cpu": platform.processor() or platform.machine(),
+               "cores": os.cpu_count(), "parallel_capacity": capacity,
+               "torch": torch.__version__, "python": platform.python_version()}
+    print(f"machine: {machine['cores']} cores ({machine['cpu']}), device {args.device}; two "
+          f"single-thread processes get {capacity:.2f} cores' worth of compute "
+          f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
+
+    base = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512,
+                   num_attention_heads=8, vocab_size=1024, seq_length=512 if quick else 2048)
+    long = TinyGPT(num_layers=STAGES, hidden_size=256, num_attention_heads=4, vocab_size=1024,
+                   seq_length=1024 if quick else 8192)
+    cases = [("seq%d_M1" % base.seq_length, base, 1, 64), ("seq%d_M4" % base.seq_length, base, 4, 64),
+             ("long_seq%d_M1" % long.seq_length, long, 1, 256 if not quick else 64)]
+    speed_rows = []
+    cost_models = {}
+    for name, model, M, gran in cases:
+        key = (model.hidden_size, model.seq_length)
+        if key not in cost_models:
+            print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) ...", flush=True)
+            cache = os.path.join(args.out, f"profile_{args.device}_h{model.hidden_size}_s{model.seq_length}.json")
+            cost_models[key] = profile_cost_model(model, gran, model.num_layers // STAGES,
+                                                  args.device, cache)
+        cost = cost_models[key]
+        plans, info = plans_for(cost, model, M, gran)
+        print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']}; best uniform "
+              f"{info['uniform_slices']} slices; running {repeats} interleaved repeats ...", flush=True)
+        case = SpeedCase(name, model, M, gran, repeats, plans)
+        per_rank = spawn(STAGES, "bench_schedules:speed_worker", case, args.device, timeout=3600)
+        for label, plan in plans.items():
+            runs = [max(r[label][i] for r in per_rank) for i in range(repeats)]
+            speed_rows.append({
+                "case": name, "config": label, "num_microbatches": M,
+                "slices": None if plan is None else [list(t) for t in plan.token_slices],
+                "order": None if plan is None else plan.order,
+                "measured_s": statistics.median(runs), "runs_s": runs,
+                "predicted_s": predict(cost, plan, model, M, capacity),
+                "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
+            })
+    mega = {r["case"]: r["measured_s"] for r in speed_rows if r["config"] == "megatron_1f1b"}
+    for r in speed_rows:
+        r["speedup_vs_megatron"] = mega[r["case"]] / r["measured_s"]
+        r["fidelity_error"] = r["predicted_s"] / r["measured_s"] - 1.0
+
+    print("memory: 8 microbatches ...", flush=True)
+    mem_model = TinyGPT(num_layers=2 * STAGES, hidden_size=base.hidden_size, num_attention_heads=8,
+                        vocab_size=1024, seq_length=min(base.seq_length, 1024))
+    mem_plan = TeraPipePlan.uniform(mem_model.seq_length, 8, multiple_of=64)
+    memory = memory_table(mem_model, mem_plan, 8)
+    print("planner ...", flush=True)
+    planner = planner_times(repeats=3)
+
+    results = {"machine": machine, "speed": speed_rows, "memory_peak_bytes": memory,
+               "memory_setup": {"seq_length": mem_model.seq_length, "slices": list(mem_plan.seq_slices),
+                                "num_microbatches": 8, "hidden": mem_model.hidden_size},
+               "planner": planner, "wall_seconds": time.perf_counter() - started}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    try:
+        chart(results, os.path.join(args.out, "schedules.png"))
+    except ImportError:
+        print("(no matplotlib: skipped the chart; pip install matplotlib)")
+
+    print()
+    print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
+          f"{'sim err':>7} {'vs Megatron':>11}")
+    for r in speed_rows:
+        n = "-" if r["slices"] is None else str(sum(len(t) for t in r["slices"]))
+        print(f"{r['case']:<18} {r['config']:<18} {n:>6} {r['measured_s']:>10.3f} "
+              f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x")
+    print(f"\nactivation + K/V peak per stage (MiB), 8 microbatches, seq {mem_model.seq_length}:")
+    for name, peaks in memory.items():
+        print(f"  {name:<16} " + "  ".join(f"stage {k}: {b / 2**20:8.1f}" for k, b in enumerate(peaks)))
+    ratio = max(a / b for a, b in zip(memory["terapipe_1f1b"], memory["terapipe_gpipe"]))
+    print(f"  1f1b / gpipe (worst stage): {ratio:.2f}")
+    print("planner solve times: " + ", ".join(
+        f"seq {r['seq']}/g{r['granularity']}: {r['seconds']:.3f} s (target {r['target']:.0f} s)" for r in planner))
+    dp1 = next(r for r in speed_rows if r["config"] == "terapipe_dp" and r["num_microbatches"] == 1)
+    print(f"wrote {args.out}/results.json and schedules.png in {results['wall_seconds'] / 60:.1f} min")
+    print(f"headline: TeraPipe DP vs Megatron 1F1B, 1 microbatch, {dp1['case']}: "
+          f"{dp1['speedup_vs_megatron']:.2f}x (pipeline limit here {min(capacity, STAGES):.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
