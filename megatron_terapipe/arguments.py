@@ -184,6 +184,10 @@ def validate_terapipe_args(args) -> None:
     hardware = getattr(args, "terapipe_hardware", "auto")
     if hardware not in HARDWARE_CHOICES:
         _fail(f"--terapipe-hardware must be one of {', '.join(HARDWARE_CHOICES)}, got {hardware!r}")
+    trace = getattr(args, "terapipe_trace", None)
+    if trace and not os.path.isdir(os.path.dirname(os.path.abspath(trace))):
+        _fail(f"--terapipe-trace {trace}: directory {os.path.dirname(os.path.abspath(trace))} does "
+              "not exist: create it or choose another path")
     points = getattr(args, "terapipe_profile_points", DEFAULT_PROFILE_POINTS)
     if points is None or int(points) < 2:
         _fail(f"--terapipe-profile-points must be at least 2, got {points}")
@@ -652,8 +656,11 @@ class ArgsPlanProvider:
                                        cost=lambda: self.cost_model(seq_length, micro_batch_size, fit))
         trace = getattr(self.args, "terapipe_trace", None)
         if trace and report.iteration_time is not None:
-            _write_simulated_trace(self.args, plan, seq_length, micro_batch_size,
-                                   self.cost_model(seq_length, micro_batch_size, fit)[0], trace)
+            try:
+                _write_simulated_trace(self.args, plan, seq_length, micro_batch_size,
+                                       self.cost_model(seq_length, micro_batch_size, fit)[0], trace)
+            except OSError as exc:  # a trace is a by-product: training goes on without it
+                report.notes.append(f"could not write the simulated trace: {exc}")
         return {"plan": plan.to_dict(), "report": report.__dict__}
 
 

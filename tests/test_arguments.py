@@ -96,6 +96,8 @@ def test_combine_extra_args_with_the_scripts_provider():
     (["--terapipe-slices", "30", "34"], dict(tensor_model_parallel_size=4, sequence_parallel=True),
      "not multiples of --tensor-model-parallel-size 4"),
     (["--terapipe-cost-model", "/no/such/profile.json"], {}, "--terapipe-cost-model '/no/such/profile.json'"),
+    (["--terapipe-trace", "/no/such/dir/t.json"], {}, "--terapipe-trace /no/such/dir/t.json"),
+    (["--terapipe-profile-points", "1"], {}, "--terapipe-profile-points must be at least 2"),
     ([], dict(context_parallel_size=2), "--context-parallel-size"),
     ([], dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
     ([], dict(virtual_pipeline_model_parallel_size=2), "--num-virtual-stages-per-pipeline-rank"),
