@@ -242,8 +242,7 @@ def train(args: argparse.Namespace) -> None:
 
         provider = ArgsPlanProvider(args)
         mt.configure(config, provider)
-        plan = provider.plan_for(args.seq_length, args.micro_batch_size)
-        log_rank0(f"> terapipe plan: {plan.describe()}")
+        provider.plan_for(args.seq_length, args.micro_batch_size)  # plan now; rank 0 logs it
     mt.install()
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
