@@ -61,8 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_terapipe_args(p)
     p.set_defaults(pipeline_schedule="terapipe")  # this example exists to show TeraPipe
     args = p.parse_args(argv)
-    if args.pipeline_schedule == "terapipe" and not (args.terapipe_slices or args.terapipe_num_slices):
-        args.terapipe_num_slices = 4 if args.terapipe_cost_model == "analytic" else None
+    explicit = any(a.startswith("--terapipe-cost-model") for a in (argv or sys.argv[1:]))
+    if args.device == "cpu" and not explicit:
+        # GPU presets say nothing about a CPU: measure one layer here (a few seconds, cached).
+        args.terapipe_cost_model = "profile"
     return args
 
 

@@ -6,9 +6,18 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
+from .arguments import (
+    ArgsPlanProvider,
+    TeraPipeArgumentError,
+    add_terapipe_args,
+    combine_extra_args,
+    setup_from_args,
+    validate_terapipe_args,
+)
 from .cpu import enable_cpu_mode
 from .executor import forward_backward_terapipe
-from .integration import configure, install
+from .integration import configure, deselect, install, select
+from .launch import install_hooks
 from .plan import PlanTable, TeraPipePlan
 from .schedule import Action, Cell, Schedule, ScheduleError, build_schedule, timeline, validate
 from .planner import (
@@ -32,6 +41,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Action",
+    "ArgsPlanProvider",
+    "TeraPipeArgumentError",
+    "add_terapipe_args",
+    "combine_extra_args",
+    "deselect",
+    "install_hooks",
+    "select",
+    "setup_from_args",
+    "validate_terapipe_args",
     "AnalyticCostModel",
     "CostModel",
     "ModelDims",

@@ -73,8 +73,9 @@ def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan
     if source is None:
         raise ValueError(
             "TeraPipe: no plan is configured for this model: call "
-            "megatron_terapipe.configure(config, TeraPipePlan(...)) or pass "
-            "--pipeline-schedule terapipe with --terapipe-slices / --terapipe-num-slices")
+            "megatron_terapipe.configure(config, TeraPipePlan(...)), or pass "
+            "--pipeline-schedule terapipe (slices from --terapipe-slices, --terapipe-num-slices "
+            "or the DP slicer on --terapipe-cost-model)")
     if isinstance(source, TeraPipePlan):
         return source
     return source.plan_for(seq_length, micro_batch_size)
