@@ -16,6 +16,7 @@ def _run(args, timeout=300):
 def test_training_example_runs_terapipe_and_loss_falls(tmp_path):
     trace = tmp_path / "trace.json"
     out = _run([sys.executable, "examples/pretrain_gpt_terapipe.py", "--train-iters", "12",
+                "--terapipe-num-slices", "4", "--terapipe-cache-dir", str(tmp_path),
                 "--eval-interval", "6", "--terapipe-trace", str(trace)])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "schedule: forward_backward_terapipe" in out.stdout
