@@ -5,14 +5,14 @@ The executor announces the cell it is running (`running_cell`). While it runs, e
 and attends over the whole prefix with a bottom-right causal mask.
 
 Gradients, computed once per node (no retain_graph):
-- Earlier slices' K/V enter a later slice's attention as detached leaves, so the later slice's
-  backward accumulates dK/dV into `leaf.grad` and stops there.
-- The slice's own K/V pass through `_LateGrad`, an identity whose backward adds the accumulated
-  `leaf.grad` of that slice. Backward runs slices in reverse, so by the time slice t runs its
-  backward, every later slice has added its share.
+- Each (sequence, layer) has one K/V buffer. A slice writes its K/V at its offset and attends
+  over the buffer's prefix (a view: no concatenation, one copy in memory).
+- `_PrefixView`'s backward adds the earlier tokens' share of dK/dV to the buffer's gradient and
+  returns the slice's own share plus what later slices added for its tokens. Backward runs
+  slices in reverse, so by the time slice t runs its backward, every later slice has added its
+  share.
 - Recomputation (Megatron's selective `core_attn` or full recompute) re-runs attention inside
-  the backward of the same cell; then the module replays the recorded prefix instead of
-  appending again, and the same leaves collect the gradients.
+  the backward of the same cell; the replay rewrites the same K/V and reads the same prefix.
 """
 
 from __future__ import annotations
@@ -33,46 +33,97 @@ except ImportError:  # pragma: no cover - older torch
     causal_lower_right = None
 
 
-@dataclass
-class KVEntry:
-    """One slice's keys and values for one layer, as later slices see them."""
+class KVBuffer:
+    """Keys and values of one sequence for one layer, slice after slice, in one buffer.
 
-    key: torch.Tensor
-    value: torch.Tensor
+    Slices write their K/V at their token offsets; a slice's attention reads the buffer's prefix
+    as a view, so nothing is concatenated and autograd keeps one copy however many slices read
+    it. Writes go through `.data` so they do not bump the version counter of views that earlier
+    slices saved for backward (they never overlap those views). `grad_key`/`grad_value`
+    collect the K/V gradients that later slices send to earlier ones.
+    """
+
+    def __init__(self, like: torch.Tensor, capacity: int) -> None:
+        shape = (capacity,) + tuple(like.shape[1:])
+        self.key = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.value = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.grad_key: Optional[torch.Tensor] = None
+        self.grad_value: Optional[torch.Tensor] = None
+        self.starts: list[int] = []  # token offset of every slice written
+
+    @property
+    def filled(self) -> int:
+        return self.starts[-1] + self._last_length if self.starts else 0
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def reserve(self, end: int) -> None:
+        """Grow to hold `end` tokens (only when the sequence length was not known upfront)."""
+        capacity = self.key.size(0)
+        if end <= capacity:
+            return
+        new = max(end, 2 * capacity)
+        for name in ("key", "value", "grad_key", "grad_value"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            grown = (torch.zeros if name.startswith("grad") else torch.empty)(
+                (new,) + tuple(old.shape[1:]), dtype=old.dtype, device=old.device)
+            grown[:capacity].copy_(old)
+            setattr(self, name, grown)
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        end = start + key.size(0)
+        self.reserve(end)
+        self.key.data[start:end].copy_(key.detach())
+        self.value.data[start:end].copy_(value.detach())
+        if not self.starts or self.starts[-1] < start:
+            self.starts.append(start)
+            self._last_length = key.size(0)
+
+    def grad(self, which: str, like: torch.Tensor) -> torch.Tensor:
+        name = "grad_" + which
+        g = getattr(self, name)
+        if g is None:
+            g = torch.zeros((self.key.size(0),) + tuple(like.shape[1:]), dtype=like.dtype,
+                            device=like.device)
+            setattr(self, name, g)
+        return g
+
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.key, self.value, self.grad_key, self.grad_value) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
 class KVCache:
-    """K/V of every live sequence (microbatch, batch slice), per attention layer."""
+    """K/V buffers of every live sequence (microbatch, batch slice), per attention layer.
 
-    entries: dict[tuple[int, int], dict[int, list[KVEntry]]] = field(default_factory=dict)
+    seq_length: tokens per sequence when known (buffers are sized once); otherwise they grow.
+    """
 
-    def layer_entries(self, cell: Cell, layer: int) -> list[KVEntry]:
-        return self.entries.setdefault(cell.sequence_key, {}).setdefault(layer, [])
+    seq_length: Optional[int] = None
+    entries: dict[tuple[int, int], dict[int, KVBuffer]] = field(default_factory=dict)
+
+    def buffer(self, cell: Cell, layer: int, like: torch.Tensor) -> KVBuffer:
+        layers = self.entries.setdefault(cell.sequence_key, {})
+        buf = layers.get(layer)
+        if buf is None:
+            capacity = self.seq_length or cell.token_end
+            buf = layers[layer] = KVBuffer(like, max(capacity, cell.token_end))
+        return buf
 
     def release_slice(self, cell: Cell) -> None:
-        """Drop slice `cell.token_slice` of its sequence: its backward has run."""
-        layers = self.entries.get(cell.sequence_key)
-        if layers is None:
-            return
-        for lst in layers.values():
-            if cell.token_slice < len(lst):
-                lst[cell.token_slice] = None  # type: ignore[call-overload]
+        """After a slice's backward; the buffers go with the sequence's first slice."""
         if cell.token_slice == 0:
-            del self.entries[cell.sequence_key]
+            self.entries.pop(cell.sequence_key, None)
 
     def release_sequence(self, cell: Cell) -> None:
         self.entries.pop(cell.sequence_key, None)
 
     def live_bytes(self) -> int:
-        total = 0
-        for layers in self.entries.values():
-            for lst in layers.values():
-                for e in lst:
-                    if e is not None:
-                        total += e.key.numel() * e.key.element_size()
-                        total += e.value.numel() * e.value.element_size()
-        return total
+        return sum(buf.nbytes() for layers in self.entries.values() for buf in layers.values())
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -105,21 +156,27 @@ def active_cell() -> Optional[ActiveCell]:
     return _ACTIVE
 
 
-class _LateGrad(torch.autograd.Function):
-    """Identity in forward; in backward adds the gradient later slices left on `entry`."""
+class _PrefixView(torch.autograd.Function):
+    """Write a slice's K (or V) into its sequence buffer; return the buffer's prefix up to it.
+
+    Backward splits the prefix's gradient: earlier tokens' share is added to the buffer's
+    gradient (their own slices pick it up later); the slice's own share, plus what later
+    slices already added for these tokens, flows back into the slice's graph.
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
-        ctx.leaf = leaf
-        return x.view_as(x)
+    def forward(ctx, x: torch.Tensor, buf: KVBuffer, which: str, start: int) -> torch.Tensor:
+        ctx.buf, ctx.which, ctx.start, ctx.end = buf, which, start, start + x.size(0)
+        return getattr(buf, which)[:ctx.end]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        extra = ctx.leaf.grad
-        ctx.leaf = None
-        if extra is not None:
-            grad = grad + extra
-        return grad, None
+        buf, start, end = ctx.buf, ctx.start, ctx.end
+        ctx.buf = None
+        acc = buf.grad(ctx.which, grad)
+        if start:
+            acc[:start] += grad[:start]
+        return grad[start:end] + acc[start:end], None, None, None
 
 
 _LAYER_IDS = iter(range(1 << 62))
@@ -154,40 +211,26 @@ class SliceAttention(torch.nn.Module):
         if active is None:
             return key, value
         cell = active.cell
-        entries = active.cache.layer_entries(cell, self.layer_id)
-        t = cell.token_slice
+        buf = active.cache.buffer(cell, self.layer_id, key)
+        start = cell.token_start
         if active.phase == "forward":
-            if len(entries) != t:
+            if buf.filled != start:
                 raise RuntimeError(
-                    f"TeraPipe: token slice {t} of {cell.sequence_key} reached layer "
-                    f"{self.layer_number} with {len(entries)} cached slices; slices must run in order")
-            if active.keep_grad and torch.is_grad_enabled():
-                leaf_k = key.detach().requires_grad_()
-                leaf_v = value.detach().requires_grad_()
-                entries.append(KVEntry(leaf_k, leaf_v))
-                key = _LateGrad.apply(key, leaf_k)
-                value = _LateGrad.apply(value, leaf_v)
-            elif active.keep_grad:
-                # Forward inside a recompute checkpoint (no grad yet): cache leaves now,
-                # the replay during backward builds the graph.
-                entries.append(KVEntry(key.detach().requires_grad_(), value.detach().requires_grad_()))
-            else:
-                entries.append(KVEntry(key.detach(), value.detach()))
-        else:  # recomputation inside this cell's backward: replay, do not append
-            if len(entries) <= t or entries[t] is None:
-                raise RuntimeError(
-                    f"TeraPipe: recomputation of token slice {t} of {cell.sequence_key} found no cache")
-            own = entries[t]
-            key = _LateGrad.apply(key, own.key)
-            value = _LateGrad.apply(value, own.value)
-        prefix = entries[:t]
-        if t == 0:
-            return key, value
-        if any(e is None for e in prefix):
-            raise RuntimeError("TeraPipe: an earlier slice's K/V was released before its readers ran")
-        key = torch.cat([e.key for e in prefix] + [key], dim=0)
-        value = torch.cat([e.value for e in prefix] + [value], dim=0)
-        return key, value
+                    f"TeraPipe: token slice {cell.token_slice} of {cell.sequence_key} (tokens "
+                    f"{start}-{cell.token_end}) reached layer {self.layer_number} with "
+                    f"{buf.filled} cached tokens; slices must run in order")
+        elif buf.filled < cell.token_end:
+            # Recomputation inside this cell's backward replays a slice already written.
+            raise RuntimeError(
+                f"TeraPipe: recomputation of token slice {cell.token_slice} of "
+                f"{cell.sequence_key} found no cached K/V")
+        buf.write(start, key, value)
+        if active.keep_grad and torch.is_grad_enabled():
+            return (_PrefixView.apply(key, buf, "key", start),
+                    _PrefixView.apply(value, buf, "value", start))
+        # forward_only, or the no-grad forward inside a recompute checkpoint (the replay during
+        # backward builds the graph)
+        return buf.key[:cell.token_end], buf.value[:cell.token_end]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type=None,

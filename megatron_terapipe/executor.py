@@ -149,7 +149,7 @@ class _StageExecutor:
         self.first_val_step = first_val_step
         self.num_microbatches = schedule.num_microbatches
         self.cells_per_microbatch = schedule.plan.num_cells
-        self.cache = KVCache()
+        self.cache = KVCache(seq_length=data.seq_length)
         from megatron.core.utils import get_attr_wrapped_model
 
         self.set_input_tensor = get_attr_wrapped_model(model, "set_input_tensor")
