@@ -27,7 +27,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_terapipe as mt  # noqa: E402
-from megatron_terapipe.arguments import add_terapipe_args  # noqa: E402
+from megatron_terapipe.arguments import (  # noqa: E402
+    TeraPipeArgumentError,
+    add_terapipe_args,
+    validate_terapipe_args,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "cpu" and not explicit:
         # GPU presets say nothing about a CPU: measure one layer here (a few seconds, cached).
         args.terapipe_cost_model = "profile"
+    try:  # bad flags stop here, before any process starts
+        validate_terapipe_args(args)
+    except TeraPipeArgumentError as exc:
+        p.error(str(exc))
     return args
 
 

@@ -31,6 +31,16 @@ def test_training_example_runs_terapipe_and_loss_falls(tmp_path):
     # 2 stages x (forward + backward) x 4 token slices x 2 microbatches
     assert len(spans) == 2 * 2 * 4 * 2
     assert {e["pid"] for e in spans} == {0, 1}
+    # the simulator's trace of the same plan, to open beside it
+    simulated = json.loads((tmp_path / "trace.simulated.json").read_text())["traceEvents"]
+    assert len([e for e in simulated if e.get("ph") == "X"]) == len(spans)
+
+
+def test_training_example_rejects_bad_flags_before_starting():
+    out = _run([sys.executable, "examples/pretrain_gpt_terapipe.py", "--terapipe-slices", "100", "100"])
+    assert out.returncode == 2
+    assert "--terapipe-slices" in out.stderr and "256" in out.stderr
+    assert "launching" not in out.stdout
 
 
 def test_quickstart_runs():
