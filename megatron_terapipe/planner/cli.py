@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-attention-heads", type=_positive_int)
     m.add_argument("--ffn-hidden-size", type=_positive_int, help="default 4 x hidden size")
     m.add_argument("--num-query-groups", type=_positive_int, help="grouped-query attention")
+    m.add_argument("--vocab-size", type=_positive_int,
+                   help="vocabulary (presets: 50257); gives the first and last stage their "
+                        "embedding and output-layer costs")
     r = p.add_argument_group("run")
     r.add_argument("--seq-length", type=_positive_int, required=True)
     r.add_argument("--micro-batch-size", type=_positive_int, default=1)
@@ -73,7 +76,8 @@ def _model_from_args(args, parser) -> ModelDims:
     base = MODEL_PRESETS[args.model] if args.model else None
     fields = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads,
-              "ffn_hidden_size": args.ffn_hidden_size, "num_query_groups": args.num_query_groups}
+              "ffn_hidden_size": args.ffn_hidden_size, "num_query_groups": args.num_query_groups,
+              "vocab_size": args.vocab_size}
     given = {k: v for k, v in fields.items() if v is not None}
     if base is None:
         missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")

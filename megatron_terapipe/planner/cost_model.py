@@ -4,6 +4,12 @@ A cell is `batch` rows by `length` new tokens, with `context` earlier tokens of 
 whose keys and values it attends to. Every method is vectorised: arguments broadcast like numpy
 arrays, and a call with plain numbers returns a plain float.
 
+Edge costs: forward_time and backward_time are the same on every stage (the stage's transformer
+layers). The first stage also runs the embedding and the last stage the output layer and the
+loss, once per cell; `edge_forward_time` / `edge_backward_time` give those extra seconds (zero
+unless a model knows them). The simulator adds them on the first and last stage; the slicer's
+objective, which is per cell and stage-agnostic, leaves them out.
+
 Implementations here:
 - AnalyticCostModel: FLOP and byte counts of a GPT layer on a named GPU type (no measurements).
 - FunctionCostModel: wraps your own functions (tests, quick what-ifs).
@@ -60,8 +66,36 @@ class CostModel(ABC):
     def kv_bytes(self, batch: ArrayLike, length: ArrayLike):
         """Bytes of the cell's keys and values one stage keeps for later token slices."""
 
+    def edge_forward_time(self, batch: ArrayLike, length: ArrayLike, first_stage: ArrayLike,
+                          last_stage: ArrayLike):
+        """Seconds a cell's forward costs on top of forward_time on the first stage (embedding)
+        and/or the last stage (output layer and loss): both on a one-stage pipeline, neither on a
+        middle stage. The default is 0 (layers only, as before edge costs existed)."""
+        return _scalar_or_array(np.zeros(_edge_shape(batch, length, first_stage, last_stage)))
+
+    def edge_backward_time(self, batch: ArrayLike, length: ArrayLike, first_stage: ArrayLike,
+                           last_stage: ArrayLike):
+        """Backward counterpart of edge_forward_time (default 0)."""
+        return _scalar_or_array(np.zeros(_edge_shape(batch, length, first_stage, last_stage)))
+
     def describe(self) -> str:
         return type(self).__name__
+
+
+EDGE_PARTS = ("embedding", "output")  # first stage; last stage (final norm, output layer, loss)
+
+
+def _edge_shape(*xs: ArrayLike) -> tuple[int, ...]:
+    return np.broadcast(*(np.asarray(x) for x in xs)).shape
+
+
+def _combine_edges(first_stage: ArrayLike, last_stage: ArrayLike, embedding: np.ndarray,
+                   output: np.ndarray, shape: tuple[int, ...]) -> Union[float, np.ndarray]:
+    """embedding where first_stage, plus output where last_stage, broadcast to `shape`."""
+    first = np.asarray(first_stage, dtype=bool)
+    last = np.asarray(last_stage, dtype=bool)
+    total = np.where(first, embedding, 0.0) + np.where(last, output, 0.0)
+    return _scalar_or_array(np.broadcast_to(total, shape))
 
 
 # ---- model shape and hardware ---------------------------------------------------------------
@@ -77,6 +111,11 @@ class ModelDims:
     num_query_groups: Optional[int] = None  # None: one K/V head per query head (no GQA)
     gated_linear_unit: bool = False  # SwiGLU-style MLP: fc1 produces 2 * ffn_hidden_size
     name: str = "custom"
+    # Rows of the embedding table and columns of the output layer. None: unknown, and the
+    # embedding / output-layer / loss costs of the first and last stage count as zero. Megatron
+    # pads the tokenizer's vocabulary to a multiple of 128 x TP (GPT-2 BPE: 50257 -> 50304 at
+    # TP=1, 51200 at TP=8); give the padded size to count exactly what runs.
+    vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         for what in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -88,6 +127,8 @@ class ModelDims:
                 f"{self.num_attention_heads}")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
             raise ValueError(f"ffn_hidden_size must be positive, got {self.ffn_hidden_size}")
+        if self.vocab_size is not None and int(self.vocab_size) <= 0:
+            raise ValueError(f"ModelDims.vocab_size must be positive, got {self.vocab_size}")
         if self.num_query_groups is not None and (
                 self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups):
             raise ValueError(
@@ -115,10 +156,15 @@ class ModelDims:
         return h * (h + 2 * self.kv_hidden) + h * h + mlp
 
     def to_dict(self) -> dict:
-        return {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
-                "num_attention_heads": self.num_attention_heads, "ffn_hidden_size": self.ffn,
-                "num_query_groups": self.num_query_groups or self.num_attention_heads,
-                "gated_linear_unit": self.gated_linear_unit}
+        """The layer shape (and vocab_size when known; left out when None, so the dict of a
+        model without one is what it was before vocab_size existed)."""
+        out = {"num_layers": self.num_layers, "hidden_size": self.hidden_size,
+               "num_attention_heads": self.num_attention_heads, "ffn_hidden_size": self.ffn,
+               "num_query_groups": self.num_query_groups or self.num_attention_heads,
+               "gated_linear_unit": self.gated_linear_unit}
+        if self.vocab_size is not None:
+            out["vocab_size"] = int(self.vocab_size)
+        return out
 
 
 @dataclass(frozen=True)
@@ -186,7 +232,8 @@ class LayerMemory:
 class LayerStackCostModel(CostModel):
     """A stage of `layers_per_stage` identical layers; memory and transfer from the model shape.
 
-    Subclasses give forward and backward seconds of ONE layer; this class scales them.
+    Subclasses give forward and backward seconds of ONE layer; this class scales them. Edge
+    costs come from `edge_part_time` (zero here; the analytic and profiled models override it).
     """
 
     def __init__(self, model: ModelDims, layers_per_stage: int, link: Link,
@@ -230,6 +277,24 @@ class LayerStackCostModel(CostModel):
     def kv_bytes(self, batch, length):
         return _scalar_or_array(self.layers_per_stage * self.memory.kv_bytes(batch, length))
 
+    def edge_part_time(self, part: str, direction: str, batch: np.ndarray,
+                       length: np.ndarray) -> np.ndarray:
+        """Seconds of one edge part ("embedding": first stage; "output": final norm, output
+        layer and loss on the last stage) in one direction ("forward" / "backward")."""
+        return np.zeros(np.broadcast(batch, length).shape)
+
+    def _edge_time(self, direction, batch, length, first_stage, last_stage):
+        b, l = _f64(batch, length)
+        shape = _edge_shape(b, l, first_stage, last_stage)
+        return _combine_edges(first_stage, last_stage, self.edge_part_time("embedding", direction, b, l),
+                              self.edge_part_time("output", direction, b, l), shape)
+
+    def edge_forward_time(self, batch, length, first_stage, last_stage):
+        return self._edge_time("forward", batch, length, first_stage, last_stage)
+
+    def edge_backward_time(self, batch, length, first_stage, last_stage):
+        return self._edge_time("backward", batch, length, first_stage, last_stage)
+
 
 class AnalyticCostModel(LayerStackCostModel):
     """Roofline estimate of a GPT layer: max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth),
@@ -239,6 +304,12 @@ class AnalyticCostModel(LayerStackCostModel):
     until `hardware.saturation_tokens`, so a 1-token slice costs about as much as a slice of
     `saturation_tokens` tokens (the TeraPipe paper's observation on V100).
     Backward counts twice the forward FLOPs and bytes (input and weight gradients).
+
+    Edge costs, when `model.vocab_size` is known (zero otherwise): the last stage's output layer
+    is a hidden -> vocab GEMM of 2 b l h V / t FLOPs forward and twice that backward, plus the
+    logits' traffic through the loss, on the same roofline as the layers; the first stage's
+    embedding is a memory-bound gather forward and, backward, a dense gradient of the whole
+    table accumulated into the fp32 main gradient (see edge_flops and edge_bytes).
     """
 
     def __init__(self, model: ModelDims, hardware: Hardware, layers_per_stage: int,
@@ -295,13 +366,86 @@ class AnalyticCostModel(LayerStackCostModel):
     def layer_forward_time(self, batch, length, context):
         return self._roofline(batch, length, context, 1.0)
 
+    # ---- edges: embedding (first stage), output layer and loss (last stage) ----------------
+    def edge_flops(self, part: str, batch, length) -> np.ndarray:
+        """Forward FLOPs of an edge part on one tensor-parallel rank (backward: twice that).
+
+        output: the hidden -> vocab GEMM, 2 b l h V / t (the loss's few FLOPs per logit are
+        counted as memory traffic). embedding: a gather, no FLOPs to speak of: 0.
+        """
+        b, l = _f64(batch, length)
+        V = self.model.vocab_size
+        if part == "embedding" or V is None:
+            return np.zeros(np.broadcast(b, l).shape)
+        if part != "output":
+            raise ValueError(f"edge part must be 'embedding' or 'output', got {part!r}")
+        return 2.0 * b * l * self.model.hidden_size * V / self.tensor_parallel
+
+    def edge_bytes(self, part: str, direction: str, batch, length) -> np.ndarray:
+        """Memory traffic of an edge part on one rank, d bytes per element, rough pass counts:
+
+        embedding forward: read the gathered rows, write [l, b, h]: 2 b l h d.
+        embedding backward: read the incoming gradient and scatter it into a dense gradient of
+            the table (3 b l h d), which is written whole and then added to the fp32 main
+            gradient: V h (2 d + 8) / t. This per-cell constant is why slicing costs the first
+            stage more than its tokens.
+        output forward: the weight (V h d / t), the input (b l h d), the logits written once and
+            passed over about five times in fp32 by the loss: b l V (d + 20) / t.
+        output backward: the weight read and its gradient written and accumulated in fp32
+            (V h (2 d + 8) / t), the input and its gradient (2 b l h d), the logits' gradient
+            (b l V (2 d + 8) / t).
+        """
+        b, l = _f64(batch, length)
+        m, t, d = self.model, self.tensor_parallel, self.dtype_bytes
+        h, V = m.hidden_size, m.vocab_size
+        if V is None:
+            return np.zeros(np.broadcast(b, l).shape)
+        table = V * h / t
+        if part == "embedding":
+            if direction == "forward":
+                return 2.0 * b * l * h * d
+            return 3.0 * b * l * h * d + table * (2 * d + 8)
+        if part == "output":
+            if direction == "forward":
+                return table * d + b * l * h * d + b * l * V * (d + 20) / t
+            return table * (2 * d + 8) + 2.0 * b * l * h * d + b * l * V * (2 * d + 8) / t
+        raise ValueError(f"edge part must be 'embedding' or 'output', got {part!r}")
+
+    def _allreduces(self, nbytes, count: int) -> np.ndarray:
+        """`count` ring all-reduces of `nbytes` each over the TP group (0 without TP)."""
+        t = self.tensor_parallel
+        if t == 1:
+            return np.zeros(np.shape(nbytes))
+        link = self.hardware.intra_node
+        return count * (2 * (t - 1) * link.latency + 2 * (t - 1) / t * nbytes / link.bandwidth)
+
+    def edge_part_time(self, part, direction, batch, length):
+        b, l = _f64(batch, length)
+        if self.model.vocab_size is None:
+            return np.zeros(np.broadcast(b, l).shape)
+        hw = self.hardware
+        scale = 1.0 if direction == "forward" else 2.0
+        utilisation = hw.matmul_efficiency * np.minimum(1.0, np.maximum(b * l, 1.0) / hw.saturation_tokens)
+        compute = scale * self.edge_flops(part, b, l) / (hw.peak_flops * utilisation)
+        memory = self.edge_bytes(part, direction, b, l) / hw.memory_bandwidth
+        activation = b * l * self.model.hidden_size * self.dtype_bytes
+        if part == "embedding":  # forward: the vocab-parallel lookup's all-reduce
+            comm = self._allreduces(activation, 1) if direction == "forward" else 0.0
+        elif direction == "forward":  # the loss's three all-reduces of b l fp32 numbers
+            comm = self._allreduces(b * l * 4.0, 3)
+        else:  # the column-parallel layer's input gradient
+            comm = self._allreduces(activation, 1)
+        return np.maximum(compute, memory) + scale * hw.layer_overhead + comm
+
     def layer_backward_time(self, batch, length, context):
         return self._roofline(batch, length, context, 2.0)
 
     def describe(self) -> str:
         link = "inter-node" if self.inter_node else "intra-node"
+        edges = (f"embedding and output layer of vocab {self.model.vocab_size}"
+                 if self.model.vocab_size is not None else "no vocab size: edge costs 0")
         return (f"analytic: {self.model.name} on {self.hardware.name}, {self.layers_per_stage} "
-                f"layers/stage, TP={self.tensor_parallel}, {link} pipeline links")
+                f"layers/stage, TP={self.tensor_parallel}, {link} pipeline links; {edges}")
 
 
 class FunctionCostModel(CostModel):
@@ -310,19 +454,25 @@ class FunctionCostModel(CostModel):
     forward: seconds of the stage's forward; backward defaults to `backward_ratio` x forward.
     transfer(batch, length), activation(batch, length, context), kv(batch, length) default to
     zero seconds, and one byte per row per token for both memories.
+    edge_forward(batch, length, first_stage, last_stage) and edge_backward(...) give the first
+    and last stage's extra seconds; both default to zero.
     """
 
     def __init__(self, forward: Callable[..., ArrayLike],
                  backward: Optional[Callable[..., ArrayLike]] = None, backward_ratio: float = 2.0,
                  transfer: Optional[Callable[..., ArrayLike]] = None,
                  activation: Optional[Callable[..., ArrayLike]] = None,
-                 kv: Optional[Callable[..., ArrayLike]] = None, name: str = "function"):
+                 kv: Optional[Callable[..., ArrayLike]] = None,
+                 edge_forward: Optional[Callable[..., ArrayLike]] = None,
+                 edge_backward: Optional[Callable[..., ArrayLike]] = None, name: str = "function"):
         self._forward = forward
         self._backward = backward
         self._backward_ratio = backward_ratio
         self._transfer = transfer
         self._activation = activation
         self._kv = kv
+        self._edge_forward = edge_forward
+        self._edge_backward = edge_backward
         self.name = name
 
     def forward_time(self, batch, length, context):
@@ -350,6 +500,20 @@ class FunctionCostModel(CostModel):
     def kv_bytes(self, batch, length):
         b, l = _f64(batch, length)
         return _scalar_or_array(b * l if self._kv is None else np.asarray(self._kv(b, l), dtype=np.float64))
+
+    def _edge(self, fn, batch, length, first_stage, last_stage):
+        if fn is None:
+            return CostModel.edge_forward_time(self, batch, length, first_stage, last_stage)
+        b, l = _f64(batch, length)
+        first, last = np.asarray(first_stage, dtype=bool), np.asarray(last_stage, dtype=bool)
+        shape = _edge_shape(b, l, first, last)
+        return _scalar_or_array(np.broadcast_to(np.asarray(fn(b, l, first, last), dtype=np.float64), shape))
+
+    def edge_forward_time(self, batch, length, first_stage, last_stage):
+        return self._edge(self._edge_forward, batch, length, first_stage, last_stage)
+
+    def edge_backward_time(self, batch, length, first_stage, last_stage):
+        return self._edge(self._edge_backward, batch, length, first_stage, last_stage)
 
     def describe(self) -> str:
         return self.name

@@ -4,6 +4,9 @@ Model shapes follow Table 1 of the TeraPipe paper (Li et al., ICML 2021) for lay
 size. The paper does not list head counts; we use 128-dimensional heads as the GPT-3 paper
 (Brown et al. 2020, Table 2.1) does for 13B and 175B, which gives 16 heads for the 1B model
 (the TeraPipe reference code does the same) and 48 heads for the 44B model (our assumption).
+Vocabulary: GPT-3 uses GPT-2's byte-level BPE of 50257 tokens (GPT-3 paper, section 2.1). The
+presets keep that size; a Megatron run pads it to a multiple of 128 x TP (50304 at TP=1, 51200
+at TP=8), under 2% more output-layer work: replace(preset, vocab_size=...) to count it.
 
 Hardware figures are vendor datasheet peaks (dense fp16/bf16 tensor-core FLOP/s, HBM bandwidth)
 and public instance specifications. The efficiency figures (`matmul_efficiency`,
@@ -16,17 +19,21 @@ from __future__ import annotations
 from .cost_model import Hardware, Link, ModelDims
 
 GiB = 1024 ** 3
+GPT2_VOCAB = 50257  # GPT-2 BPE, which GPT-3 reuses
 
 MODEL_PRESETS: dict[str, ModelDims] = {
     # TeraPipe Table 1: GPT3-1B, 24 layers, hidden 2048 (GPT-3 paper's "XL", 1.3B parameters).
-    "gpt3-1b": ModelDims(num_layers=24, hidden_size=2048, num_attention_heads=16, name="gpt3-1b"),
+    "gpt3-1b": ModelDims(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                         name="gpt3-1b", vocab_size=GPT2_VOCAB),
     # TeraPipe Table 1: GPT3-13B, 40 layers, hidden 5120; GPT-3 paper: 40 heads of 128.
-    "gpt3-13b": ModelDims(num_layers=40, hidden_size=5120, num_attention_heads=40, name="gpt3-13b"),
+    "gpt3-13b": ModelDims(num_layers=40, hidden_size=5120, num_attention_heads=40,
+                          name="gpt3-13b", vocab_size=GPT2_VOCAB),
     # TeraPipe Table 1: GPT3-44B, 96 layers, hidden 6144; 48 heads of 128 is our assumption.
-    "gpt3-44b": ModelDims(num_layers=96, hidden_size=6144, num_attention_heads=48, name="gpt3-44b"),
+    "gpt3-44b": ModelDims(num_layers=96, hidden_size=6144, num_attention_heads=48,
+                          name="gpt3-44b", vocab_size=GPT2_VOCAB),
     # TeraPipe Table 1 / GPT-3 paper: 175B, 96 layers, hidden 12288, 96 heads of 128.
     "gpt3-175b": ModelDims(num_layers=96, hidden_size=12288, num_attention_heads=96,
-                           name="gpt3-175b"),
+                           name="gpt3-175b", vocab_size=GPT2_VOCAB),
 }
 
 HARDWARE_PRESETS: dict[str, Hardware] = {

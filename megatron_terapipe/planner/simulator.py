@@ -1,8 +1,10 @@
 """Simulate a schedule under a cost model: iteration time, bubbles, peak memory per stage.
 
 The simulator times exactly the per-stage action lists the executor runs (`schedule.timeline`):
-each action takes the cost model's forward or backward time for its cell, and a result reaches
-the neighbouring stage after the cell's transfer time (sends overlap with compute).
+each action takes the cost model's forward or backward time for its cell, plus, on the first
+stage and on the last, the cost model's edge time (embedding; output layer and loss; both on a
+one-stage pipeline), and a result reaches the neighbouring stage after the cell's transfer time
+(sends overlap with compute).
 
 Memory on a stage, walked in that stage's action order:
 - a cell's activations are held from the start of its forward to the end of its backward
@@ -77,8 +79,9 @@ class SimulationResult:
 class _CellCosts:
     """Cost-model calls cached per cell shape (schedules repeat the same shapes a lot)."""
 
-    def __init__(self, cost_model: CostModel):
+    def __init__(self, cost_model: CostModel, num_stages: int):
         self.cost_model = cost_model
+        self.num_stages = num_stages
         self._cache: dict[tuple, float] = {}
 
     def _get(self, key: tuple, fn, *args) -> float:
@@ -93,11 +96,20 @@ class _CellCosts:
 
     def compute(self, stage: int, action: Action) -> float:
         c = action.cell
+        m = self.cost_model
         if action.kind == "F":
-            return self._get(("F", c.rows, c.tokens, c.context), self.cost_model.forward_time,
-                             c.rows, c.tokens, c.context)
-        return self._get(("B", c.rows, c.tokens, c.context), self.cost_model.backward_time,
-                         c.rows, c.tokens, c.context)
+            layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
+                               c.rows, c.tokens, c.context)
+        else:
+            layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
+                               c.rows, c.tokens, c.context)
+        first, last = stage == 0, stage == self.num_stages - 1
+        if not (first or last):
+            return layers
+        edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
+        edge = self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
+                         c.rows, c.tokens, first, last)
+        return layers + edge
 
     def transfer(self, stage: int, action: Action) -> float:
         c = action.cell
@@ -122,7 +134,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     the stages share this many processors (e.g. a CPU run whose processes share cores); None
     means every stage has its own device.
     """
-    costs = _CellCosts(cost_model)
+    costs = _CellCosts(cost_model, schedule.num_stages)
     if timed is None and cores is not None and cores < schedule.num_stages:
         from ..schedule import shared_timeline
 

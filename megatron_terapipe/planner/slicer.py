@@ -9,6 +9,9 @@ where K is the number of pipeline stages, t_i = slice_time of cell i (forward + 
 stage) and u_i = t_i + 2 * transfer_time (the hop to the next stage and the gradient's hop back;
 u_i = t_i with include_transfer=False). Every cell of every microbatch runs once on every stage
 (the sum), and filling and draining the pipeline costs K - 1 hops of the slowest cell (the max).
+The objective is per cell and the same on every stage: it ignores the cost model's edge times
+(`edge_forward_time` / `edge_backward_time`: the embedding on the first stage, the output layer
+and the loss on the last). `solve`'s predicted_time comes from the simulator, which adds them.
 
 Exact method. For a cap tau on u, S(tau) = least sum over slicings whose cells all have u <= tau:
 a DP over prefix lengths per batch size (S_b(n) = min_k S_b(n-k) + t(b, k, n-k)), then a
@@ -338,7 +341,8 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     """The plan with the least objective (see `solve_slicing`).
 
     Its predicted_time is the simulator's iteration time of that plan's schedule (order,
-    microbatches, transfers), or the objective itself with simulate=False.
+    microbatches, transfers, and the first and last stage's edge times), or the objective
+    itself (which has no edge times) with simulate=False.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
