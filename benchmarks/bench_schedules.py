@@ -14,7 +14,8 @@ What it measures, on 2 pipeline stages (2 processes, one thread each on CPU):
    TeraPipe 1f1b, Megatron 1F1B);
 4. planner: solver time at the planner issue's three sizes;
 5. fidelity: the simulator's predicted iteration time (same cost model, same schedule, stages
-   sharing the measured parallel capacity) against each measured time.
+   sharing the measured parallel capacity) against each measured time. The cost model has the
+   layer profile plus the first stage's embedding and the last stage's output layer and loss.
 It writes a JSON of results and a PNG chart and prints a table whose last line is the headline.
 """
 
@@ -146,12 +147,23 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
 
 def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
                        cache: Optional[str]):
-    """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`)."""
-    from megatron_terapipe.planner import ModelDims, ProfiledCostModel, fit_layer_times, measure_layer_times
+    """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
+    first stage's embedding and the last stage's output layer and loss measured too."""
+    from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
+                                           fit_layer_times, measure_edge_times, measure_layer_times)
     from megatron_terapipe.planner.cost_model import Link
+    from megatron_terapipe.planner.measure import edge_points_for
+    from megatron_terapipe.planner.profiled import default_grid
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads)
+                     num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)
+    measure = dict(dtype="float32", device=device, repeats=3)
+
+    def edges_match(edges: Optional[EdgeTimeFit]) -> bool:
+        return (edges is not None and edges.vocab_size == model.vocab_size
+                and edges.metadata.get("position_embedding_type") == model.position_embedding_type
+                and edges.metadata.get("max_sequence_length") == model.seq_length)
+
     fit = None
     if cache and os.path.exists(cache):
         from megatron_terapipe.planner import LayerTimeFit
@@ -162,9 +174,18 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
             print(f"  ignoring the cached profile: {exc}")
     if fit is None:
         measurements = measure_layer_times(dims, seq_length=model.seq_length, batch_sizes=(1,),
-                                           granularity=granularity, dtype="float32", device=device,
-                                           repeats=3)
+                                           granularity=granularity,
+                                           position_embedding_type=model.position_embedding_type,
+                                           **measure)
         fit = fit_layer_times(measurements)
+        if cache:
+            fit.save(cache)
+    if not edges_match(fit.edges):  # a cached profile from before edges were measured
+        print("  measuring the embedding and the output layer + loss ...", flush=True)
+        points = edge_points_for(default_grid(model.seq_length, (1,), granularity))
+        edges = measure_edge_times(dims, points, position_embedding_type=model.position_embedding_type,
+                                   max_sequence_length=model.seq_length, **measure)
+        fit = fit.with_edges(fit_edge_times(edges))
         if cache:
             fit.save(cache)
     # Stage-to-stage transfers stay on this host: loopback bandwidth, tiny latency.

@@ -15,7 +15,16 @@ from .cost_model import (
     ModelDims,
 )
 from .presets import HARDWARE_PRESETS, MODEL_PRESETS, hardware_preset, model_preset
-from .profiled import LayerTimeFit, ProfiledCostModel, fit_layer_times, measure_layer_times
+from .profiled import (
+    EdgeMeasurements,
+    EdgeTimeFit,
+    LayerTimeFit,
+    ProfiledCostModel,
+    fit_edge_times,
+    fit_layer_times,
+    measure_edge_times,
+    measure_layer_times,
+)
 from .simulator import SimulationResult, simulate
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve, solve_slicing
 from .trace import chrome_trace, write_chrome_trace, write_png
@@ -23,6 +32,8 @@ from .trace import chrome_trace, write_chrome_trace, write_png
 __all__ = [
     "AnalyticCostModel",
     "CostModel",
+    "EdgeMeasurements",
+    "EdgeTimeFit",
     "FunctionCostModel",
     "HARDWARE_PRESETS",
     "Hardware",
@@ -36,8 +47,10 @@ __all__ = [
     "SlicingSolution",
     "best_uniform_slicing",
     "chrome_trace",
+    "fit_edge_times",
     "fit_layer_times",
     "hardware_preset",
+    "measure_edge_times",
     "measure_layer_times",
     "model_preset",
     "plan_objective",

@@ -10,6 +10,11 @@ t(l, 0) is the measured table of context-free slices (piecewise linear in l, mad
 non-decreasing); the context term is a least-squares fit weighted to minimise relative error,
 because short slices take a few hundred microseconds and long ones seconds. Batch sizes between
 measured ones interpolate linearly; beyond the largest, time grows in proportion to the rows.
+
+Edge costs (format version 2): the first stage's embedding and the last stage's final norm,
+output layer and loss, measured per (batch, length) and fitted as a + b * tokens per part and
+direction (they do not depend on the context). Version-1 profiles, and profiles measured
+without a vocabulary size, have none: their edge times are zero.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from typing import Optional, Sequence, TextIO, Union
 
 import numpy as np
 
-from .cost_model import LayerStackCostModel, Link, ModelDims, _f64
+from .cost_model import EDGE_PARTS, LayerStackCostModel, Link, ModelDims, _f64
 
 FORMAT = "megatron-terapipe-layer-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added "edges"; version 1 files still load (without edge costs)
+READABLE_VERSIONS = (1, 2)
 DIRECTIONS = ("forward", "backward")
+EDGE_KEYS = tuple(f"{part}_{d}" for part in EDGE_PARTS for d in DIRECTIONS)
 PathLike = Union[str, Path]
 
 
@@ -40,6 +47,7 @@ class LayerMeasurements:
     forward: np.ndarray
     backward: np.ndarray
     metadata: dict = field(default_factory=dict)
+    edges: Optional["EdgeMeasurements"] = None  # embedding / output layer, if measured
 
     def __post_init__(self) -> None:
         for name in ("batch", "length", "context", "forward", "backward"):
@@ -54,7 +62,8 @@ class LayerMeasurements:
 
     def subset(self, mask: np.ndarray) -> "LayerMeasurements":
         return LayerMeasurements(self.batch[mask], self.length[mask], self.context[mask],
-                                 self.forward[mask], self.backward[mask], dict(self.metadata))
+                                 self.forward[mask], self.backward[mask], dict(self.metadata),
+                                 self.edges)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k).tolist() for k in ("batch", "length", "context", "forward", "backward")}
@@ -112,17 +121,147 @@ def _fit_one(length: np.ndarray, context: np.ndarray, seconds: np.ndarray) -> _B
     return fit
 
 
+@dataclass
+class EdgeMeasurements:
+    """Seconds of the pipeline's edges on cells of `batch` rows by `length` tokens.
+
+    embedding_*: Megatron's LanguageModelEmbedding (first stage). output_*: the final layer
+    norm, the output layer (hidden -> vocab) and the loss with its masked sum (last stage).
+    metadata: vocab_size (required), position_embedding_type, and how they were measured.
+    """
+
+    batch: np.ndarray
+    length: np.ndarray
+    embedding_forward: np.ndarray
+    embedding_backward: np.ndarray
+    output_forward: np.ndarray
+    output_backward: np.ndarray
+    metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = ("batch", "length") + EDGE_KEYS
+        for name in names:
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64).ravel())
+        if any(len(getattr(self, k)) != len(self.batch) for k in names):
+            raise ValueError("edge measurements: every column must have the same number of entries")
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k).tolist() for k in ("batch", "length") + EDGE_KEYS}
+
+
+class EdgeTimeFit:
+    """Seconds of each edge part and direction as a + b * tokens (tokens = batch x length)."""
+
+    def __init__(self, coef: dict[str, tuple[float, float]], metadata: Optional[dict] = None,
+                 measurements: Optional[EdgeMeasurements] = None):
+        missing = [k for k in EDGE_KEYS if k not in coef]
+        if missing:
+            raise ValueError(f"edge fit lacks {', '.join(missing)}")
+        self.coef = {k: (float(coef[k][0]), float(coef[k][1])) for k in EDGE_KEYS}
+        for k, (a, b) in self.coef.items():
+            if not (np.isfinite(a) and np.isfinite(b)) or a < 0 or b < 0:
+                raise ValueError(f"edge fit {k} has negative or non-finite coefficients ({a}, {b})")
+        self.metadata = dict(metadata or {})
+        self.measurements = measurements
+        if "vocab_size" not in self.metadata:
+            raise ValueError("edge fit metadata lacks vocab_size")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.metadata["vocab_size"])
+
+    def seconds(self, part: str, direction: str, batch, length) -> np.ndarray:
+        b, l = _f64(batch, length)
+        a, slope = self.coef[f"{part}_{direction}"]
+        return a + slope * b * l
+
+    def to_dict(self) -> dict:
+        return {"metadata": self.metadata,
+                "fit": {k: list(v) for k, v in self.coef.items()},
+                "measurements": self.measurements.to_dict() if self.measurements is not None else None}
+
+    @classmethod
+    def from_dict(cls, data) -> "EdgeTimeFit":
+        try:
+            coef = {k: tuple(data["fit"][k]) for k in EDGE_KEYS}
+            if any(len(v) != 2 for v in coef.values()):
+                raise ValueError("edge fit coefficients must be pairs (a, b)")
+            metadata = data["metadata"]
+            raw = data.get("measurements")
+            measurements = EdgeMeasurements(**raw, metadata=metadata) if raw else None
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"missing or malformed edge field ({exc!r})") from None
+        return cls(coef, metadata, measurements)
+
+    def describe(self) -> str:
+        md = self.metadata
+        return (f"edges measured (vocab {self.vocab_size}, "
+                f"{md.get('position_embedding_type', '?')} positions)")
+
+
+def _fit_affine(tokens: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """a, b >= 0 minimising the relative error of a + b * tokens (least squares)."""
+    w = 1.0 / np.maximum(seconds, 1e-12)
+    if len(np.unique(tokens)) >= 2:
+        A = np.stack([np.ones_like(tokens), tokens], axis=1) * w[:, None]
+        scale = np.abs(A).max(axis=0)
+        (a, b), *_ = np.linalg.lstsq(A / scale, seconds * w, rcond=None)
+        a, b = a / scale[0], b / scale[1]
+        if a >= 0 and b >= 0:
+            return float(a), float(b)
+        if b < 0:  # no growth with the tokens in the data: a constant
+            return float(np.sum(w * w * seconds) / np.sum(w * w)), 0.0
+    # a negative intercept (or one size only): proportional to the tokens
+    return 0.0, float(np.sum(w * w * seconds * tokens) / np.sum((w * tokens) ** 2))
+
+
+def fit_edge_times(measurements: EdgeMeasurements) -> EdgeTimeFit:
+    """Least-squares a + b * tokens per edge part and direction (relative error, a, b >= 0)."""
+    m = measurements
+    if len(m) == 0:
+        raise ValueError("no edge measurements to fit")
+    columns = [getattr(m, k) for k in EDGE_KEYS]
+    if any(np.any(~np.isfinite(c)) or np.any(c < 0) for c in columns):
+        raise ValueError("edge measurements contain negative or non-finite times")
+    if "vocab_size" not in m.metadata:
+        raise ValueError("edge measurements need metadata['vocab_size']")
+    tokens = m.batch * m.length
+    coef = {k: _fit_affine(tokens, getattr(m, k)) for k in EDGE_KEYS}
+    return EdgeTimeFit(coef, dict(m.metadata), m)
+
+
 class LayerTimeFit:
-    """Fitted forward and backward seconds of one layer, for any (batch, length, context)."""
+    """Fitted forward and backward seconds of one layer, for any (batch, length, context), and
+    optionally of the pipeline's edges (`edges`: None when not measured)."""
 
     def __init__(self, fits: dict[str, dict[int, _BatchFit]], metadata: Optional[dict] = None,
                  measurements: Optional[LayerMeasurements] = None,
-                 holdout_error: Optional[dict] = None):
+                 holdout_error: Optional[dict] = None, edges: Optional[EdgeTimeFit] = None,
+                 format_version: int = FORMAT_VERSION):
         self.fits = fits
         self.metadata = dict(metadata or {})
         self.measurements = measurements
         self.holdout_error = holdout_error or {}
+        self.edges = edges
+        self.format_version = format_version  # of the file it was loaded from
         self.batch_sizes = np.array(sorted(fits["forward"]), dtype=np.float64)
+
+    def with_edges(self, edges: Optional[EdgeTimeFit]) -> "LayerTimeFit":
+        """The same layer fit with these edge costs (e.g. measured separately, see
+        measure.measure_edge_times); save it to write them into the profile."""
+        return LayerTimeFit(self.fits, self.metadata, self.measurements, self.holdout_error, edges)
+
+    def edges_note(self) -> str:
+        """How the profile accounts for the embedding / output layer / loss."""
+        if self.edges is not None:
+            return self.edges.describe()
+        if self.format_version < 2:
+            return (f"no edge costs (format version {self.format_version} profile): embedding, "
+                    "output layer and loss count as 0")
+        return "no edge costs (measured without a vocab size): embedding, output layer and loss count as 0"
 
     # ---- evaluation -------------------------------------------------------------------------
     def seconds(self, direction: str, batch, length, context) -> np.ndarray:
@@ -150,6 +289,7 @@ class LayerTimeFit:
             "measurements": self.measurements.to_dict() if self.measurements is not None else None,
             "fit": {d: {str(b): f.to_dict() for b, f in sorted(self.fits[d].items())} for d in DIRECTIONS},
             "holdout_error": self.holdout_error,
+            "edges": self.edges.to_dict() if self.edges is not None else None,
         }
 
     def save(self, path: PathLike) -> Path:
@@ -183,9 +323,10 @@ class LayerTimeFit:
     def from_dict(cls, data) -> "LayerTimeFit":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a megatron-terapipe layer profile (expected format {FORMAT!r})")
-        if data.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"format version {data.get('format_version')!r} is not supported "
-                             f"(this version reads {FORMAT_VERSION}); measure the profile again")
+        version = data.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"format version {version!r} is not supported (this version reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}); measure the profile again")
         try:
             fits: dict[str, dict[int, _BatchFit]] = {}
             for d in DIRECTIONS:
@@ -211,9 +352,14 @@ class LayerTimeFit:
                 raise ValueError("metadata with the model dimensions is missing")
             raw = data.get("measurements")
             measurements = LayerMeasurements(**raw, metadata=metadata) if raw else None
+            raw_edges = data.get("edges") if version >= 2 else None
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"missing or malformed field ({exc!r})") from None
-        return cls(fits, metadata, measurements, data.get("holdout_error") or {})
+        edges = EdgeTimeFit.from_dict(raw_edges) if raw_edges else None
+        if measurements is not None:
+            measurements.edges = edges.measurements if edges is not None else None
+        return cls(fits, metadata, measurements, data.get("holdout_error") or {}, edges,
+                   format_version=int(version))
 
     def check_matches(self, model: Optional[ModelDims], tensor_parallel: Optional[int],
                       source: str = "layer profile") -> None:
@@ -221,10 +367,16 @@ class LayerTimeFit:
             measured = self.metadata.get("model", {})
             wanted = model.to_dict()
             diffs = [f"{k} {measured.get(k)!r} in the profile vs {v!r} requested"
-                     for k, v in wanted.items() if k != "num_layers" and measured.get(k) != v]
+                     for k, v in wanted.items()
+                     if k not in ("num_layers", "vocab_size") and measured.get(k) != v]
             if diffs:
                 raise ValueError(f"layer profile {source} was measured for another model: "
                                  + "; ".join(diffs) + ". Measure a profile for this model.")
+            if (self.edges is not None and model.vocab_size is not None
+                    and self.edges.vocab_size != model.vocab_size):
+                raise ValueError(f"layer profile {source} measured its embedding and output layer "
+                                 f"with vocab size {self.edges.vocab_size}, not {model.vocab_size}: "
+                                 "measure the edges for this vocabulary")
         if tensor_parallel is not None:
             tp = self.metadata.get("tensor_parallel", 1)
             if tp != tensor_parallel:
@@ -234,7 +386,8 @@ class LayerTimeFit:
 
 def fit_layer_times(measurements: LayerMeasurements, holdout: float = 0.2, seed: int = 0
                     ) -> LayerTimeFit:
-    """Fit per batch size and direction; report relative error on held-out cells.
+    """Fit per batch size and direction; report relative error on held-out cells. Edge
+    measurements (`measurements.edges`), if any, are fitted too (fit_edge_times).
 
     A random `holdout` share of the cells (never the shortest and longest context-free cell of
     a batch size, which pin the table's ends) is left out of a first fit and predicted; the
@@ -277,11 +430,16 @@ def fit_layer_times(measurements: LayerMeasurements, holdout: float = 0.2, seed:
                 rel = np.abs(pred - truth) / np.maximum(truth, 1e-12)
                 holdout_error[d] = {"mean_relative": float(rel.mean()),
                                     "max_relative": float(rel.max())}
-    return LayerTimeFit(fit(m), dict(m.metadata), m, holdout_error)
+    edges = fit_edge_times(m.edges) if m.edges is not None else None
+    return LayerTimeFit(fit(m), dict(m.metadata), m, holdout_error, edges)
 
 
 class ProfiledCostModel(LayerStackCostModel):
-    """Stage times from a fitted layer profile; memory and transfer from the model shape."""
+    """Stage times from a fitted layer profile; memory and transfer from the model shape.
+
+    Edge times (embedding on the first stage; final norm, output layer and loss on the last)
+    come from the profile's edge fit, or are zero if it has none (describe() says which).
+    """
 
     def __init__(self, fit: LayerTimeFit, layers_per_stage: int, link: Link,
                  model: Optional[ModelDims] = None, tensor_parallel: Optional[int] = None,
@@ -295,6 +453,7 @@ class ProfiledCostModel(LayerStackCostModel):
                                   ffn_hidden_size=meta_model.get("ffn_hidden_size"),
                                   num_query_groups=meta_model.get("num_query_groups"),
                                   gated_linear_unit=bool(meta_model.get("gated_linear_unit", False)),
+                                  vocab_size=fit.edges.vocab_size if fit.edges is not None else None,
                                   name=str(fit.metadata.get("model_name", "profiled")))
             except (KeyError, TypeError, ValueError) as exc:
                 raise ValueError(f"layer profile metadata has no usable model dimensions ({exc})") from None
@@ -316,15 +475,28 @@ class ProfiledCostModel(LayerStackCostModel):
     def layer_backward_time(self, batch, length, context):
         return self.fit.seconds("backward", batch, length, context)
 
+    def edge_part_time(self, part, direction, batch, length):
+        if self.fit.edges is None:
+            return super().edge_part_time(part, direction, batch, length)
+        return self.fit.edges.seconds(part, direction, batch, length)
+
     def describe(self) -> str:
         md = self.fit.metadata
         return (f"profiled: {md.get('device', '?')} {md.get('dtype', '?')}, "
-                f"{self.layers_per_stage} layers/stage, TP={self.tensor_parallel}")
+                f"{self.layers_per_stage} layers/stage, TP={self.tensor_parallel}; "
+                f"{self.fit.edges_note()}")
 
 
 def measure_layer_times(*args, **kwargs) -> LayerMeasurements:
     """Measure one Megatron layer on this device (see measure.py; imports torch lazily)."""
     from .measure import measure_layer_times as _measure
+
+    return _measure(*args, **kwargs)
+
+
+def measure_edge_times(*args, **kwargs) -> EdgeMeasurements:
+    """Measure the embedding and the output layer + loss on this device (see measure.py)."""
+    from .measure import measure_edge_times as _measure
 
     return _measure(*args, **kwargs)
 
@@ -366,5 +538,6 @@ class Progress:
             self.stream.flush()
 
 
-__all__ = ["LayerMeasurements", "LayerTimeFit", "ProfiledCostModel", "fit_layer_times",
+__all__ = ["EdgeMeasurements", "EdgeTimeFit", "LayerMeasurements", "LayerTimeFit",
+           "ProfiledCostModel", "fit_edge_times", "fit_layer_times", "measure_edge_times",
            "measure_layer_times", "default_grid", "FORMAT_VERSION"]
