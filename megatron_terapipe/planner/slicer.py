@@ -5,13 +5,15 @@ microbatch with stage times t_i,
 
     T = M * sum_i t_i + (K - 1) * max_i u_i
 
-where K is the number of pipeline stages, t_i = slice_time of cell i (forward + backward of one
-stage) and u_i = t_i + 2 * transfer_time (the hop to the next stage and the gradient's hop back;
+where K is the number of pipeline stages, t_i = the time of cell i (forward + backward) on the
+slowest kind of stage, and u_i = t_i + 2 * transfer_time (the hop to the next stage and the gradient's hop back;
 u_i = t_i with include_transfer=False). Every cell of every microbatch runs once on every stage
 (the sum), and filling and draining the pipeline costs K - 1 hops of the slowest cell (the max).
-The objective is per cell and the same on every stage: it ignores the cost model's edge times
+A cell's time is its layers' slice_time plus the heavier of the cost model's edge times
 (`edge_forward_time` / `edge_backward_time`: the embedding on the first stage, the output layer
-and the loss on the last). `solve`'s predicted_time comes from the simulator, which adds them.
+and the loss on the last), since the slowest stage sets the pace; both edges on one stage.
+Zero-edge cost models give the paper's t(l, c). `solve`'s predicted_time comes from the
+simulator, which times every stage with its own edges.
 
 Exact method. For a cap tau on u, S(tau) = least sum over slicings whose cells all have u <= tau:
 a DP over prefix lengths per batch size (S_b(n) = min_k S_b(n-k) + t(b, k, n-k)), then a
@@ -54,6 +56,21 @@ class SlicingSolution:
 
 # ---- objective ------------------------------------------------------------------------------
 
+def bottleneck_cell_time(cost_model: CostModel, batch, length, context, num_stages: int):
+    """Seconds of one cell on the pipeline's slowest stage kind: the layers plus the heavier of
+    the first stage's (embedding) and the last stage's (output layer + loss) edge time; both
+    edges on a one-stage pipeline. Zero-edge cost models give the plain slice time."""
+    t = np.asarray(cost_model.slice_time(batch, length, context), dtype=np.float64)
+
+    def edge(first: bool, last: bool):
+        return (np.asarray(cost_model.edge_forward_time(batch, length, first, last), dtype=np.float64)
+                + np.asarray(cost_model.edge_backward_time(batch, length, first, last), dtype=np.float64))
+
+    if num_stages == 1:
+        return t + edge(True, True)
+    return t + np.maximum(edge(True, False), edge(False, True))
+
+
 def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: int,
                    num_stages: int, num_microbatches: int = 1, include_transfer: bool = True) -> float:
     """The slicer's objective for any plan (what `solve` minimises)."""
@@ -66,7 +83,7 @@ def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: 
             contexts.append(start)
             start += length
     b, l, c = (np.asarray(x, dtype=np.float64) for x in (rows, lengths, contexts))
-    t = np.asarray(cost_model.slice_time(b, l, c), dtype=np.float64)
+    t = bottleneck_cell_time(cost_model, b, l, c, num_stages)
     u = t + 2 * np.asarray(cost_model.transfer_time(b, l)) if include_transfer else t
     return float(num_microbatches * t.sum() + (num_stages - 1) * u.max())
 
@@ -130,7 +147,7 @@ class _Tables:
 
 
 def _cell_tables(cost_model: CostModel, seq_length: int, unit: int, batch_sizes: Sequence[int],
-                 include_transfer: bool) -> _Tables:
+                 include_transfer: bool, num_stages: int = 2) -> _Tables:
     U = seq_length // unit
     n = np.arange(U + 1)[:, None]
     k = np.arange(U + 1)[None, :]
@@ -138,7 +155,7 @@ def _cell_tables(cost_model: CostModel, seq_length: int, unit: int, batch_sizes:
     length = (k * unit).astype(np.float64)
     context = (np.maximum(n - k, 0) * unit).astype(np.float64)
     b = np.asarray(batch_sizes, dtype=np.float64)[:, None, None]
-    t = np.asarray(cost_model.slice_time(b, length, context), dtype=np.float64)
+    t = bottleneck_cell_time(cost_model, b, length, context, num_stages)
     t = np.broadcast_to(t, (len(batch_sizes), U + 1, U + 1))
     if include_transfer:
         x = np.asarray(cost_model.transfer_time(b, length), dtype=np.float64)
@@ -295,7 +312,7 @@ def solve_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,
         raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
     unit = slicing_unit(seq_length, granularity, multiple_of)
     sizes = resolve_batch_sizes(batch_sizes, micro_batch_size)
-    tables = _cell_tables(cost_model, seq_length, unit, sizes, include_transfer)
+    tables = _cell_tables(cost_model, seq_length, unit, sizes, include_transfer, num_stages)
     M, K = num_microbatches, num_stages
 
     def objective(sol: _Capped) -> float:
