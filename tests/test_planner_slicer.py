@@ -224,3 +224,19 @@ def test_dp_equals_exhaustive_search_seeded_sweep():
                                  batch_sizes="all")
         expected = brute_force(cost, units, 1, rows, K, M, resolve_batch_sizes("all", rows))
         assert solution.objective == pytest.approx(expected, rel=1e-9)
+
+
+def test_solve_is_never_slower_than_uniform_or_no_slicing_under_the_simulator():
+    from megatron_terapipe.planner import (AnalyticCostModel, best_uniform_slicing,
+                                           hardware_preset, model_preset, simulate, solve)
+    from megatron_terapipe.schedule import build_schedule
+
+    cost = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("v100"), layers_per_stage=3)
+    for K, M, order in [(2, 1, "1f1b"), (4, 3, "gpipe"), (8, 2, "1f1b")]:
+        plan = solve(cost, 2048, 2, K, granularity=64, num_microbatches=M, order=order)
+        timed = lambda p: simulate(build_schedule(p, M, K, 2), cost).iteration_time
+        assert plan.predicted_time == pytest.approx(timed(plan))
+        uniform, _ = best_uniform_slicing(cost, 2048, 2, K, granularity=64, num_microbatches=M,
+                                          order=order)
+        assert plan.predicted_time <= timed(uniform) * (1 + 1e-12)
+        assert plan.predicted_time <= timed(TeraPipePlan([2048], order=order)) * (1 + 1e-12)

@@ -357,20 +357,31 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
           include_transfer: bool = True, simulate: bool = True) -> TeraPipePlan:
     """The plan with the least objective (see `solve_slicing`).
 
-    Its predicted_time is the simulator's iteration time of that plan's schedule (order,
-    microbatches, transfers, and the first and last stage's edge times), or the objective
-    itself (which has no edge times) with simulate=False.
+    With simulate=True (default) its predicted_time is the simulator's iteration time of the
+    plan's schedule (order, microbatches, transfers, each stage's edge times). The objective
+    approximates that timeline, so the simulator then also times the best uniform slicing and
+    no token slicing, and `solve` returns whichever of the three is fastest: never slower than
+    those under the simulator. With simulate=False: the DP's plan, and the objective itself as
+    predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
-    predicted = solution.objective
+    candidates = [(solution.objective, solution.plan)]
     if simulate:
         from ..schedule import build_schedule
         from .simulator import simulate as run_simulation
 
-        schedule = build_schedule(solution.plan, num_microbatches, num_stages, micro_batch_size)
-        predicted = run_simulation(schedule, cost_model).iteration_time
-    return TeraPipePlan(seq_slices=solution.plan.seq_slices, batch_slices=solution.plan.batch_slices,
+        def timed(plan: TeraPipePlan) -> float:
+            schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
+            return run_simulation(schedule, cost_model).iteration_time
+
+        uniform, _ = best_uniform_slicing(cost_model, seq_length, micro_batch_size, num_stages,
+                                          granularity, num_microbatches, order, multiple_of,
+                                          include_transfer)
+        whole = TeraPipePlan([seq_length], order=order)
+        candidates = [(timed(p), p) for p in (solution.plan, uniform, whole)]
+    predicted, plan = min(candidates, key=lambda c: c[0])  # ties keep the DP's plan
+    return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
                         order=order, predicted_time=predicted)
 
 
