@@ -247,7 +247,13 @@ def model_dims_from_args(args):
                          num_attention_heads=int(args.num_attention_heads),
                          ffn_hidden_size=_int_or_none(getattr(args, "ffn_hidden_size", None)),
                          num_query_groups=_int_or_none(groups),
-                         gated_linear_unit=bool(getattr(args, "swiglu", False)), name="this model")
+                         gated_linear_unit=bool(getattr(args, "swiglu", False)),
+                         # Megatron-LM pads the tokenizer's vocabulary (padded_vocab_size);
+                         # scripts without a tokenizer give --vocab-size. It prices the embedding
+                         # and the output layer (edge costs); unknown means none.
+                         vocab_size=_int_or_none(getattr(args, "padded_vocab_size", None)
+                                                 or getattr(args, "vocab_size", None)),
+                         name="this model")
     except AttributeError as exc:
         raise TeraPipeArgumentError(
             f"planning needs the model shape (--num-layers, --hidden-size, --num-attention-heads): "
@@ -418,7 +424,9 @@ def default_measure(args, cells: list[tuple[int, int, int]]):
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(_dtype_name(args), "float32")
     return measure_layer_times(model_dims_from_args(args), cells, dtype=dtype,
-                               repeats=2, warmup=1, progress=_rank() == 0)
+                               repeats=2, warmup=1, progress=_rank() == 0,
+                               position_embedding_type=getattr(args, "position_embedding_type",
+                                                               None) or "learned_absolute")
 
 
 def fit_measurements(args, measurements, seq_length: int, micro_batch_size: int):
