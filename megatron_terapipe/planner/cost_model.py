@@ -7,8 +7,8 @@ arrays, and a call with plain numbers returns a plain float.
 Edge costs: forward_time and backward_time are the same on every stage (the stage's transformer
 layers). The first stage also runs the embedding and the last stage the output layer and the
 loss, once per cell; `edge_forward_time` / `edge_backward_time` give those extra seconds (zero
-unless a model knows them). The simulator adds them on the first and last stage; the slicer's
-objective, which is per cell and stage-agnostic, leaves them out.
+unless a model knows them). The simulator adds them on the first and last stage; the slicer
+prices each cell on the slowest kind of stage (layers plus the heavier edge).
 
 Implementations here:
 - AnalyticCostModel: FLOP and byte counts of a GPT layer on a named GPU type (no measurements).

@@ -9,11 +9,12 @@ one-stage pipeline), and a result reaches the neighbouring stage after the cell'
 Memory on a stage, walked in that stage's action order:
 - a cell's activations are held from the start of its forward to the end of its backward
   (in a forward-only run, until the end of its forward);
-- a cell's K/V are held from the start of its forward until the end of its own backward:
-  backwards run in reverse token order, so once B(t) is done no later slice needs slice t's K/V.
-  Forward-only: until the forward of the sequence's last token slice has run;
-- the K/V gradients of the earlier slices of a sequence appear when the backward of its last
-  slice starts (that slice reads all of them) and go with each slice's own backward.
+- a cell's K/V are held from the start of its forward until the end of the backward of its
+  sequence's first token slice (the executor keeps one K/V buffer per sequence and layer, and
+  that backward is the last to read it). Forward-only: until the forward of the sequence's
+  last token slice has run;
+- a sequence's K/V gradient buffer (as large as its K/V) appears when the backward of its last
+  slice starts and goes with its K/V.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: b
     points: list[MemoryPoint] = []
     # keys are (microbatch, batch slice, token slice): cheaper to hash than Cell
     kv_of: dict[tuple[int, int, int], float] = {}  # K/V bytes of cells whose K/V are live
-    grads_of: dict[tuple[int, int, int], float] = {}  # K/V gradient buffers allocated
+    grads_of: dict[tuple[int, int], float] = {}  # sequence -> K/V gradient buffer bytes
     slices_seen: dict[tuple[int, int], list[int]] = {}  # sequence -> token slices run forward
 
     def record(time: float) -> None:
@@ -197,14 +198,16 @@ def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: b
                     kv -= sum(kv_of.pop(seq + (t,), 0.0) for t in slices_seen.pop(seq, []))
                 record(ta.end)
         else:
-            if c.is_last_token_slice:  # its backward writes dK/dV into every earlier slice
-                for t in slices_seen.get(seq, []):
-                    earlier = seq + (t,)
-                    if t < c.token_slice and earlier not in grads_of:
-                        grads_of[earlier] = kv_of.get(earlier, 0.0)
-                        kv += grads_of[earlier]
+            if c.is_last_token_slice:
+                # The sequence's first backward allocates its K/V gradient buffer (whole sequence).
+                grads_of[seq] = sum(kv_of.get(seq + (t,), 0.0) for t in slices_seen.get(seq, []))
+                kv += grads_of[seq]
                 record(ta.start)
             act -= costs.activation(a)
-            kv -= kv_of.pop(key, 0.0) + grads_of.pop(key, 0.0)
+            if c.token_slice == 0:
+                # The executor keeps one K/V buffer per sequence and layer; it goes with the
+                # backward of the sequence's first slice, the last one that reads it.
+                kv -= sum(kv_of.pop(seq + (t,), 0.0) for t in slices_seen.pop(seq, []))
+                kv -= grads_of.pop(seq, 0.0)
             record(ta.end)
     return points, peak_a, peak_kv, peak_t
