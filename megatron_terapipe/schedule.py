@@ -14,7 +14,7 @@ Dependencies (what the executor relies on, and what the timing engine models):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Literal, Optional, Sequence
+from typing import Callable, Iterable, Literal, Optional
 
 from .plan import TeraPipePlan
 
@@ -174,20 +174,9 @@ def timeline(schedule: Schedule,
     neighbour (forward: stage+1, backward: stage-1). Sends are asynchronous: a stage never waits
     for its own send. Raises ScheduleError on a deadlock.
     """
+    deps = _Dependencies(schedule, transfer_time)
     K = schedule.num_stages
-    index: dict[Cell, int] = {}
-    for actions in schedule.stages:
-        for a in actions:
-            if a.cell not in index:
-                index[a.cell] = len(index)
-    n = len(index)
-    # finish[kind][stage][cell id]: when that action ended (None: not yet run).
-    finish_f: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
-    finish_b: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
-    sent_f: list[list[float]] = [[0.0] * n for _ in range(K)]  # when stage k+1 may use F
-    sent_b: list[list[float]] = [[0.0] * n for _ in range(K)]  # when stage k-1 may use B
     pos = [0] * K
-    free_at = [0.0] * K
     out: list[TimedAction] = []
     remaining = sum(len(s) for s in schedule.stages)
     while remaining:
@@ -196,41 +185,78 @@ def timeline(schedule: Schedule,
             actions = schedule.stages[k]
             while pos[k] < len(actions):
                 action = actions[pos[k]]
-                i = index[action.cell]
-                start = free_at[k]
-                if action.kind == "F":
-                    if k > 0:
-                        if finish_f[k - 1][i] is None:
-                            break
-                        start = max(start, sent_f[k - 1][i])
-                else:
-                    own = finish_f[k][i]
-                    if own is None:
-                        break
-                    start = max(start, own)
-                    if k < K - 1:
-                        if finish_b[k + 1][i] is None:
-                            break
-                        start = max(start, sent_b[k + 1][i])
+                start = deps.ready_time(k, action)
+                if start is None:
+                    break
                 end = start + compute_time(k, action)
-                free_at[k] = end
-                if action.kind == "F":
-                    finish_f[k][i] = end
-                    if k < K - 1:
-                        sent_f[k][i] = end + transfer_time(k, action)
-                else:
-                    finish_b[k][i] = end
-                    if k > 0:
-                        sent_b[k][i] = end + transfer_time(k, action)
+                deps.done(k, action, end)
                 out.append(TimedAction(k, action, start, end))
                 pos[k] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = {k: str(schedule.stages[k][pos[k]]) for k in range(K)
-                     if pos[k] < len(schedule.stages[k])}
-            raise ScheduleError(f"schedule deadlocks: stages wait at {stuck}")
+            deps.deadlock(pos)
     return out
+
+
+class _Dependencies:
+    """When each stage's next action may start: its own previous action and the neighbour
+    results it needs (module docstring), with transfer delays. Cells are integer ids."""
+
+    def __init__(self, schedule: Schedule,
+                 transfer_time: Callable[[int, Action], float]) -> None:
+        self.schedule = schedule
+        self.transfer_time = transfer_time
+        self.K = K = schedule.num_stages
+        self.index: dict[Cell, int] = {}
+        for actions in schedule.stages:
+            for a in actions:
+                self.index.setdefault(a.cell, len(self.index))
+        n = len(self.index)
+        # finish_*[stage][cell id]: when that action ended (None: not yet run); sent_*: when
+        # the neighbour (stage+1 for F, stage-1 for B) may use its result.
+        self.finish_f: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+        self.finish_b: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
+        self.sent_f = [[0.0] * n for _ in range(K)]
+        self.sent_b = [[0.0] * n for _ in range(K)]
+        self.free_at = [0.0] * K
+
+    def ready_time(self, k: int, action: Action) -> Optional[float]:
+        """Earliest start of `action` on stage k, or None while a dependency has not run."""
+        i = self.index[action.cell]
+        start = self.free_at[k]
+        if action.kind == "F":
+            if k > 0:
+                if self.finish_f[k - 1][i] is None:
+                    return None
+                start = max(start, self.sent_f[k - 1][i])
+        else:
+            own = self.finish_f[k][i]
+            if own is None:
+                return None
+            start = max(start, own)
+            if k < self.K - 1:
+                if self.finish_b[k + 1][i] is None:
+                    return None
+                start = max(start, self.sent_b[k + 1][i])
+        return start
+
+    def done(self, k: int, action: Action, end: float) -> None:
+        i = self.index[action.cell]
+        self.free_at[k] = end
+        if action.kind == "F":
+            self.finish_f[k][i] = end
+            if k < self.K - 1:
+                self.sent_f[k][i] = end + self.transfer_time(k, action)
+        else:
+            self.finish_b[k][i] = end
+            if k > 0:
+                self.sent_b[k][i] = end + self.transfer_time(k, action)
+
+    def deadlock(self, pos: list[int]) -> None:
+        stages = self.schedule.stages
+        stuck = {k: str(stages[k][pos[k]]) for k in range(self.K) if pos[k] < len(stages[k])}
+        raise ScheduleError(f"schedule deadlocks: stages wait at {stuck}")
 
 
 def validate(schedule: Schedule) -> None:
@@ -275,10 +301,6 @@ def validate(schedule: Schedule) -> None:
     timeline(schedule, lambda k, a: 1.0)
 
 
-def iter_stage(schedule: Schedule, stage: int) -> Iterator[Action]:
-    return iter(schedule.stages[stage])
-
-
 def format_schedule(schedule: Schedule, stages: Optional[Iterable[int]] = None) -> str:
     """Readable per-stage action lists, for logs and debugging."""
     lines = []
@@ -299,62 +321,30 @@ def shared_timeline(schedule: Schedule,
     """
     if cores <= 0:
         raise ValueError(f"cores must be positive, got {cores}")
+    deps = _Dependencies(schedule, transfer_time)
     K = schedule.num_stages
-    index: dict[Cell, int] = {}
-    for actions in schedule.stages:
-        for a in actions:
-            index.setdefault(a.cell, len(index))
-    n = len(index)
-    finish_f: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
-    finish_b: list[list[Optional[float]]] = [[None] * n for _ in range(K)]
-    sent_f = [[0.0] * n for _ in range(K)]
-    sent_b = [[0.0] * n for _ in range(K)]
     pos = [0] * K
-    free_at = [0.0] * K
     running: dict[int, list] = {}  # stage -> [action, start, remaining seconds of solo work]
     out: list[TimedAction] = []
     now = 0.0
     eps = 1e-12
-
-    def ready_time(k: int) -> Optional[float]:
-        """When stage k's next action may start, or None if a dependency has not run."""
-        action = schedule.stages[k][pos[k]]
-        i = index[action.cell]
-        t = free_at[k]
-        if action.kind == "F":
-            if k > 0:
-                if finish_f[k - 1][i] is None:
-                    return None
-                t = max(t, sent_f[k - 1][i])
-        else:
-            if finish_f[k][i] is None:
-                return None
-            t = max(t, finish_f[k][i])
-            if k < K - 1:
-                if finish_b[k + 1][i] is None:
-                    return None
-                t = max(t, sent_b[k + 1][i])
-        return t
-
     while True:
         wake = float("inf")
         for k in range(K):
             if k in running or pos[k] >= len(schedule.stages[k]):
                 continue
-            t = ready_time(k)
+            action = schedule.stages[k][pos[k]]
+            t = deps.ready_time(k, action)
             if t is None:
                 continue
             if t <= now + eps:
-                action = schedule.stages[k][pos[k]]
                 running[k] = [action, now, compute_time(k, action)]
             else:
                 wake = min(wake, t)
         if not running:
             if wake == float("inf"):
-                left = {k: str(schedule.stages[k][pos[k]]) for k in range(K)
-                        if pos[k] < len(schedule.stages[k])}
-                if left:
-                    raise ScheduleError(f"schedule deadlocks: stages wait at {left}")
+                if any(pos[k] < len(schedule.stages[k]) for k in range(K)):
+                    deps.deadlock(pos)
                 return out
             now = wake
             continue
@@ -366,16 +356,7 @@ def shared_timeline(schedule: Schedule,
             entry[2] -= step * rate
             if entry[2] <= eps:
                 action, start = entry[0], entry[1]
-                i = index[action.cell]
-                if action.kind == "F":
-                    finish_f[k][i] = now
-                    if k < K - 1:
-                        sent_f[k][i] = now + transfer_time(k, action)
-                else:
-                    finish_b[k][i] = now
-                    if k > 0:
-                        sent_b[k][i] = now + transfer_time(k, action)
-                free_at[k] = now
+                deps.done(k, action, now)
                 out.append(TimedAction(k, action, start, now))
                 pos[k] += 1
                 del running[k]
