@@ -50,10 +50,7 @@ class KVBuffer:
         self.grad_key: Optional[torch.Tensor] = None
         self.grad_value: Optional[torch.Tensor] = None
         self.starts: list[int] = []  # token offset of every slice written
-
-    @property
-    def filled(self) -> int:
-        return self.starts[-1] + self._last_length if self.starts else 0
+        self.filled = 0  # tokens written so far
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -78,9 +75,9 @@ class KVBuffer:
         self.reserve(end)
         self.key.data[start:end].copy_(key.detach())
         self.value.data[start:end].copy_(value.detach())
-        if not self.starts or self.starts[-1] < start:
+        if end > self.filled:  # a new slice (a recompute replay rewrites an old one)
             self.starts.append(start)
-            self._last_length = key.size(0)
+            self.filled = end
 
     def grad(self, which: str, like: torch.Tensor) -> torch.Tensor:
         name = "grad_" + which

@@ -19,7 +19,6 @@ from .batching import CellData, slice_tensor
 from .comm import Transport, make_transport
 from .plan import TeraPipePlan
 from .schedule import Action, Cell, Schedule, build_schedule
-from .spec import uses_slice_attention
 
 
 @dataclass
@@ -85,23 +84,11 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
               micro_batch_size: int, num_microbatches: int, tp_size: int, cp_size: int,
               decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
     """Everything that would make the run wrong or hang, raised before any communication."""
+    from .integration import check_config
+
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
-    if cp_size > 1:
-        raise ValueError(
-            f"TeraPipe does not support context parallelism (context_parallel_size={cp_size}): "
-            "token slices already split the sequence; set --context-parallel-size 1")
-    if getattr(config, "virtual_pipeline_model_parallel_size", None):
-        raise ValueError(
-            "TeraPipe does not support virtual pipeline stages: drop "
-            "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError("TeraPipe does not support MoE models yet: unset --num-experts "
-                         "or use Megatron's 1f1b schedule")
-    if getattr(config, "defer_embedding_wgrad_compute", False):
-        raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
-    if getattr(config, "mtp_num_layers", None):
-        raise ValueError("TeraPipe does not support multi-token prediction: unset --mtp-num-layers")
+    check_config(config, None, cp_size=cp_size)
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
         raise ValueError("TeraPipe supports decoder-only GPT models: decoder_seq_length must be unset")
     if adjust_tensor_shapes_fn is not None:
@@ -109,20 +96,29 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
                          "is not supported")
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
-    if not uses_slice_attention(model):
+    prepare_model(model)
+
+
+def prepare_model(model: torch.nn.Module) -> None:
+    """Check the model's attention and hook its RoPE offsets; one walk per model, not per call."""
+    if getattr(model, "_terapipe_prepared", False):
+        return
+    from .attention import SliceAttention
+
+    layers = [m for m in model.modules() if isinstance(m, SliceAttention)]
+    if not layers:
         raise ValueError(
             "TeraPipe: the model was built without the slice-aware attention: build GPTModel "
             "with transformer_layer_spec=megatron_terapipe.get_gpt_layer_spec()")
-    from .attention import SliceAttention
-
-    for module in model.modules():
-        if isinstance(module, SliceAttention):
-            kind = getattr(module.attn_mask_type, "name", str(module.attn_mask_type))
-            if kind not in ("causal", "padding_causal", "None"):
-                raise ValueError(
-                    f"TeraPipe needs causal self-attention, but layer {module.layer_number} uses "
-                    f"attn_mask_type={kind}: token slices cannot see later tokens; keep the "
-                    "spec's causal mask type or use Megatron's own schedule")
+    for module in layers:
+        kind = getattr(module.attn_mask_type, "name", str(module.attn_mask_type))
+        if kind not in ("causal", "padding_causal", "None"):
+            raise ValueError(
+                f"TeraPipe needs causal self-attention, but layer {module.layer_number} uses "
+                f"attn_mask_type={kind}: token slices cannot see later tokens; keep the "
+                "spec's causal mask type or use Megatron's own schedule")
+    install_rope_offsets(model)
+    model._terapipe_prepared = True
 
 
 class _StageExecutor:
@@ -162,7 +158,8 @@ class _StageExecutor:
         self.mb_reports: dict[int, list[tuple[Any, float]]] = {}
         self.mb_forwarded: dict[int, int] = {}
         self.forward_data_store: list[Any] = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=transport_device(model))
+        self.device = transport_device(model)
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.events: list[CellEvent] = []
 
     # -- shapes ----------------------------------------------------------------------------
@@ -175,13 +172,14 @@ class _StageExecutor:
         if input_tensor is not None and not self.forward_only:
             input_tensor.requires_grad_(True)
         self.set_input_tensor([input_tensor])
+        from megatron.core.pipeline_parallel.schedules import check_first_val_step
+
         first_cell = cell.microbatch == 0 and cell.batch_slice == 0 and cell.token_slice == 0
-        is_first_mb = first_cell if not (self.first_val_step is not None and self.forward_only) \
-            else (self.first_val_step and first_cell)
-        if is_first_mb and hasattr(self.model, "set_is_first_microbatch"):
+        if (check_first_val_step(self.first_val_step, self.forward_only, first_cell)
+                and hasattr(self.model, "set_is_first_microbatch")):
             self.model.set_is_first_microbatch()
         _set_current_microbatch(self.model, cell.microbatch)
-        autocast = (torch.autocast(transport_device(self.model).type, dtype=config.autocast_dtype)
+        autocast = (torch.autocast(self.device.type, dtype=config.autocast_dtype)
                     if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
         with running_cell(cell, self.cache, "forward", keep_grad=not self.forward_only), autocast:
             output, loss_func = self.forward_step_func(self.data.iterator_for(cell), self.model)
@@ -425,7 +423,6 @@ def forward_backward_terapipe(
     cp_size = pgc.cp.size() if pgc.cp is not None else 1
     check_run(config, model, plan, seq_length, micro_batch_size, num_microbatches, tp_size,
               cp_size, decoder_seq_length, adjust_tensor_shapes_fn)
-    install_rope_offsets(model)
 
     pp_group = pgc.pp
     num_stages = pp_group.size() if pp_group is not None else 1

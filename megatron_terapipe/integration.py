@@ -48,25 +48,30 @@ def configure(config, plan) -> None:
     _SELECTED = True
 
 
-def check_config(config, plan: Optional[TeraPipePlan]) -> None:
-    """Model-level features TeraPipe cannot run, named with the fix."""
-    if getattr(config, "context_parallel_size", 1) > 1:
+def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = None) -> None:
+    """Model-level features TeraPipe cannot run, named with the fix.
+
+    cp_size: the context-parallel group's size when known (the schedule passes it), else the
+    config's context_parallel_size.
+    """
+    cp = cp_size if cp_size is not None else getattr(config, "context_parallel_size", 1)
+    if cp > 1:
         raise ValueError(
-            f"TeraPipe does not support context parallelism (context_parallel_size="
-            f"{config.context_parallel_size}): set --context-parallel-size 1")
+            f"TeraPipe does not support context parallelism (context_parallel_size={cp}): "
+            "token slices already split the sequence; set --context-parallel-size 1")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise ValueError(
             "TeraPipe does not support virtual pipeline stages: drop "
             "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
     if getattr(config, "num_moe_experts", None):
-        raise ValueError("TeraPipe does not support MoE models yet: unset --num-experts")
+        raise ValueError("TeraPipe does not support MoE models yet: unset --num-experts "
+                         "or use Megatron's 1f1b schedule")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError("TeraPipe does not support multi-token prediction: unset --mtp-num-layers")
     if plan is not None and getattr(config, "sequence_parallel", False):
-        tp = config.tensor_model_parallel_size
-        for ts in plan.token_slices:
-            if any(t % tp for t in ts):
-                raise ValueError(
-                    f"TeraPipe token slices {list(ts)} must be multiples of the tensor-parallel "
-                    f"size {tp} with sequence parallelism: choose slice lengths divisible by {tp}")
+        plan.check_multiple_of(config.tensor_model_parallel_size)
 
 
 def deselect() -> None:

@@ -137,15 +137,20 @@ class TeraPipePlan:
                 f"{sum(self.batch_slices)} rows but micro_batch_size is {micro_batch_size}: "
                 f"make batch_slices sum to {micro_batch_size}"
             )
-        if multiple_of > 1:
-            for ts in self.token_slices:
-                bad = [t for t in ts if t % multiple_of]
-                if bad:
-                    raise ValueError(
-                        f"TeraPipe token slices {bad} are not multiples of {multiple_of}, which "
-                        "sequence parallelism requires (slice lengths must divide evenly over the "
-                        f"tensor-parallel ranks): use slice lengths that are multiples of {multiple_of}"
-                    )
+        self.check_multiple_of(multiple_of)
+
+    def check_multiple_of(self, multiple_of: int) -> None:
+        """Sequence parallelism splits every slice over the tensor-parallel ranks."""
+        if multiple_of <= 1:
+            return
+        for ts in self.token_slices:
+            bad = [t for t in ts if t % multiple_of]
+            if bad:
+                raise ValueError(
+                    f"TeraPipe token slices {bad} are not multiples of {multiple_of}, which "
+                    "sequence parallelism requires (slices must be multiples of the "
+                    f"tensor-parallel size {multiple_of}): use slice lengths that are multiples "
+                    f"of {multiple_of}")
 
     # ---- construction and serialisation ----------------------------------------------------
     @classmethod

@@ -114,7 +114,3 @@ def get_gpt_decoder_block_spec(config, backend: str = "local", vp_stage=None, **
     layers = [layer] * get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm))
-
-
-def uses_slice_attention(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, SliceAttention) for m in model.modules())
