@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 
 from .schedule import Cell
+
+if TYPE_CHECKING:
+    from .wgrad import WeightGradStore
 
 try:  # bottom-right aligned causal bias lets SDPA pick flash/efficient kernels on GPU
     from torch.nn.attention.bias import causal_lower_right
@@ -132,17 +135,19 @@ class ActiveCell:
     cache: KVCache
     phase: str  # "forward" or "backward" (recomputation during backward replays the prefix)
     keep_grad: bool  # False in forward_only runs: cache plain tensors
+    wgrad: Optional["WeightGradStore"] = None  # where linear layers defer weight gradients
 
 
 _ACTIVE: Optional[ActiveCell] = None
 
 
 @contextlib.contextmanager
-def running_cell(cell: Cell, cache: KVCache, phase: str, keep_grad: bool = True) -> Iterator[None]:
+def running_cell(cell: Cell, cache: KVCache, phase: str, keep_grad: bool = True,
+                 wgrad: Optional["WeightGradStore"] = None) -> Iterator[None]:
     """Tell slice-aware modules which cell runs now."""
     global _ACTIVE
     previous = _ACTIVE
-    _ACTIVE = ActiveCell(cell, cache, phase, keep_grad)
+    _ACTIVE = ActiveCell(cell, cache, phase, keep_grad, wgrad)
     try:
         yield
     finally:

@@ -19,6 +19,7 @@ from .batching import CellData, slice_tensor
 from .comm import Transport, make_transport
 from .plan import TeraPipePlan
 from .schedule import Action, Cell, Schedule, build_schedule
+from .wgrad import WeightGradStore, install_wgrad_deferral
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RunRecord:
     events: list[CellEvent] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
+    deferred_wgrads: int = 0  # weight-gradient pieces the linear layers left to W actions
 
 
 #: Timings of the most recent call on this process.
@@ -118,6 +120,7 @@ def prepare_model(model: torch.nn.Module) -> None:
                 f"attn_mask_type={kind}: token slices cannot see later tokens; keep the "
                 "spec's causal mask type or use Megatron's own schedule")
     install_rope_offsets(model)
+    install_wgrad_deferral(model)
     model._terapipe_prepared = True
 
 
@@ -161,6 +164,8 @@ class _StageExecutor:
         self.device = transport_device(model)
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.events: list[CellEvent] = []
+        # Linear layers defer weight gradients to the schedule's W actions when it has them.
+        self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
 
     # -- shapes ----------------------------------------------------------------------------
     def activation_shape(self, cell: Cell) -> tuple[int, int, int]:
@@ -181,7 +186,8 @@ class _StageExecutor:
         _set_current_microbatch(self.model, cell.microbatch)
         autocast = (torch.autocast(self.device.type, dtype=config.autocast_dtype)
                     if getattr(config, "enable_autocast", False) else contextlib.nullcontext())
-        with running_cell(cell, self.cache, "forward", keep_grad=not self.forward_only), autocast:
+        with running_cell(cell, self.cache, "forward", keep_grad=not self.forward_only,
+                          wgrad=self.wgrad), autocast:
             output, loss_func = self.forward_step_func(self.data.iterator_for(cell), self.model)
         m = cell.microbatch
         self.mb_forwarded[m] = self.mb_forwarded.get(m, 0) + 1
@@ -282,7 +288,7 @@ class _StageExecutor:
             roots, grads = loss, None
         else:
             roots, grads = self.outputs.pop(cell), output_grad
-        with running_cell(cell, self.cache, "backward"):
+        with running_cell(cell, self.cache, "backward", wgrad=self.wgrad):
             if roots.requires_grad:
                 torch.autograd.backward(roots, grad_tensors=grads)
         self.cache.release_slice(cell)
@@ -320,6 +326,10 @@ class _StageExecutor:
             cell = action.cell
             nxt: Optional[Action] = actions[i + 1] if i + 1 < len(actions) else None
             t0 = clock()
+            if action.kind == "W":
+                self.wgrad.flush(cell.sequence_key)
+                self.events.append(CellEvent(self.stage, "W", cell, t0, clock()))
+                continue
             if action.kind == "F":
                 if self.is_first:
                     inp = None
@@ -362,6 +372,9 @@ class _StageExecutor:
                 grad_sync_func(self.model.parameters())
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
+        if self.wgrad is not None and len(self.wgrad):
+            raise RuntimeError(f"TeraPipe: weight gradients of {len(self.wgrad)} sequences were "
+                               "never computed (the schedule lacks their W actions)")
         return self.forward_data_store
 
 
@@ -447,7 +460,8 @@ def forward_backward_terapipe(
     result = executor.run(no_sync_func, grad_sync_func)
     end = time.perf_counter()
     global LAST_RUN
-    LAST_RUN = RunRecord(schedule, stage, executor.events, start, end)
+    LAST_RUN = RunRecord(schedule, stage, executor.events, start, end,
+                         executor.wgrad.deferred if executor.wgrad is not None else 0)
 
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(

@@ -37,12 +37,15 @@ class TeraPipePlan:
     order: "1f1b" (warm-up, then one forward / one backward) or "gpipe" (all forwards, then all
         backwards), the order of the TeraPipe paper.
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
+    defer_wgrad: compute a sequence's weight gradients in one W action after its last backward
+        cell, instead of a thin GEMM in every cell's backward (see megatron_terapipe.wgrad).
     """
 
     seq_slices: TokenSlices
     batch_slices: Optional[Sequence[int]] = None
     order: str = "1f1b"
     predicted_time: Optional[float] = None
+    defer_wgrad: bool = False
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
@@ -180,12 +183,14 @@ class TeraPipePlan:
             "batch_slices": list(self.batch_slices) if self.batch_slices is not None else None,
             "order": self.order,
             "predicted_time": self.predicted_time,
+            "defer_wgrad": self.defer_wgrad,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "TeraPipePlan":
         return cls(seq_slices=data["seq_slices"], batch_slices=data.get("batch_slices"),
-                   order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"))
+                   order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"),
+                   defer_wgrad=bool(data.get("defer_wgrad", False)))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -194,7 +199,8 @@ class TeraPipePlan:
         """One line for logs: rows x [token slices] per batch slice."""
         rows = self.batch_slices or ("all",)
         parts = [f"{r} rows: {list(ts)}" for r, ts in zip(rows, self.token_slices)]
-        return f"order={self.order}; " + "; ".join(parts)
+        wgrad = "deferred" if self.defer_wgrad else "per cell"
+        return f"order={self.order}; wgrad={wgrad}; " + "; ".join(parts)
 
 
 class PlanTable:

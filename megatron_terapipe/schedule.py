@@ -1,12 +1,15 @@
 """The one schedule representation: per-stage ordered forward/backward actions on cells.
 
 A cell is (microbatch, batch slice, token slice). Every stage runs the same cells; a schedule
-says in which order each stage runs their forwards (F) and backwards (B). The executor runs a
-stage's list as it stands; the simulator times the same lists; `validate` checks them.
+says in which order each stage runs their forwards (F) and backwards (B), and, when the plan
+defers weight gradients, one W per sequence: the weight gradients of all its token slices in one
+go, right after the backward of its first slice. The executor runs a stage's list as it stands;
+the simulator times the same lists; `validate` checks them.
 
 Dependencies (what the executor relies on, and what the timing engine models):
 - F(c) on stage k needs F(c) on stage k-1 (its input activation).
 - B(c) on stage k needs B(c) on stage k+1 (its output gradient) and F(c) on stage k.
+- W(c) (c: a sequence's first token slice) needs B(c) on the same stage; nothing waits for it.
 - Token slices of one (microbatch, batch slice) go forward in order and backward in reverse,
   because slice t reads the K/V of slices < t, and their K/V gradients arrive from later slices.
 """
@@ -18,7 +21,7 @@ from typing import Callable, Iterable, Literal, Optional
 
 from .plan import TeraPipePlan
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class Schedule:
     stages: tuple[tuple[Action, ...], ...]
 
     @property
+    def defer_wgrad(self) -> bool:
+        """True when weight gradients run as W actions (the plan defers them, and there is a
+        backward)."""
+        return self.plan.defer_wgrad and not self.forward_only
+
+    @property
     def num_stages(self) -> int:
         return len(self.stages)
 
@@ -138,7 +147,7 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             continue
         if plan.order == "gpipe":
             backwards = [Action("B", a.cell) for a in reversed(forwards)]
-            stages.append(tuple(forwards + backwards))
+            stages.append(tuple(forwards + _with_weight_grads(backwards, plan.defer_wgrad)))
             continue
         backwards = [Action("B", c) for cells in per_mb for c in reversed(cells)]
         n = len(forwards)
@@ -151,8 +160,20 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             order.append(backwards[b])
             b += 1
         order.extend(backwards[b:])
-        stages.append(tuple(order))
+        stages.append(tuple(_with_weight_grads(order, plan.defer_wgrad)))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
+
+
+def _with_weight_grads(actions: list[Action], defer_wgrad: bool) -> list[Action]:
+    """A W right after each sequence's last backward (that of its first token slice)."""
+    if not defer_wgrad:
+        return actions
+    out = []
+    for a in actions:
+        out.append(a)
+        if a.kind == "B" and a.cell.is_first_token_slice:
+            out.append(Action("W", a.cell))
+    return out
 
 
 @dataclass(frozen=True)
@@ -230,6 +251,9 @@ class _Dependencies:
                 if self.finish_f[k - 1][i] is None:
                     return None
                 start = max(start, self.sent_f[k - 1][i])
+        elif action.kind == "W":  # after its own B on this stage, which `validate` orders first
+            if self.finish_b[k][i] is None:
+                return None
         else:
             own = self.finish_f[k][i]
             if own is None:
@@ -248,7 +272,7 @@ class _Dependencies:
             self.finish_f[k][i] = end
             if k < self.K - 1:
                 self.sent_f[k][i] = end + self.transfer_time(k, action)
-        else:
+        elif action.kind == "B":
             self.finish_b[k][i] = end
             if k > 0:
                 self.sent_b[k][i] = end + self.transfer_time(k, action)
@@ -271,8 +295,20 @@ def validate(schedule: Schedule) -> None:
         seen_b: set[Cell] = set()
         last_f: dict[tuple[int, int], int] = {}
         last_b: dict[tuple[int, int], int] = {}
+        seen_w: set[tuple[int, int]] = set()
         for a in actions:
             c = a.cell
+            if a.kind == "W":
+                if not schedule.defer_wgrad:
+                    raise ScheduleError(f"stage {k} runs {a} but the plan computes weight "
+                                        "gradients in every backward (defer_wgrad=False)")
+                if not c.is_first_token_slice or c not in seen_b:
+                    raise ScheduleError(f"stage {k} runs {a} before the backward of every token "
+                                        "slice of its sequence")
+                if c.sequence_key in seen_w:
+                    raise ScheduleError(f"stage {k} runs {a} twice")
+                seen_w.add(c.sequence_key)
+                continue
             if a.kind == "F":
                 if c in seen_f:
                     raise ScheduleError(f"stage {k} runs {a} twice")
@@ -298,6 +334,9 @@ def validate(schedule: Schedule) -> None:
             raise ScheduleError(f"stage {k} runs {len(seen_b)} backwards, expected {len(expected_f)}")
         if schedule.forward_only and seen_b:
             raise ScheduleError(f"stage {k} runs backwards in a forward-only schedule")
+        if schedule.defer_wgrad and len(seen_w) != len({c.sequence_key for c in expected_f}):
+            raise ScheduleError(f"stage {k} runs {len(seen_w)} weight-gradient (W) actions, "
+                                "expected one per sequence")
     timeline(schedule, lambda k, a: 1.0)
 
 

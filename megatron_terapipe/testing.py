@@ -326,6 +326,7 @@ class Case:
     micro_batch_size: int = 2
     model: TinyGPT = field(default_factory=TinyGPT)
     ddp: bool = False
+    overlap_grad_reduce: bool = False  # DDP launches bucket all-reduces from gradient hooks
     forward_only: bool = False
     with_mask: bool = False
     legacy_loss: bool = False
@@ -420,7 +421,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
 
         model = Float16Module(config, model)
     if case.ddp:
-        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False,
+        ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=case.overlap_grad_reduce,
                                                    use_distributed_optimizer=False)
         model = DistributedDataParallel(config, ddp_config, model)
         config.no_sync_func = model.no_sync
@@ -439,7 +440,10 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         forward_step_func=fs, data_iterator=iter(mine), model=[model],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
         micro_batch_size=case.micro_batch_size, forward_only=case.forward_only)
-    result: dict[str, Any] = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage()}
+    from .executor import LAST_RUN
+
+    result: dict[str, Any] = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage(),
+                              "deferred_wgrads": LAST_RUN.deferred_wgrads}
     if parallel_state.is_pipeline_last_stage():
         mine_ref = ref_losses[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
         result["losses"] = _report_values(losses)

@@ -78,6 +78,20 @@ class CostModel(ABC):
         """Backward counterpart of edge_forward_time (default 0)."""
         return _scalar_or_array(np.zeros(_edge_shape(batch, length, first_stage, last_stage)))
 
+    def wgrad_time(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike,
+                   first_stage: ArrayLike, last_stage: ArrayLike):
+        """Seconds of a cell's backward (layers plus edges) that are weight-gradient GEMMs.
+
+        With deferred weight gradients (TeraPipePlan.defer_wgrad) a backward cell costs this
+        much less, and the sequence's W action costs the sum over its cells. The default is 0:
+        the model cannot tell, and deferring is priced as a reordering only."""
+        return _scalar_or_array(np.zeros(_edge_shape(batch, length, context, first_stage, last_stage)))
+
+    def wgrad_hold_bytes(self, batch: ArrayLike, length: ArrayLike):
+        """Bytes a stage keeps from a cell's backward until its sequence's W action when weight
+        gradients are deferred: the linear layers' inputs and output gradients (default 0)."""
+        return _scalar_or_array(np.zeros(_edge_shape(batch, length)))
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -154,6 +168,21 @@ class ModelDims:
         h, f = self.hidden_size, self.ffn
         mlp = (3 if self.gated_linear_unit else 2) * h * f
         return h * (h + 2 * self.kv_hidden) + h * h + mlp
+
+    def linear_flops(self, batch: ArrayLike, length: ArrayLike) -> np.ndarray:
+        """Forward FLOPs of one layer's linear layers (QKV, projection, MLP)."""
+        b, l = _f64(batch, length)
+        return 2.0 * b * l * self.params_per_layer
+
+    def attention_flops(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike,
+                        flash_attention: bool = True) -> np.ndarray:
+        """Forward FLOPs of one layer's core attention (Q K^T and P V)."""
+        b, l, c = _f64(batch, length, context)
+        if flash_attention:  # fused kernels skip the masked half of the causal block
+            pairs = l * c + l * (l + 1) / 2
+        else:  # unfused attention computes the whole [l, c + l] score matrix
+            pairs = l * (c + l)
+        return 4.0 * b * self.hidden_size * pairs
 
     def to_dict(self) -> dict:
         """The layer shape (and vocab_size when known; left out when None, so the dict of a
@@ -252,6 +281,7 @@ class LayerStackCostModel(CostModel):
         self.tensor_parallel = int(tensor_parallel)
         self.dtype_bytes = int(dtype_bytes)
         self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention)
+        self.flash_attention = flash_attention
 
     @abstractmethod
     def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
@@ -295,6 +325,30 @@ class LayerStackCostModel(CostModel):
     def edge_backward_time(self, batch, length, first_stage, last_stage):
         return self._edge_time("backward", batch, length, first_stage, last_stage)
 
+    def wgrad_hold_bytes(self, batch, length):
+        """Per layer: the inputs of QKV, projection, fc1 and fc2, and their output gradients."""
+        b, l = _f64(batch, length)
+        m, t = self.model, self.tensor_parallel
+        fc1_out = (2 if m.gated_linear_unit else 1) * m.ffn
+        inputs = 3 * m.hidden_size + m.ffn / t
+        outputs = (m.hidden_size + 2 * m.kv_hidden) / t + 2 * m.hidden_size + fc1_out / t
+        return _scalar_or_array(self.layers_per_stage * b * l * (inputs + outputs) * self.dtype_bytes)
+
+    def wgrad_time(self, batch, length, context, first_stage, last_stage):
+        """The weight-gradient GEMMs' share of the backward, by FLOPs: a layer's backward does
+        twice its forward FLOPs (input and weight gradients of the linear layers, and the
+        attention's backward); the weight gradients are the linear layers' forward FLOPs again.
+        On the last stage the output layer's backward is half weight gradient."""
+        b, l, c = _f64(batch, length, context)
+        linear = self.model.linear_flops(b, l)
+        attention = self.model.attention_flops(b, l, c, self.flash_attention)
+        share = linear / (2.0 * (linear + attention))
+        layers = self.layers_per_stage * self.layer_backward_time(b, l, c) * share
+        output = 0.5 * self.edge_part_time("output", "backward", b, l)
+        shape = _edge_shape(b, l, c, first_stage, last_stage)
+        return _scalar_or_array(np.broadcast_to(
+            layers + np.where(np.asarray(last_stage, dtype=bool), output, 0.0), shape))
+
 
 class AnalyticCostModel(LayerStackCostModel):
     """Roofline estimate of a GPT layer: max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth),
@@ -323,18 +377,9 @@ class AnalyticCostModel(LayerStackCostModel):
 
     def layer_flops(self, batch, length, context) -> np.ndarray:
         """Forward FLOPs of one layer on one tensor-parallel rank."""
-        b, l, c = _f64(batch, length, context)
         m = self.model
-        h = m.hidden_size
-        qkv = 2 * b * l * h * (h + 2 * m.kv_hidden)
-        out_proj = 2 * b * l * h * h
-        mlp = 2 * b * l * h * m.ffn * (3 if m.gated_linear_unit else 2)
-        if self.flash_attention:  # fused kernels skip the masked half of the causal block
-            pairs = l * c + l * (l + 1) / 2
-        else:  # unfused attention computes the whole [l, c + l] score matrix
-            pairs = l * (c + l)
-        attention = 4 * b * h * pairs  # Q K^T and P V
-        return (qkv + out_proj + mlp + attention) / self.tensor_parallel
+        return (m.linear_flops(batch, length)
+                + m.attention_flops(batch, length, context, self.flash_attention)) / self.tensor_parallel
 
     def layer_bytes(self, batch, length, context) -> np.ndarray:
         """Forward HBM traffic of one layer on one rank: weights, K/V read, activations."""
@@ -455,7 +500,8 @@ class FunctionCostModel(CostModel):
     transfer(batch, length), activation(batch, length, context), kv(batch, length) default to
     zero seconds, and one byte per row per token for both memories.
     edge_forward(batch, length, first_stage, last_stage) and edge_backward(...) give the first
-    and last stage's extra seconds; both default to zero.
+    and last stage's extra seconds; both default to zero. wgrad(batch, length, context,
+    first_stage, last_stage): the weight-gradient seconds within backward (default zero).
     """
 
     def __init__(self, forward: Callable[..., ArrayLike],
@@ -464,7 +510,8 @@ class FunctionCostModel(CostModel):
                  activation: Optional[Callable[..., ArrayLike]] = None,
                  kv: Optional[Callable[..., ArrayLike]] = None,
                  edge_forward: Optional[Callable[..., ArrayLike]] = None,
-                 edge_backward: Optional[Callable[..., ArrayLike]] = None, name: str = "function"):
+                 edge_backward: Optional[Callable[..., ArrayLike]] = None,
+                 wgrad: Optional[Callable[..., ArrayLike]] = None, name: str = "function"):
         self._forward = forward
         self._backward = backward
         self._backward_ratio = backward_ratio
@@ -473,6 +520,7 @@ class FunctionCostModel(CostModel):
         self._kv = kv
         self._edge_forward = edge_forward
         self._edge_backward = edge_backward
+        self._wgrad = wgrad
         self.name = name
 
     def forward_time(self, batch, length, context):
@@ -514,6 +562,15 @@ class FunctionCostModel(CostModel):
 
     def edge_backward_time(self, batch, length, first_stage, last_stage):
         return self._edge(self._edge_backward, batch, length, first_stage, last_stage)
+
+    def wgrad_time(self, batch, length, context, first_stage, last_stage):
+        if self._wgrad is None:
+            return super().wgrad_time(batch, length, context, first_stage, last_stage)
+        b, l, c = _f64(batch, length, context)
+        first, last = np.asarray(first_stage, dtype=bool), np.asarray(last_stage, dtype=bool)
+        shape = _edge_shape(b, l, c, first, last)
+        return _scalar_or_array(np.broadcast_to(
+            np.asarray(self._wgrad(b, l, c, first, last), dtype=np.float64), shape))
 
     def describe(self) -> str:
         return self.name

@@ -80,9 +80,11 @@ class SimulationResult:
 class _CellCosts:
     """Cost-model calls cached per cell shape (schedules repeat the same shapes a lot)."""
 
-    def __init__(self, cost_model: CostModel, num_stages: int):
+    def __init__(self, cost_model: CostModel, schedule: Schedule):
         self.cost_model = cost_model
-        self.num_stages = num_stages
+        self.num_stages = schedule.num_stages
+        self.defer_wgrad = schedule.defer_wgrad
+        self.token_slices = schedule.plan.token_slices
         self._cache: dict[tuple, float] = {}
 
     def _get(self, key: tuple, fn, *args) -> float:
@@ -98,19 +100,34 @@ class _CellCosts:
     def compute(self, stage: int, action: Action) -> float:
         c = action.cell
         m = self.cost_model
+        first, last = stage == 0, stage == self.num_stages - 1
+        if action.kind == "W":  # the deferred weight gradients of every token slice of c's sequence
+            return sum(self._wgrad(c.rows, t, ctx, first, last) for t, ctx in self._sequence(c))
         if action.kind == "F":
             layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
                                c.rows, c.tokens, c.context)
         else:
             layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
                                c.rows, c.tokens, c.context)
-        first, last = stage == 0, stage == self.num_stages - 1
-        if not (first or last):
-            return layers
-        edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
-        edge = self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
-                         c.rows, c.tokens, first, last)
-        return layers + edge
+        if first or last:
+            edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
+            layers += self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
+                                c.rows, c.tokens, first, last)
+        if action.kind == "B" and self.defer_wgrad:
+            layers = max(0.0, layers - self._wgrad(c.rows, c.tokens, c.context, first, last))
+        return layers
+
+    def _wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
+        return self._get(("WG", rows, tokens, context, first, last), self.cost_model.wgrad_time,
+                         rows, tokens, context, first, last)
+
+    def _sequence(self, cell: Cell) -> list[tuple[int, int]]:
+        """(tokens, context) of every token slice of the cell's batch slice."""
+        out, start = [], 0
+        for t in self.token_slices[cell.batch_slice]:
+            out.append((t, start))
+            start += t
+        return out
 
     def transfer(self, stage: int, action: Action) -> float:
         c = action.cell
@@ -120,6 +137,10 @@ class _CellCosts:
         c = action.cell
         return self._get(("A", c.rows, c.tokens, c.context), self.cost_model.activation_bytes,
                          c.rows, c.tokens, c.context)
+
+    def wgrad_hold(self, action: Action) -> float:
+        c = action.cell
+        return self._get(("WH", c.rows, c.tokens), self.cost_model.wgrad_hold_bytes, c.rows, c.tokens)
 
     def kv(self, action: Action) -> float:
         c = action.cell
@@ -135,7 +156,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     the stages share this many processors (e.g. a CPU run whose processes share cores); None
     means every stage has its own device.
     """
-    costs = _CellCosts(cost_model, schedule.num_stages)
+    costs = _CellCosts(cost_model, schedule)
     if timed is None and cores is not None and cores < schedule.num_stages:
         from ..schedule import shared_timeline
 
@@ -182,10 +203,16 @@ def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: b
         peak_a, peak_kv, peak_t = max(peak_a, act), max(peak_kv, kv), max(peak_t, act + kv)
         points.append(MemoryPoint(time, act, kv))
 
+    held: dict[tuple[int, int], float] = {}  # sequence -> bytes kept for its W action
+
     for ta in actions:
         a, c = ta.action, ta.action.cell
         seq = (c.microbatch, c.batch_slice)
         key = (c.microbatch, c.batch_slice, c.token_slice)
+        if a.kind == "W":
+            act -= held.pop(seq, 0.0)
+            record(ta.end)
+            continue
         if a.kind == "F":
             act += costs.activation(a)
             kv_of[key] = costs.kv(a)
@@ -204,6 +231,10 @@ def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: b
                 kv += grads_of[seq]
                 record(ta.start)
             act -= costs.activation(a)
+            if costs.defer_wgrad:  # linear inputs and output gradients wait for the W action
+                hold = costs.wgrad_hold(a)
+                act += hold
+                held[seq] = held.get(seq, 0.0) + hold
             if c.token_slice == 0:
                 # The executor keeps one K/V buffer per sequence and layer; it goes with the
                 # backward of the sequence's first slice, the last one that reads it.

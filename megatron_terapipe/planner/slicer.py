@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -354,19 +354,22 @@ def solve_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,
 def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_stages: int,
           granularity: int = 8, num_microbatches: int = 1, order: str = "1f1b",
           multiple_of: int = 1, batch_sizes: BatchSizes = "divisors",
-          include_transfer: bool = True, simulate: bool = True) -> TeraPipePlan:
+          include_transfer: bool = True, simulate: bool = True,
+          defer_wgrad: Optional[bool] = None) -> TeraPipePlan:
     """The plan with the least objective (see `solve_slicing`).
 
     With simulate=True (default) its predicted_time is the simulator's iteration time of the
     plan's schedule (order, microbatches, transfers, each stage's edge times). The objective
     approximates that timeline, so the simulator then also times the best uniform slicing and
-    no token slicing, and `solve` returns whichever of the three is fastest: never slower than
-    those under the simulator. With simulate=False: the DP's plan, and the objective itself as
+    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`; True
+    or False fixes it), and `solve` returns whichever is fastest: never slower than those under
+    the simulator. With simulate=False: the DP's plan, and the objective itself as
     predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
-    candidates = [(solution.objective, solution.plan)]
+    deferrals = (False, True) if defer_wgrad is None else (bool(defer_wgrad),)
+    candidates = [(solution.objective, replace(solution.plan, defer_wgrad=deferrals[0]))]
     if simulate:
         from ..schedule import build_schedule
         from .simulator import simulate as run_simulation
@@ -379,10 +382,12 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
                                           granularity, num_microbatches, order, multiple_of,
                                           include_transfer)
         whole = TeraPipePlan([seq_length], order=order)
-        candidates = [(timed(p), p) for p in (solution.plan, uniform, whole)]
-    predicted, plan = min(candidates, key=lambda c: c[0])  # ties keep the DP's plan
+        options = [replace(p, defer_wgrad=d) for p in (solution.plan, uniform, whole)
+                   for d in deferrals]
+        candidates = [(timed(p), p) for p in options]
+    predicted, plan = min(candidates, key=lambda c: c[0])  # ties keep the earlier option
     return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
-                        order=order, predicted_time=predicted)
+                        order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad)
 
 
 def best_uniform_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,

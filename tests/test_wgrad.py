@@ -1,0 +1,181 @@
+"""Deferred weight gradients (TeraPipePlan.defer_wgrad): W actions in the schedule, exact
+gradients against Megatron's no-pipelining baseline, and the simulator's pricing of them."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_terapipe import TeraPipePlan
+from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
+from megatron_terapipe.planner import simulate, solve
+from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
+from megatron_terapipe.testing import Case, TinyGPT, spawn
+
+
+def deferred(plan: TeraPipePlan) -> TeraPipePlan:
+    return dataclasses.replace(plan, defer_wgrad=True)
+
+
+UNEVEN = deferred(TeraPipePlan([5, 7, 4]))
+
+CASES_2 = [
+    Case("w_pp2_1f1b_uneven", UNEVEN, num_microbatches=3),
+    Case("w_pp2_gpipe_fewer_mb", deferred(TeraPipePlan([5, 7, 4], order="gpipe")), num_microbatches=1),
+    Case("w_pp2_one_slice", deferred(TeraPipePlan([16])), num_microbatches=2),
+    Case("w_pp2_batch_slices_own_tokens",
+         deferred(TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2])), micro_batch_size=3),
+    Case("w_pp2_tied_embeddings_ddp_overlap", UNEVEN, model=TinyGPT(untie=False), ddp=True,
+         overlap_grad_reduce=True),
+    Case("w_pp2_per_token_loss", UNEVEN, model=TinyGPT(calculate_per_token_loss=True)),
+    Case("w_pp2_selective_recompute", UNEVEN,
+         model=TinyGPT(recompute_granularity="selective", recompute_modules=("core_attn",))),
+    Case("w_pp2_full_recompute", deferred(TeraPipePlan([5, 7, 4], order="gpipe")),
+         model=TinyGPT(recompute_granularity="full")),
+    Case("w_pp2_megatron_p2p", UNEVEN, transport="megatron", num_microbatches=4),
+    Case("w_pp2_bf16_float16module", UNEVEN,
+         model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=5e-2),
+]
+
+CASES_4 = [
+    Case("w_pp4_1f1b_more_mb", UNEVEN, pp=4, num_microbatches=5),
+    Case("w_tp2_pp2_1f1b", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2),
+    Case("w_tp2_pp2_sequence_parallel_ddp", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2,
+         ddp=True, model=TinyGPT(sequence_parallel=True)),
+    Case("w_dp2_pp2_ddp_overlap", UNEVEN, pp=2, ddp=True, overlap_grad_reduce=True,
+         num_microbatches=2),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(2, "megatron_terapipe.testing:run_cases", CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
+
+
+def _check(results, case: Case) -> None:
+    saw_last = False
+    for rank_result in results:
+        r = rank_result[case.name]
+        # the linear layers really left their weight gradients to the W actions
+        assert r["deferred_wgrads"] > 0, f"rank {r['rank']}: nothing was deferred"
+        assert r["grad_error"] <= case.tolerance, (
+            f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
+        if r["last_stage"]:
+            saw_last = True
+            for got, ref in zip(r["losses"], r["ref_losses"]):
+                assert got == pytest.approx(ref, rel=1e-3 if case.model.bf16 else 1e-5, abs=1e-6)
+    assert saw_last
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_deferred_two_processes(world2, case):
+    _check(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_deferred_four_processes(world4, case):
+    _check(world4, case)
+
+
+# ---- the schedule ------------------------------------------------------------------------------
+def test_one_w_per_sequence_right_after_its_first_slice_backward():
+    plan = deferred(TeraPipePlan([4, 4, 8], batch_slices=[1, 1]))
+    for order in ("1f1b", "gpipe"):
+        schedule = build_schedule(dataclasses.replace(plan, order=order), 3, 2, 2)
+        validate(schedule)
+        for actions in schedule.stages:
+            ws = [i for i, a in enumerate(actions) if a.kind == "W"]
+            assert len(ws) == 3 * 2  # microbatches x batch slices
+            for i in ws:
+                before = actions[i - 1]
+                assert before.kind == "B" and before.cell == actions[i].cell
+                assert before.cell.token_slice == 0
+
+
+def test_no_w_without_deferral_or_backward():
+    plan = TeraPipePlan([4, 4])
+    assert not any(a.kind == "W" for s in build_schedule(plan, 2, 2, 1).stages for a in s)
+    fwd = build_schedule(deferred(plan), 2, 2, 1, forward_only=True)
+    assert not fwd.defer_wgrad
+    assert not any(a.kind == "W" for s in fwd.stages for a in s)
+
+
+def _edited(schedule: Schedule, stage: int, edit) -> Schedule:
+    stages = list(schedule.stages)
+    stages[stage] = tuple(edit(list(stages[stage])))
+    return dataclasses.replace(schedule, stages=tuple(stages))
+
+
+def test_validate_rejects_misplaced_w():
+    schedule = build_schedule(deferred(TeraPipePlan([4, 4])), 1, 2, 1)
+    w = next(a for a in schedule.stages[0] if a.kind == "W")
+
+    def early(actions):  # W before the sequence's backwards
+        actions.remove(w)
+        return [w] + actions
+
+    with pytest.raises(ScheduleError, match="before the backward of every token slice"):
+        validate(_edited(schedule, 0, early))
+    with pytest.raises(ScheduleError, match="twice"):
+        validate(_edited(schedule, 0, lambda a: a + [w]))
+    with pytest.raises(ScheduleError, match="expected one per sequence"):
+        validate(_edited(schedule, 0, lambda a: [x for x in a if x.kind != "W"]))
+    plain = build_schedule(TeraPipePlan([4, 4]), 1, 2, 1)
+    with pytest.raises(ScheduleError, match="defer_wgrad=False"):
+        validate(_edited(plain, 1, lambda a: a + [Action("W", w.cell)]))
+
+
+def test_plan_round_trips_defer_wgrad():
+    plan = deferred(TeraPipePlan([4, 4]))
+    assert TeraPipePlan.from_dict(plan.to_dict()) == plan
+    assert TeraPipePlan.from_dict(TeraPipePlan([4, 4]).to_dict()).defer_wgrad is False
+    assert "wgrad=deferred" in plan.describe()
+
+
+# ---- the simulator and the planner ------------------------------------------------------------
+def _function_model(wgrad_share: float) -> FunctionCostModel:
+    return FunctionCostModel(forward=lambda b, l, c: 1e-3 * b * l,
+                             backward=lambda b, l, c: 2e-3 * b * l,
+                             wgrad=lambda b, l, c, first, last: wgrad_share * 2e-3 * b * l)
+
+
+def test_simulator_moves_weight_gradient_time_from_backward_cells_to_w():
+    plan = TeraPipePlan([8, 8, 16])
+    cost = _function_model(0.5)
+    plain = simulate(build_schedule(plan, 2, 2, 1), cost)
+    moved = simulate(build_schedule(deferred(plan), 2, 2, 1), cost)
+    # the same work on every stage, split differently
+    assert sum(moved.busy) == pytest.approx(sum(plain.busy))
+    for ta in moved.timeline:
+        duration = ta.end - ta.start
+        if ta.action.kind == "B":
+            assert duration == pytest.approx(0.5 * 2e-3 * ta.action.cell.tokens)
+        elif ta.action.kind == "W":
+            assert duration == pytest.approx(0.5 * 2e-3 * 32)
+    # the last stage's weight gradients no longer delay the gradient sent upstream
+    assert moved.iteration_time < plain.iteration_time
+
+
+def test_analytic_wgrad_share_is_the_linear_layers_half_of_backward():
+    cost = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("a100"), layers_per_stage=4)
+    back = cost.backward_time(1, 512, 0)
+    share = cost.wgrad_time(1, 512, 0, False, False) / back
+    assert 0.3 < share < 0.5  # attention's backward is the rest
+    # a longer context adds attention work only: the weight-gradient seconds barely move
+    assert cost.wgrad_time(1, 512, 4096, False, False) == pytest.approx(
+        cost.wgrad_time(1, 512, 0, False, False), rel=0.1)
+
+
+def test_solve_lets_the_simulator_choose_deferral():
+    cost = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("a100"), layers_per_stage=5)
+    chosen = solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1)
+    forced = {d: solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1, defer_wgrad=d)
+              for d in (False, True)}
+    assert chosen.predicted_time == pytest.approx(min(p.predicted_time for p in forced.values()))
+    assert forced[True].defer_wgrad and not forced[False].defer_wgrad
+    assert chosen.defer_wgrad  # with one microbatch, the last stages' W fills the drain
