@@ -29,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -208,12 +208,15 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
             best = plan
     uniform, _ = best_uniform_slicing(cost, seq, 1, STAGES, granularity=granularity,
                                       num_microbatches=num_microbatches, order=best.order)
-    uniform = TeraPipePlan(uniform.seq_slices, order=best.order,
-                           predicted_time=simulate(build_schedule(uniform, num_microbatches, STAGES, 1),
-                                                   cost).iteration_time)
+    # like `solve`, let the simulator decide whether deferring weight gradients pays off
+    options = [replace(uniform, defer_wgrad=d) for d in (False, True)]
+    timed = [simulate(build_schedule(p, num_microbatches, STAGES, 1), cost).iteration_time
+             for p in options]
+    uniform = replace(options[timed.index(min(timed))], predicted_time=min(timed))
     plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
     info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
-            "uniform_slices": len(uniform.seq_slices)}
+            "dp_defer_wgrad": best.defer_wgrad, "uniform_slices": len(uniform.seq_slices),
+            "uniform_defer_wgrad": uniform.defer_wgrad}
     return plans, info
 
 
@@ -314,8 +317,9 @@ def main() -> int:
                                                   args.device, cache)
         cost = cost_models[key]
         plans, info = plans_for(cost, model, M, gran)
-        print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']}; best uniform "
-              f"{info['uniform_slices']} slices; running {repeats} interleaved repeats ...", flush=True)
+        print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']} (deferred weight "
+              f"gradients: {info['dp_defer_wgrad']}); best uniform {info['uniform_slices']} slices "
+              f"(deferred: {info['uniform_defer_wgrad']}); running {repeats} interleaved repeats ...", flush=True)
         case = SpeedCase(name, model, M, gran, repeats, plans)
         per_rank = spawn(STAGES, "bench_schedules:speed_worker", case, args.device, timeout=3600)
         for label, plan in plans.items():
@@ -324,6 +328,7 @@ def main() -> int:
                 "case": name, "config": label, "num_microbatches": M,
                 "slices": None if plan is None else [list(t) for t in plan.token_slices],
                 "order": None if plan is None else plan.order,
+                "defer_wgrad": None if plan is None else plan.defer_wgrad,
                 "measured_s": statistics.median(runs), "runs_s": runs,
                 "predicted_s": predict(cost, plan, model, M, capacity),
                 "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
@@ -353,10 +358,12 @@ def main() -> int:
         print("(no matplotlib: skipped the chart; pip install matplotlib)")
 
     print()
+    print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions)")
     print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
           f"{'sim err':>7} {'vs Megatron':>11}")
     for r in speed_rows:
-        n = "-" if r["slices"] is None else str(sum(len(t) for t in r["slices"]))
+        n = "-" if r["slices"] is None else (str(sum(len(t) for t in r["slices"]))
+                                             + ("+W" if r["defer_wgrad"] else ""))
         print(f"{r['case']:<18} {r['config']:<18} {n:>6} {r['measured_s']:>10.3f} "
               f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x")
     print(f"\nactivation + K/V peak per stage (MiB), 8 microbatches, seq {mem_model.seq_length}:")

@@ -25,6 +25,7 @@ from .profiled import (
     measure_edge_times,
     measure_layer_times,
 )
+from .refine import refine
 from .simulator import SimulationResult, simulate
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve, solve_slicing
 from .trace import chrome_trace, write_chrome_trace, write_png
@@ -44,6 +45,7 @@ __all__ = [
     "ModelDims",
     "ProfiledCostModel",
     "SimulationResult",
+    "refine",
     "SlicingSolution",
     "best_uniform_slicing",
     "chrome_trace",

@@ -17,7 +17,7 @@ from ..schedule import build_schedule
 from .cost_model import AnalyticCostModel, CostModel, ModelDims
 from .presets import HARDWARE_PRESETS, MODEL_PRESETS
 from .simulator import SimulationResult, simulate
-from .slicer import best_uniform_slicing, solve_slicing
+from .slicer import best_uniform_slicing, slicing_unit, solve_slicing
 
 GiB = 1024 ** 3
 
@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("slicer")
     s.add_argument("--granularity", type=_positive_int, default=8,
                    help="token slices are multiples of this many tokens (default 8)")
+    s.add_argument("--defer-wgrad", choices=("auto", "on", "off"), default="auto",
+                   help="compute weight gradients in one W action per sequence after its last "
+                        "backward cell (auto: whichever the simulator finds faster per plan)")
+    s.add_argument("--no-refine", action="store_true",
+                   help="skip the simulator-guided hill climb on the fastest plan's slices")
     s.add_argument("--batch-sizes", default="divisors",
                    help="rows per batch slice: divisors (default), all, none, or a list like 1,2,4")
     o = p.add_argument_group("output")
@@ -193,16 +198,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     uniform, _ = best_uniform_slicing(cost, args.seq_length, args.micro_batch_size, K,
                                       granularity=args.granularity,
                                       num_microbatches=args.num_microbatches, order=args.order)
+    deferrals = {"auto": (False, True), "on": (True,), "off": (False,)}[args.defer_wgrad]
+
+    def row(label: str, plan: TeraPipePlan) -> Row:
+        """The plan with the deferral the simulator prefers (ties: not deferred)."""
+        options = [Row(label, p, _simulate(p, args, cost))
+                   for p in (replace(plan, defer_wgrad=d) for d in deferrals)]
+        best = min(options, key=lambda r: r.result.iteration_time)
+        if best.plan.defer_wgrad:
+            best.label += " +W"
+        return best
+
     rows = [
-        Row("TeraPipe DP", solution.plan, _simulate(solution.plan, args, cost)),
-        Row(f"uniform x{len(uniform.seq_slices)}", uniform, _simulate(uniform, args, cost)),
-        Row("no token slicing", TeraPipePlan([args.seq_length], order=args.order),
-            _simulate(TeraPipePlan([args.seq_length], order=args.order), args, cost)),
+        row("TeraPipe DP", solution.plan),
+        row(f"uniform x{len(uniform.seq_slices)}", uniform),
+        row("no token slicing", TeraPipePlan([args.seq_length], order=args.order)),
     ]
-    # The objective approximates the timeline; the simulator picks (ties keep the DP's plan).
-    chosen = min(rows, key=lambda row: row.result.iteration_time)
-    chosen_plan = TeraPipePlan(chosen.plan.seq_slices, chosen.plan.batch_slices, args.order,
-                               predicted_time=chosen.result.iteration_time)
+    # The objective approximates the timeline; the simulator picks (ties keep the DP's plan),
+    # then a hill climb on the simulated time polishes the winner's slices.
+    chosen = min(rows, key=lambda r: r.result.iteration_time)
+    if not args.no_refine:
+        from .refine import refine
+
+        unit = slicing_unit(args.seq_length, args.granularity)
+        refined, _ = refine(chosen.plan, cost, args.num_microbatches, K, args.micro_batch_size, unit)
+        if refined.token_slices != chosen.plan.token_slices:
+            rows.insert(0, Row(f"refined {chosen.label.split(' +W')[0]}"
+                               + (" +W" if refined.defer_wgrad else ""),
+                               refined, _simulate(refined, args, cost)))
+            chosen = rows[0]
+    chosen_plan = replace(chosen.plan, order=args.order,
+                          predicted_time=chosen.result.iteration_time)
 
     out = sys.stdout
     print(f"model {model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
@@ -214,10 +240,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in _slices_text(chosen.plan):
         print(line, file=out)
     baseline = rows[-1].result.iteration_time
-    print(f"{'':18} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}", file=out)
-    for row in rows:
-        r = row.result
-        print(f"{row.label:18} {r.iteration_time * 1e3:>9.2f} ms {100 * r.bubble_fraction:>6.1f}% "
+    print(f"  weight gradients: {'deferred to W actions' if chosen.plan.defer_wgrad else 'in every backward cell'}",
+          file=out)
+    print(f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}", file=out)
+    for each in rows:
+        r = each.result
+        print(f"{each.label:24} {r.iteration_time * 1e3:>9.2f} ms {100 * r.bubble_fraction:>6.1f}% "
               f"{max(r.peak_memory_bytes) / GiB:>15.2f} {baseline / r.iteration_time:>7.2f}x", file=out)
     print(f"peak GiB per stage (activations + K/V), chosen plan: "
           f"{_memory_text(chosen.result.peak_memory_bytes)}", file=out)

@@ -355,7 +355,7 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
           granularity: int = 8, num_microbatches: int = 1, order: str = "1f1b",
           multiple_of: int = 1, batch_sizes: BatchSizes = "divisors",
           include_transfer: bool = True, simulate: bool = True,
-          defer_wgrad: Optional[bool] = None) -> TeraPipePlan:
+          defer_wgrad: Optional[bool] = None, refine: bool = True) -> TeraPipePlan:
     """The plan with the least objective (see `solve_slicing`).
 
     With simulate=True (default) its predicted_time is the simulator's iteration time of the
@@ -363,8 +363,9 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     approximates that timeline, so the simulator then also times the best uniform slicing and
     no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`; True
     or False fixes it), and `solve` returns whichever is fastest: never slower than those under
-    the simulator. With simulate=False: the DP's plan, and the objective itself as
-    predicted_time.
+    the simulator. With refine=True (default) the winner is then polished by a hill climb on
+    the simulated time (`planner.refine`). With simulate=False: the DP's plan, and the
+    objective itself as predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
@@ -386,6 +387,12 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
                    for d in deferrals]
         candidates = [(timed(p), p) for p in options]
     predicted, plan = min(candidates, key=lambda c: c[0])  # ties keep the earlier option
+    if simulate and refine:
+        from .refine import refine as climb
+
+        unit = slicing_unit(seq_length, granularity, multiple_of)
+        plan, predicted = climb(plan, cost_model, num_microbatches, num_stages, micro_batch_size,
+                                unit)
     return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
                         order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad)
 

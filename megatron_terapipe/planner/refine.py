@@ -1,0 +1,81 @@
+"""Simulator-guided refinement: polish a plan's token slices against the simulated timeline.
+
+The DP is exact for its objective, M * sum + (K-1) * max on the slowest kind of stage. That
+objective abstracts the pipeline: it does not see that only the first slice's forward on the
+first stage fills the pipeline and only the last slice's backward on the last stage drains it,
+that the stages' edge costs differ, or where deferred weight gradients land. `refine` starts from
+a plan and climbs: each step tries every move of one slicing unit between neighbouring slices,
+every split of a slice in two and every merge of two neighbours, and keeps the move that lowers
+the simulated iteration time most. It stops at a local optimum or after `max_evaluations`
+simulations, so it is never worse than its start under the simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from ..plan import TeraPipePlan
+from ..schedule import build_schedule
+from .cost_model import CostModel
+from .simulator import simulate
+
+#: Refinement simulates the whole schedule per candidate; past this many actions it is skipped.
+MAX_ACTIONS = 20_000
+
+
+def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
+    out = []
+    n = len(units)
+    for i in range(n - 1):
+        if units[i] > 1:  # one unit from slice i to slice i + 1
+            out.append(units[:i] + (units[i] - 1, units[i + 1] + 1) + units[i + 2:])
+        if units[i + 1] > 1:  # and back
+            out.append(units[:i] + (units[i] + 1, units[i + 1] - 1) + units[i + 2:])
+        out.append(units[:i] + (units[i] + units[i + 1],) + units[i + 2:])  # merge
+    for i, u in enumerate(units):
+        if u > 1:  # split, the larger half first
+            out.append(units[:i] + (u - u // 2, u // 2) + units[i + 1:])
+    return out
+
+
+def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num_stages: int,
+           micro_batch_size: int, unit: int, max_evaluations: int = 300,
+           cores: Optional[float] = None) -> tuple[TeraPipePlan, float]:
+    """The best plan the climb reaches from `plan`, and its simulated iteration time.
+
+    Only plans whose batch slices share one token slicing are refined (others come back as
+    they are); slices stay multiples of `unit` tokens. The plan's order, batch slices and
+    weight-gradient deferral are kept.
+    """
+    def timed(p: TeraPipePlan) -> float:
+        schedule = build_schedule(p, num_microbatches, num_stages, micro_batch_size)
+        return simulate(schedule, cost_model, cores=cores).iteration_time
+
+    start_time = timed(plan)
+    actions = plan.num_cells * num_microbatches * num_stages * 3
+    if not plan.uniform_token_slicing or actions > MAX_ACTIONS or unit <= 0:
+        return plan, start_time
+    if any(t % unit for t in plan.token_slices[0]):
+        return plan, start_time
+    units = tuple(t // unit for t in plan.token_slices[0])
+    best_units, best_time = units, start_time
+    seen = {units}
+    evaluations = 0
+    while evaluations < max_evaluations:
+        step_units, step_time = best_units, best_time
+        for candidate in _neighbours(best_units):
+            if candidate in seen:
+                continue
+            seen.add(candidate)
+            t = timed(replace(plan, seq_slices=[u * unit for u in candidate]))
+            evaluations += 1
+            if t < step_time:
+                step_units, step_time = candidate, t
+            if evaluations >= max_evaluations:
+                break
+        if step_units == best_units:
+            break
+        best_units, best_time = step_units, step_time
+    refined = replace(plan, seq_slices=[u * unit for u in best_units], predicted_time=best_time)
+    return refined, best_time
