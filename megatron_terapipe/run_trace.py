@@ -14,6 +14,9 @@ import torch.distributed as dist
 from .executor import RunRecord
 
 
+CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
+
+
 def record_events(record: RunRecord, rank: int, origin: Optional[float] = None) -> list[dict[str, Any]]:
     """Chrome-trace 'X' events (microseconds from `origin`) for one rank's last run."""
     origin = record.start if origin is None else origin
@@ -22,7 +25,7 @@ def record_events(record: RunRecord, rank: int, origin: Optional[float] = None) 
         c = e.cell
         events.append({
             "name": f"{e.kind} m{c.microbatch} b{c.batch_slice} t{c.token_slice}",
-            "cat": "forward" if e.kind == "F" else "backward",
+            "cat": CATEGORY[e.kind],
             "ph": "X", "pid": e.stage, "tid": rank,
             "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
             "args": {"microbatch": c.microbatch, "batch_slice": c.batch_slice,

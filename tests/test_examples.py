@@ -28,8 +28,11 @@ def test_training_example_runs_terapipe_and_loss_falls(tmp_path):
 
     events = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
+    cells = [e for e in spans if e["cat"] in ("forward", "backward")]
     # 2 stages x (forward + backward) x 4 token slices x 2 microbatches
-    assert len(spans) == 2 * 2 * 4 * 2
+    assert len(cells) == 2 * 2 * 4 * 2
+    # plus, if the planner deferred weight gradients, one W per stage and microbatch
+    assert len(spans) - len(cells) in (0, 2 * 2)
     assert {e["pid"] for e in spans} == {0, 1}
     # the simulator's trace of the same plan, to open beside it
     simulated = json.loads((tmp_path / "trace.simulated.json").read_text())["traceEvents"]

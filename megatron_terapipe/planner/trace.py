@@ -46,7 +46,7 @@ def chrome_trace(result: SimulationResult) -> dict:
         c = ta.action.cell
         events.append({
             "name": action_label(ta.action.kind, c),
-            "cat": "forward" if ta.action.kind == "F" else "backward",
+            "cat": {"F": "forward", "B": "backward", "W": "weight-grad"}[ta.action.kind],
             "ph": "X", "pid": ta.stage, "tid": 0,
             "ts": ta.start * 1e6, "dur": (ta.end - ta.start) * 1e6,
             "args": {"microbatch": c.microbatch, "batch_slice": c.batch_slice,
@@ -96,11 +96,11 @@ def write_png(result: SimulationResult, path: PathLike, title: str = "", dpi: in
     for ta in result.timeline:
         key = (ta.stage, ta.action.cell.microbatch, ta.action.kind)
         boxes.setdefault(key, []).append((ta.start * scale, (ta.end - ta.start) * scale))
+    style = {"F": (1.0, None), "B": (0.55, "//"), "W": (0.3, "..")}  # alpha, hatch
     for (stage, mb, kind), ranges in boxes.items():
-        forward = kind == "F"
-        ax.broken_barh(ranges, (stage - 0.4, 0.8), facecolors=colours[mb],
-                       alpha=1.0 if forward else 0.55, hatch=None if forward else "//",
-                       edgecolor="black", linewidth=0.3)
+        alpha, hatch = style[kind]
+        ax.broken_barh(ranges, (stage - 0.4, 0.8), facecolors=colours[mb], alpha=alpha,
+                       hatch=hatch, edgecolor="black", linewidth=0.3)
     ax.set_yticks(range(K))
     ax.set_yticklabels([f"stage {k}" for k in range(K)])
     ax.set_ylim(K - 0.5, -0.5)  # stage 0 on top
@@ -111,6 +111,9 @@ def write_png(result: SimulationResult, path: PathLike, title: str = "", dpi: in
         handles.append(Patch(facecolor="white", label=f"... {M - shown} more"))
     handles += [Patch(facecolor="grey", edgecolor="black", label="forward"),
                 Patch(facecolor="grey", alpha=0.55, hatch="//", edgecolor="black", label="backward")]
+    if any(ta.action.kind == "W" for ta in result.timeline):
+        handles.append(Patch(facecolor="grey", alpha=0.3, hatch="..", edgecolor="black",
+                             label="weight gradients (W)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     heading = title or short_plan_text(result.schedule.plan)
     ax.set_title(f"{heading}\niteration {result.iteration_time * 1e3:.2f} ms, "
