@@ -532,6 +532,8 @@ class PlanReport:
             who = f"{r} rows" if r is not None else "all rows"
             out.append(f">   token slices ({who}) ... {' '.join(map(str, ts))}")
         out.append(f">   order ..................... {plan.order}")
+        out.append(">   weight gradients .......... "
+                   + ("deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"))
         out.append(f">   slices from ............... {self.source}")
         out.append(f">   cost model ................ {self.cost_model}")
         if self.iteration_time is not None:

@@ -6,8 +6,10 @@ first stage fills the pipeline and only the last slice's backward on the last st
 that the stages' edge costs differ, or where deferred weight gradients land. `refine` starts from
 a plan and climbs: each step tries every move of one slicing unit between neighbouring slices,
 every split of a slice in two and every merge of two neighbours, and keeps the move that lowers
-the simulated iteration time most. It stops at a local optimum or after `max_evaluations`
-simulations, so it is never worse than its start under the simulator.
+the simulated iteration time most, if it gains at least `min_gain` (relative; smaller gains are
+within any cost model's error and would only make the plan ragged). It stops at a local
+optimum or after `max_evaluations` simulations, so it is never worse than its start under the
+simulator.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num_stages: int,
            micro_batch_size: int, unit: int, max_evaluations: int = 300,
-           cores: Optional[float] = None) -> tuple[TeraPipePlan, float]:
+           cores: Optional[float] = None, min_gain: float = 1e-3) -> tuple[TeraPipePlan, float]:
     """The best plan the climb reaches from `plan`, and its simulated iteration time.
 
     Only plans whose batch slices share one token slicing are refined (others come back as
@@ -70,7 +72,7 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
             seen.add(candidate)
             t = timed(replace(plan, seq_slices=[u * unit for u in candidate]))
             evaluations += 1
-            if t < step_time:
+            if t < step_time and t < best_time * (1.0 - min_gain):
                 step_units, step_time = candidate, t
             if evaluations >= max_evaluations:
                 break
