@@ -197,6 +197,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
     """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
     from megatron_terapipe.planner import best_uniform_slicing, simulate, solve
+    from megatron_terapipe.planner.slicer import deferral_pays
     from megatron_terapipe.schedule import build_schedule
 
     seq = model.seq_length
@@ -212,7 +213,8 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
     options = [replace(uniform, defer_wgrad=d) for d in (False, True)]
     timed = [simulate(build_schedule(p, num_microbatches, STAGES, 1), cost).iteration_time
              for p in options]
-    uniform = replace(options[timed.index(min(timed))], predicted_time=min(timed))
+    pick = 1 if deferral_pays(timed[0], timed[1]) else 0
+    uniform = replace(options[pick], predicted_time=timed[pick])
     plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
     info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
             "dp_defer_wgrad": best.defer_wgrad, "uniform_slices": len(uniform.seq_slices),

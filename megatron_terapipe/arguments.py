@@ -59,8 +59,8 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                              "--terapipe-granularity)")
     group.add_argument("--terapipe-defer-wgrad", choices=("auto", "on", "off"), default="auto",
                        help="compute each sequence's weight gradients in one W action after its "
-                            "last backward cell instead of in every cell (auto: whichever the "
-                            "cost model's simulation finds faster)")
+                            "last backward cell instead of in every cell (auto: when the cost "
+                            "model's simulation finds it at least 1%% faster)")
     group.add_argument("--terapipe-cost-model", default="analytic",
                        metavar="{analytic,profile,PATH}",
                        help="cost model of the DP slicer (used when no slices are given) and of "
@@ -781,7 +781,11 @@ def plan_and_report(args, seq_length: int, micro_batch_size: int,
         if defer == "auto" and not planned:  # solve() has chosen for its own plans
             other = replace(plan, defer_wgrad=not plan.defer_wgrad)
             theirs = timed(other)
-            if theirs.iteration_time < mine.iteration_time:
+            from .planner.slicer import deferral_pays
+
+            plain, deferred = (mine, theirs) if not plan.defer_wgrad else (theirs, mine)
+            choice = deferral_pays(plain.iteration_time, deferred.iteration_time)
+            if choice != plan.defer_wgrad:
                 plan, mine = other, theirs
         base = timed(TeraPipePlan(seq_slices=[seq_length], order="1f1b"))
         report.iteration_time, report.bubble = mine.iteration_time, mine.bubble_fraction

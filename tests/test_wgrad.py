@@ -176,6 +176,17 @@ def test_solve_lets_the_simulator_choose_deferral():
     chosen = solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1)
     forced = {d: solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1, defer_wgrad=d)
               for d in (False, True)}
-    assert chosen.predicted_time == pytest.approx(min(p.predicted_time for p in forced.values()))
     assert forced[True].defer_wgrad and not forced[False].defer_wgrad
-    assert chosen.defer_wgrad  # with one microbatch, the last stages' W fills the drain
+    # with one microbatch, the last stages' W fills the drain: well over the 1% bar
+    assert chosen.defer_wgrad
+    assert chosen.predicted_time < 0.99 * forced[False].predicted_time
+
+
+def test_solve_does_not_defer_for_a_negligible_gain():
+    """A sliver of weight-gradient time: deferring gains under 1%, not worth its memory."""
+    cost = FunctionCostModel(forward=lambda b, l, c: 1e-3 * b * l,
+                             wgrad=lambda b, l, c, first, last: 1e-6 * b * l)
+    chosen = solve(cost, 64, 1, 2, granularity=8)
+    deferred = solve(cost, 64, 1, 2, granularity=8, defer_wgrad=True)
+    assert deferred.predicted_time < chosen.predicted_time  # a real gain, but a tiny one
+    assert not chosen.defer_wgrad

@@ -42,8 +42,8 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num_stages: int,
-           micro_batch_size: int, unit: int, max_evaluations: int = 300,
-           cores: Optional[float] = None, min_gain: float = 1e-3) -> tuple[TeraPipePlan, float]:
+           micro_batch_size: int, unit: int, max_evaluations: int = 200,
+           cores: Optional[float] = None, min_gain: float = 5e-3) -> tuple[TeraPipePlan, float]:
     """The best plan the climb reaches from `plan`, and its simulated iteration time.
 
     Only plans whose batch slices share one token slicing are refined (others come back as

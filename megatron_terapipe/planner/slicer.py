@@ -361,16 +361,16 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     With simulate=True (default) its predicted_time is the simulator's iteration time of the
     plan's schedule (order, microbatches, transfers, each stage's edge times). The objective
     approximates that timeline, so the simulator then also times the best uniform slicing and
-    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`; True
-    or False fixes it), and `solve` returns whichever is fastest: never slower than those under
-    the simulator. With refine=True (default) the winner is then polished by a hill climb on
+    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`: deferred
+    only when at least DEFER_MIN_GAIN faster, for its memory; True or False fixes it), and
+    `solve` returns whichever is fastest: never slower than those under the simulator. With refine=True (default) the winner is then polished by a hill climb on
     the simulated time (`planner.refine`). With simulate=False: the DP's plan, and the
     objective itself as predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
     deferrals = (False, True) if defer_wgrad is None else (bool(defer_wgrad),)
-    candidates = [(solution.objective, replace(solution.plan, defer_wgrad=deferrals[0]))]
+    predicted, plan = solution.objective, replace(solution.plan, defer_wgrad=deferrals[0])
     if simulate:
         from ..schedule import build_schedule
         from .simulator import simulate as run_simulation
@@ -383,10 +383,13 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
                                           granularity, num_microbatches, order, multiple_of,
                                           include_transfer)
         whole = TeraPipePlan([seq_length], order=order)
-        options = [replace(p, defer_wgrad=d) for p in (solution.plan, uniform, whole)
-                   for d in deferrals]
-        candidates = [(timed(p), p) for p in options]
-    predicted, plan = min(candidates, key=lambda c: c[0])  # ties keep the earlier option
+        best: dict[bool, tuple[float, TeraPipePlan]] = {}
+        for d in deferrals:  # ties keep the earlier option (the DP's plan)
+            best[d] = min(((timed(replace(p, defer_wgrad=d)), replace(p, defer_wgrad=d))
+                           for p in (solution.plan, uniform, whole)), key=lambda c: c[0])
+        predicted, plan = best[deferrals[0]]
+        if len(deferrals) == 2 and deferral_pays(best[False][0], best[True][0]):
+            predicted, plan = best[True]
     if simulate and refine:
         from .refine import refine as climb
 
@@ -395,6 +398,17 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
                                 unit)
     return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
                         order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad)
+
+
+#: Deferred weight gradients hold every linear layer's input and output gradient until the
+#: sequence's W action; automatic choices take them only when the simulator finds them at least
+#: this much faster.
+DEFER_MIN_GAIN = 0.01
+
+
+def deferral_pays(plain_time: float, deferred_time: float) -> bool:
+    """Whether deferring weight gradients is worth its memory (see DEFER_MIN_GAIN)."""
+    return deferred_time < plain_time * (1.0 - DEFER_MIN_GAIN)
 
 
 def best_uniform_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,
