@@ -197,7 +197,6 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
     """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
     from megatron_terapipe.planner import best_uniform_slicing, simulate, solve
-    from megatron_terapipe.planner.slicer import deferral_pays
     from megatron_terapipe.schedule import build_schedule
 
     seq = model.seq_length
@@ -209,12 +208,10 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
             best = plan
     uniform, _ = best_uniform_slicing(cost, seq, 1, STAGES, granularity=granularity,
                                       num_microbatches=num_microbatches, order=best.order)
-    # like `solve`, let the simulator decide whether deferring weight gradients pays off
-    options = [replace(uniform, defer_wgrad=d) for d in (False, True)]
-    timed = [simulate(build_schedule(p, num_microbatches, STAGES, 1), cost).iteration_time
-             for p in options]
-    pick = 1 if deferral_pays(timed[0], timed[1]) else 0
-    uniform = replace(options[pick], predicted_time=timed[pick])
+    # The same weight-gradient mode as the DP plan, so the two differ only in their slicing.
+    uniform = replace(uniform, defer_wgrad=best.defer_wgrad)
+    uniform = replace(uniform, predicted_time=simulate(
+        build_schedule(uniform, num_microbatches, STAGES, 1), cost).iteration_time)
     plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
     info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
             "dp_defer_wgrad": best.defer_wgrad, "uniform_slices": len(uniform.seq_slices),
@@ -283,12 +280,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--quick", action="store_true", help="small model, fewer repeats (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     quick = args.quick
-    repeats = args.repeats or (2 if quick else 5)
+    repeats = args.repeats or (2 if quick else 7)
 
     started = time.perf_counter()
     # Stages run one thread each: profile the layer with one thread too.
@@ -335,9 +332,12 @@ def main() -> int:
                 "predicted_s": predict(cost, plan, model, M, capacity),
                 "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
             })
-    mega = {r["case"]: r["measured_s"] for r in speed_rows if r["config"] == "megatron_1f1b"}
+    # Speedups pair each run with Megatron's run of the same interleaved round (machine noise
+    # drifts slowly, so a round's runs share it), then take the median over rounds.
+    mega = {r["case"]: r["runs_s"] for r in speed_rows if r["config"] == "megatron_1f1b"}
     for r in speed_rows:
-        r["speedup_vs_megatron"] = mega[r["case"]] / r["measured_s"]
+        r["speedup_vs_megatron"] = statistics.median(
+            m / t for m, t in zip(mega[r["case"]], r["runs_s"]))
         r["fidelity_error"] = r["predicted_s"] / r["measured_s"] - 1.0
 
     print("memory: 8 microbatches ...", flush=True)
@@ -360,7 +360,9 @@ def main() -> int:
         print("(no matplotlib: skipped the chart; pip install matplotlib)")
 
     print()
-    print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions)")
+    print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions; "
+          "measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
+          "Megatron's run in the same round)")
     print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
           f"{'sim err':>7} {'vs Megatron':>11}")
     for r in speed_rows:
