@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -466,6 +466,31 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
     return {case.name: run_case(rank, world_size, case) for case in cases}
 
 
+def check_case(results: list[dict[str, Any]], case: Case) -> None:
+    """Assert one case of `run_cases` on every rank: gradients within the case's tolerance (or
+    none, forward-only), every reported loss equal to the baseline's, weight gradients deferred
+    when the plan says so, and a last stage among the ranks."""
+    import pytest
+
+    saw_last = False
+    for rank_result in results:
+        r = rank_result[case.name]
+        if case.forward_only:
+            assert not r["any_grad"], f"rank {r['rank']}: forward_only left gradients"
+        else:
+            assert r["grad_error"] <= case.tolerance, (
+                f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
+            assert r["num_params"] > 0
+            if case.plan.defer_wgrad:  # the linear layers really left them to the W actions
+                assert r["deferred_wgrads"] > 0, f"rank {r['rank']}: nothing was deferred"
+        if r["last_stage"]:
+            saw_last = True
+            assert len(r["losses"]) == case.num_microbatches
+            for got, ref in zip(r["losses"], r["ref_losses"]):
+                assert got == pytest.approx(ref, rel=1e-3 if case.model.bf16 else 1e-5, abs=1e-6)
+    assert saw_last
+
+
 # --------------------------------------------------------------------------------------------
 # Activation memory of a schedule
 # --------------------------------------------------------------------------------------------
@@ -592,7 +617,8 @@ class InjectedFailure(RuntimeError):
 
 def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
                      order: str = "1f1b") -> str:
-    """A TeraPipe run in which `fail_rank` raises in forward_step, loss_func or backward."""
+    """A TeraPipe run in which `fail_rank` raises in forward_step, loss_func, backward or
+    (where="wgrad", with deferred weight gradients) its first W action."""
     from functools import partial
 
     from megatron.core import parallel_state
@@ -606,9 +632,16 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
     model_cfg = TinyGPT(num_layers=world_size)
     parallel_state.initialize_model_parallel(1, world_size)
     config, model = build_stage_model(model_cfg, 1, world_size)
-    configure(config, TeraPipePlan([4, 4, 8], order=order))
+    configure(config, TeraPipePlan([4, 4, 8], order=order, defer_wgrad=where == "wgrad"))
     calls = {"n": 0}
     failing = rank == fail_rank
+    if failing and where == "wgrad":
+        from .wgrad import WeightGradStore
+
+        def failing_flush(self, sequence_key):
+            raise InjectedFailure(f"injected failure in wgrad on rank {rank}")
+
+        WeightGradStore.flush = failing_flush
 
     def failing_loss(loss_mask, output_tensor):
         raise InjectedFailure(f"injected failure in loss_func on rank {rank}")

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.testing import Case, TinyGPT, spawn
+from megatron_terapipe.testing import Case, TinyGPT, check_case, spawn
 
-TOL = 1e-5
 UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
 
 CASES_2 = [
@@ -76,33 +75,14 @@ def world4():
     return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
 
 
-def _check(results, case: Case) -> None:
-    saw_last = False
-    for rank_result in results:
-        r = rank_result[case.name]
-        if case.forward_only:
-            assert not r["any_grad"], f"rank {r['rank']}: forward_only left gradients"
-        else:
-            assert r["grad_error"] <= case.tolerance, (
-                f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
-            assert r["num_params"] > 0
-        if r["last_stage"]:
-            saw_last = True
-            assert len(r["losses"]) == case.num_microbatches
-            for got, ref in zip(r["losses"], r["ref_losses"]):
-                assert got == pytest.approx(ref, rel=1e-3 if case.model.bf16 else TOL,
-                                            abs=1e-6)
-    assert saw_last
-
-
 @pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
 def test_two_processes(world2, case):
-    _check(world2, case)
+    check_case(world2, case)
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
 def test_four_processes(world4, case):
-    _check(world4, case)
+    check_case(world4, case)
 
 
 def test_1f1b_keeps_fewer_activations_than_gpipe():

@@ -9,6 +9,7 @@ from megatron_terapipe.testing import WorkerError, spawn
 SCENARIOS = [
     (2, 1, "forward"), (2, 1, "loss"), (2, 0, "backward"),
     (4, 2, "forward"), (4, 3, "loss"), (4, 1, "backward"),
+    (2, 1, "wgrad"), (4, 2, "wgrad"),
 ]
 
 

@@ -10,7 +10,7 @@ from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
 from megatron_terapipe.planner import simulate, solve
 from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
-from megatron_terapipe.testing import Case, TinyGPT, spawn
+from megatron_terapipe.testing import Case, TinyGPT, check_case, spawn
 
 
 def deferred(plan: TeraPipePlan) -> TeraPipePlan:
@@ -57,29 +57,14 @@ def world4():
     return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
 
 
-def _check(results, case: Case) -> None:
-    saw_last = False
-    for rank_result in results:
-        r = rank_result[case.name]
-        # the linear layers really left their weight gradients to the W actions
-        assert r["deferred_wgrads"] > 0, f"rank {r['rank']}: nothing was deferred"
-        assert r["grad_error"] <= case.tolerance, (
-            f"rank {r['rank']}: gradient of {r['worst_param']} off by {r['grad_error']:.2e}")
-        if r["last_stage"]:
-            saw_last = True
-            for got, ref in zip(r["losses"], r["ref_losses"]):
-                assert got == pytest.approx(ref, rel=1e-3 if case.model.bf16 else 1e-5, abs=1e-6)
-    assert saw_last
-
-
 @pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
 def test_deferred_two_processes(world2, case):
-    _check(world2, case)
+    check_case(world2, case)
 
 
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
 def test_deferred_four_processes(world4, case):
-    _check(world4, case)
+    check_case(world4, case)
 
 
 # ---- the schedule ------------------------------------------------------------------------------

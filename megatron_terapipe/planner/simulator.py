@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..schedule import Action, Schedule, TimedAction, timeline
+from ..schedule import Action, Cell, Schedule, TimedAction, timeline
 from .cost_model import CostModel
 
 
