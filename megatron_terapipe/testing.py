@@ -664,3 +664,34 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
                               num_microbatches=3, seq_length=model_cfg.seq_length,
                               micro_batch_size=2)
     return "finished"
+
+
+def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
+    """Megatron's own no-pipelining schedule on one model, before and after TeraPipe hooked its
+    linear layers for deferred weight gradients: the largest gradient difference (must be 0:
+    outside TeraPipe cells the layers run Megatron's code)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    from .cpu import enable_cpu_mode
+    from .wgrad import install_wgrad_deferral
+
+    enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, 1)
+    model_cfg = TinyGPT()
+    config, model = build_stage_model(model_cfg, 1, 1)
+    batches = make_batches(2, 2, model_cfg.seq_length, model_cfg.vocab_size)
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter(batches),
+                                       model=[model], num_microbatches=2,
+                                       seq_length=model_cfg.seq_length, micro_batch_size=2)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    before = grads()
+    hooked = install_wgrad_deferral(model)
+    assert hooked > 0 and install_wgrad_deferral(model) == hooked  # idempotent
+    after = grads()
+    assert before.keys() == after.keys()
+    return max(float((before[n] - after[n]).abs().max()) for n in before)

@@ -175,3 +175,7 @@ def test_solve_does_not_defer_for_a_negligible_gain():
     deferred = solve(cost, 64, 1, 2, granularity=8, defer_wgrad=True)
     assert deferred.predicted_time < chosen.predicted_time  # a real gain, but a tiny one
     assert not chosen.defer_wgrad
+
+
+def test_hooked_layers_run_megatrons_code_outside_terapipe():
+    assert spawn(1, "megatron_terapipe.testing:grads_with_and_without_deferral_hooks")[0] == 0.0
