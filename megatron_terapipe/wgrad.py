@@ -18,10 +18,16 @@ no gradient, Megatron-FSDP parameters and the output layer's own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+# As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
+# autocast state, so its GEMMs see the dtypes the forward saw.
+_custom_fwd = partial(torch.amp.custom_fwd, device_type="cuda")
+_custom_bwd = partial(torch.amp.custom_bwd, device_type="cuda")
 
 
 @dataclass
@@ -80,6 +86,8 @@ def weight_grad(weight: torch.Tensor, pieces: list[_Deferred]) -> Optional[torch
     outputs = [p.grad_output.reshape(-1, p.grad_output.size(-1)) for p in pieces]
     go = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     inp = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
+    if inp.dtype != go.dtype:  # autocast: the forward's GEMM ran in the output's dtype
+        inp = inp.to(go.dtype)
     wgrad = go.t().matmul(inp)
     if pieces[0].accumulate_in_main_grad and hasattr(weight, "main_grad"):
         # gradient_accumulation_fusion: the gradient lives in main_grad; autograd only carries
@@ -107,6 +115,7 @@ class _DeferredWgradLinear(torch.autograd.Function):
     gradient goes to the running cell's WeightGradStore instead of being computed at once."""
 
     @staticmethod
+    @_custom_fwd
     def forward(ctx, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                 sequence_parallel, tp_group, holder):
         # `weight` comes in detached: the backward returns no gradient for it, and autograd must
@@ -131,6 +140,7 @@ class _DeferredWgradLinear(torch.autograd.Function):
         return output
 
     @staticmethod
+    @_custom_bwd
     def backward(ctx, grad_output):
         from .attention import active_cell
 
