@@ -1,6 +1,6 @@
 """TeraPipe against Megatron-Core's own 1F1B schedule, side by side in one process tree.
 
-    python benchmarks/bench_schedules.py                # the full suite (CPU, ~10-15 min)
+    python benchmarks/bench_schedules.py                # the full suite (CPU, ~6 min)
     python benchmarks/bench_schedules.py --quick        # smaller model, fewer repeats
     python benchmarks/bench_schedules.py --device cuda  # the same suite on 2 GPUs (NCCL)
 
@@ -8,8 +8,10 @@ What it measures, on 2 pipeline stages (2 processes, one thread each on CPU):
 1. parallel capacity: how many cores' worth of compute two processes really get here;
 2. speed: Megatron-Core's `forward_backward_pipelining_without_interleaving` (through
    `enable_cpu_mode` on CPU), TeraPipe with the DP plan from a cost model profiled on this
-   device, and TeraPipe with the best uniform slicing; 1 and 4 microbatches, plus a long
-   sequence case; repeats interleaved so machine noise hits every configuration alike;
+   device (deferred weight gradients and refinement as `solve` decides), and TeraPipe with the
+   best uniform slicing in the same weight-gradient mode; 1 and 4 microbatches, plus a long
+   sequence case; 7 interleaved rounds so machine noise hits every configuration alike, and
+   speedups as the median over rounds of the ratio to Megatron's run in the same round;
 3. memory: peak saved activation + K/V bytes per stage with 8 microbatches (TeraPipe gpipe,
    TeraPipe 1f1b, Megatron 1F1B);
 4. planner: solver time at the planner issue's three sizes;
