@@ -151,6 +151,29 @@ def test_explicit_uniform_and_planned_slices():
     assert any("pipeline bubble" in line for line in lines)
 
 
+def test_defer_wgrad_flag():
+    base = ["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4",
+            "--terapipe-hardware", "a100"]
+    big = dict(seq_length=2048, num_layers=24, hidden_size=2048, num_attention_heads=16,
+               pipeline_model_parallel_size=4, global_batch_size=1, micro_batch_size=1,
+               world_size=4)
+
+    def plan(*extra):
+        p, report = plan_and_report(parse(base + list(extra), **big), 2048, 1)
+        return p, report
+
+    on, report_on = plan("--terapipe-defer-wgrad", "on")
+    off, report_off = plan("--terapipe-defer-wgrad", "off")
+    auto, _ = plan()
+    assert on.defer_wgrad and not off.defer_wgrad
+    assert on.token_slices == off.token_slices == auto.token_slices  # the flag only adds W
+    # auto: deferred exactly when the simulation finds it at least 1% faster
+    assert auto.defer_wgrad == (report_on.iteration_time < 0.99 * report_off.iteration_time)
+    assert any("weight gradients .......... deferred" in line for line in report_on.lines(on))
+    with pytest.raises(SystemExit):
+        parse(["--terapipe-defer-wgrad", "maybe"])
+
+
 def test_provider_plans_once_per_shape(capsys):
     provider = ArgsPlanProvider(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4"]))
     first = provider.plan_for(64, 2)
