@@ -47,7 +47,7 @@ def test_refine_reaches_the_brute_force_optimum_on_a_small_case():
 
     best = min(_time(TeraPipePlan(s), cost) for s in compositions())
     refined, t = refine(TeraPipePlan([128]), cost, 1, 2, 1, unit=16, max_evaluations=1000)
-    assert t == pytest.approx(best, rel=0.02)
+    assert t == pytest.approx(best, rel=1e-12)
 
 
 def test_refine_leaves_plans_it_cannot_move():
