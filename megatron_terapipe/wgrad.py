@@ -57,11 +57,6 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self.pending)
 
-    def live_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for weights in self.pending.values() for _, pieces in weights.values()
-                   for p in pieces for t in (p.input, p.grad_output))
-
     def flush(self, sequence_key: tuple[int, int]) -> None:
         """Compute and deliver every deferred weight gradient of one sequence."""
         weights = self.pending.pop(sequence_key, None)
