@@ -4,7 +4,8 @@
     python benchmarks/bench_schedules.py --quick        # smaller model, fewer repeats
     python benchmarks/bench_schedules.py --device cuda  # the same suite on 2 GPUs (NCCL)
 
-What it measures, on 2 pipeline stages (2 processes, one thread each on CPU):
+What it measures, on 2 pipeline stages (2 processes, one thread each on CPU, each bound to its
+own core with `pin_to_core`, as each rank has its own GPU on GPUs):
 1. parallel capacity: how many cores' worth of compute two processes really get here;
 2. speed: Megatron-Core's `forward_backward_pipelining_without_interleaving` (through
    `enable_cpu_mode` on CPU), TeraPipe with the DP plan from a cost model profiled on this
@@ -48,9 +49,12 @@ STAGES = 2
 # ---------------------------------------------------------------------------------------------
 # 1. Parallel capacity of this machine
 # ---------------------------------------------------------------------------------------------
-def _mlp_seconds(queue, tokens: int, hidden: int, loops: int) -> None:
+def _mlp_seconds(queue, tokens: int, hidden: int, loops: int, index: int, count: int) -> None:
     """A transformer MLP's forward and backward: the GEMMs and activation traffic of a stage."""
+    from megatron_terapipe.cpu import pin_to_core
+
     torch.set_num_threads(1)
+    pin_to_core(index, count)  # as the stages are
     w1 = torch.randn(hidden, 4 * hidden, requires_grad=True)
     w2 = torch.randn(4 * hidden, hidden, requires_grad=True)
 
@@ -73,8 +77,8 @@ def parallel_capacity(processes: int = STAGES, tokens: int = 2048, hidden: int =
 
     def run(n: int) -> float:
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_mlp_seconds, args=(queue, tokens, hidden, loops))
-                 for _ in range(n)]
+        procs = [ctx.Process(target=_mlp_seconds, args=(queue, tokens, hidden, loops, i, n))
+                 for i in range(n)]
         for p in procs:
             p.start()
         times = [queue.get() for _ in procs]
@@ -109,9 +113,10 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     from megatron_terapipe.testing import build_stage_model, forward_step, make_batches, run_megatron_1f1b
 
     if device == "cpu":
-        from megatron_terapipe.cpu import enable_cpu_mode
+        from megatron_terapipe.cpu import enable_cpu_mode, pin_to_core
 
         enable_cpu_mode()
+        pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
     parallel_state.initialize_model_parallel(1, world_size)
     config, model = build_stage_model(case.model, 1, world_size)
     model.to(device)

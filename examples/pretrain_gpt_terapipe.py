@@ -218,6 +218,9 @@ def train(args: argparse.Namespace) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("gloo" if cpu else "nccl", timeout=timedelta(minutes=5))
+    if cpu and args.threads == 1:  # one core per stage, as one GPU per rank
+        mt.pin_to_core(int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+                       int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if dist.get_world_size() % (tp * pp):
         raise SystemExit(f"world size {dist.get_world_size()} is not a multiple of TP x PP = {tp * pp}")

@@ -10,8 +10,9 @@ these at the CPU. It is opt-in and process-wide; never call it in a GPU job.
 from __future__ import annotations
 
 import importlib
+import os
 import types
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -92,3 +93,20 @@ def enable_cpu_mode() -> None:
 
 def cpu_mode_enabled() -> bool:
     return _ENABLED
+
+
+def pin_to_core(local_rank: int, local_world_size: int) -> Optional[int]:
+    """Bind the calling thread (a single-threaded stage's compute) to its own core, as a GPU
+    job binds one GPU per rank. Unbound, the OS moves the stages and their gloo threads between
+    cores; measured on 2 vCPUs, a 2-stage TeraPipe iteration ran 5% slower that way. Call it
+    after the process group exists, so that gloo's threads stay free to run on any core.
+    Returns the core, or None (nothing pinned) without enough cores for every local rank or
+    on systems without CPU affinity."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world_size <= 0 or len(cores) < local_world_size:
+        return None
+    core = cores[local_rank % local_world_size]
+    os.sched_setaffinity(0, {core})
+    return core

@@ -695,3 +695,13 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     after = grads()
     assert before.keys() == after.keys()
     return max(float((before[n] - after[n]).abs().max()) for n in before)
+
+
+def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[int]]:
+    """pin_to_core in a worker: the core it chose and the calling thread's affinity after."""
+    import os
+
+    from .cpu import pin_to_core
+
+    core = pin_to_core(rank, world_size)
+    return core, sorted(os.sched_getaffinity(0))

@@ -58,3 +58,4 @@ def test_packed_sequences_are_refused():
         check_lengths(batch, 8, 1)
     with pytest.raises(ValueError, match="4 rows but the schedule was called with micro_batch_size=2"):
         check_lengths({"tokens": torch.zeros(4, 8)}, 8, 2)
+
