@@ -777,16 +777,12 @@ def plan_and_report(args, seq_length: int, micro_batch_size: int,
         def timed(p: TeraPipePlan):
             return simulate(simulated_schedule(args, p, seq_length, micro_batch_size), model)
 
-        mine = timed(plan)
         if defer == "auto" and not planned:  # solve() has chosen for its own plans
-            other = replace(plan, defer_wgrad=not plan.defer_wgrad)
-            theirs = timed(other)
-            from .planner.slicer import deferral_pays
+            from .planner.slicer import choose_deferral
 
-            plain, deferred = (mine, theirs) if not plan.defer_wgrad else (theirs, mine)
-            choice = deferral_pays(plain.iteration_time, deferred.iteration_time)
-            if choice != plan.defer_wgrad:
-                plan, mine = other, theirs
+            plan, mine = choose_deferral(plan, timed, lambda r: r.iteration_time)
+        else:
+            mine = timed(plan)
         base = timed(TeraPipePlan(seq_slices=[seq_length], order="1f1b"))
         report.iteration_time, report.bubble = mine.iteration_time, mine.bubble_fraction
         report.baseline_time, report.baseline_bubble = base.iteration_time, base.bubble_fraction

@@ -5,6 +5,8 @@ every rank, the TeraPipe run with `forward_backward_no_pipelining` on the full m
 Megatron's own local spec, from the same weights and data.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,6 +65,44 @@ CASES_4 = [
     Case("dp2_pp2_ddp_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
          num_microbatches=3),
 ]
+
+
+# Deferred weight gradients (W actions): the same comparison, and the layers must really defer.
+def deferred(plan: TeraPipePlan) -> TeraPipePlan:
+    return dataclasses.replace(plan, defer_wgrad=True)
+
+
+DEFERRED = deferred(TeraPipePlan([5, 7, 4]))
+
+DEFERRED_2 = [
+    Case("w_pp2_1f1b_uneven", DEFERRED, num_microbatches=3),
+    Case("w_pp2_gpipe_fewer_mb", deferred(TeraPipePlan([5, 7, 4], order="gpipe")), num_microbatches=1),
+    Case("w_pp2_one_slice", deferred(TeraPipePlan([16])), num_microbatches=2),
+    Case("w_pp2_batch_slices_own_tokens",
+         deferred(TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2])), micro_batch_size=3),
+    Case("w_pp2_tied_embeddings_ddp_overlap", DEFERRED, model=TinyGPT(untie=False), ddp=True,
+         overlap_grad_reduce=True),
+    Case("w_pp2_per_token_loss", DEFERRED, model=TinyGPT(calculate_per_token_loss=True)),
+    Case("w_pp2_selective_recompute", DEFERRED,
+         model=TinyGPT(recompute_granularity="selective", recompute_modules=("core_attn",))),
+    Case("w_pp2_full_recompute", deferred(TeraPipePlan([5, 7, 4], order="gpipe")),
+         model=TinyGPT(recompute_granularity="full")),
+    Case("w_pp2_megatron_p2p", DEFERRED, transport="megatron", num_microbatches=4),
+    Case("w_pp2_bf16_float16module", DEFERRED,
+         model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=5e-2),
+]
+
+DEFERRED_4 = [
+    Case("w_pp4_1f1b_more_mb", DEFERRED, pp=4, num_microbatches=5),
+    Case("w_tp2_pp2_1f1b", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2),
+    Case("w_tp2_pp2_sequence_parallel_ddp", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2,
+         ddp=True, model=TinyGPT(sequence_parallel=True)),
+    Case("w_dp2_pp2_ddp_overlap", DEFERRED, pp=2, ddp=True, overlap_grad_reduce=True,
+         num_microbatches=2),
+]
+
+CASES_2 += DEFERRED_2
+CASES_4 += DEFERRED_4
 
 
 @pytest.fixture(scope="module")

@@ -1,70 +1,20 @@
-"""Deferred weight gradients (TeraPipePlan.defer_wgrad): W actions in the schedule, exact
-gradients against Megatron's no-pipelining baseline, and the simulator's pricing of them."""
+"""Deferred weight gradients (TeraPipePlan.defer_wgrad): W actions in the schedule and the
+simulator's and planner's pricing of them. Their exactness against Megatron's no-pipelining
+baseline is tested with the other equivalence cases (tests/test_equivalence.py, "w_*")."""
 
 import dataclasses
 
 import pytest
-import torch
 
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
 from megatron_terapipe.planner import simulate, solve
 from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
-from megatron_terapipe.testing import Case, TinyGPT, check_case, spawn
+from megatron_terapipe.testing import spawn
 
 
 def deferred(plan: TeraPipePlan) -> TeraPipePlan:
     return dataclasses.replace(plan, defer_wgrad=True)
-
-
-UNEVEN = deferred(TeraPipePlan([5, 7, 4]))
-
-CASES_2 = [
-    Case("w_pp2_1f1b_uneven", UNEVEN, num_microbatches=3),
-    Case("w_pp2_gpipe_fewer_mb", deferred(TeraPipePlan([5, 7, 4], order="gpipe")), num_microbatches=1),
-    Case("w_pp2_one_slice", deferred(TeraPipePlan([16])), num_microbatches=2),
-    Case("w_pp2_batch_slices_own_tokens",
-         deferred(TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2])), micro_batch_size=3),
-    Case("w_pp2_tied_embeddings_ddp_overlap", UNEVEN, model=TinyGPT(untie=False), ddp=True,
-         overlap_grad_reduce=True),
-    Case("w_pp2_per_token_loss", UNEVEN, model=TinyGPT(calculate_per_token_loss=True)),
-    Case("w_pp2_selective_recompute", UNEVEN,
-         model=TinyGPT(recompute_granularity="selective", recompute_modules=("core_attn",))),
-    Case("w_pp2_full_recompute", deferred(TeraPipePlan([5, 7, 4], order="gpipe")),
-         model=TinyGPT(recompute_granularity="full")),
-    Case("w_pp2_megatron_p2p", UNEVEN, transport="megatron", num_microbatches=4),
-    Case("w_pp2_bf16_float16module", UNEVEN,
-         model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=5e-2),
-]
-
-CASES_4 = [
-    Case("w_pp4_1f1b_more_mb", UNEVEN, pp=4, num_microbatches=5),
-    Case("w_tp2_pp2_1f1b", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2),
-    Case("w_tp2_pp2_sequence_parallel_ddp", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2,
-         ddp=True, model=TinyGPT(sequence_parallel=True)),
-    Case("w_dp2_pp2_ddp_overlap", UNEVEN, pp=2, ddp=True, overlap_grad_reduce=True,
-         num_microbatches=2),
-]
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return spawn(2, "megatron_terapipe.testing:run_cases", CASES_2, timeout=900)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
-
-
-@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
-def test_deferred_two_processes(world2, case):
-    check_case(world2, case)
-
-
-@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
-def test_deferred_four_processes(world4, case):
-    check_case(world4, case)
 
 
 # ---- the schedule ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..schedule import build_schedule
 from .cost_model import AnalyticCostModel, CostModel, ModelDims
 from .presets import HARDWARE_PRESETS, MODEL_PRESETS
 from .simulator import SimulationResult, simulate
-from .slicer import best_uniform_slicing, deferral_pays, slicing_unit, solve_slicing
+from .slicer import best_uniform_slicing, choose_deferral, slicing_unit, solve_slicing
 
 GiB = 1024 ** 3
 
@@ -199,25 +199,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     uniform, _ = best_uniform_slicing(cost, args.seq_length, args.micro_batch_size, K,
                                       granularity=args.granularity,
                                       num_microbatches=args.num_microbatches, order=args.order)
-    deferrals = {"auto": (False, True), "on": (True,), "off": (False,)}[args.defer_wgrad]
-
-    def row(label: str, plan: TeraPipePlan, choices=deferrals) -> Row:
-        """The plan with the deferral the simulator prefers (ties: not deferred)."""
-        options = [Row(label, p, _simulate(p, args, cost))
-                   for p in (replace(plan, defer_wgrad=d) for d in choices)]
-        best = options[0]
-        if len(options) == 2 and deferral_pays(options[0].result.iteration_time,
-                                               options[1].result.iteration_time):
-            best = options[1]
-        if best.plan.defer_wgrad:
-            best.label += " +W"
-        return best
+    def row(label: str, plan: TeraPipePlan, defer: str = args.defer_wgrad) -> Row:
+        """The plan in the weight-gradient mode `defer` asks for (auto: `choose_deferral`)."""
+        if defer == "auto":
+            plan, result = choose_deferral(plan, lambda p: _simulate(p, args, cost),
+                                           lambda r: r.iteration_time)
+        else:
+            plan = replace(plan, defer_wgrad=defer == "on")
+            result = _simulate(plan, args, cost)
+        return Row(label + (" +W" if plan.defer_wgrad else ""), plan, result)
 
     rows = [
         row("TeraPipe DP", solution.plan),
         row(f"uniform x{len(uniform.seq_slices)}", uniform),
         # the reference for the speedups: what Megatron's own schedule does
-        row("no token slicing", TeraPipePlan([args.seq_length], order=args.order), (False,)),
+        row("no token slicing", TeraPipePlan([args.seq_length], order=args.order), "off"),
     ]
     # The objective approximates the timeline; the simulator picks (ties keep the DP's plan),
     # then a hill climb on the simulated time polishes the winner's slices.

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from ..plan import TeraPipePlan
 from .cost_model import CostModel
 
 BatchSizes = Union[str, Sequence[int], None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -361,10 +362,11 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     With simulate=True (default) its predicted_time is the simulator's iteration time of the
     plan's schedule (order, microbatches, transfers, each stage's edge times). The objective
     approximates that timeline, so the simulator then also times the best uniform slicing and
-    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`: deferred
-    only when at least DEFER_MIN_GAIN faster, for its memory; True or False fixes it), and
-    `solve` returns whichever is fastest: never slower than those under the simulator. With refine=True (default) the winner is then polished by a hill climb on
-    the simulated time (`planner.refine`). With simulate=False: the DP's plan, and the
+    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`:
+    deferred only when at least DEFER_MIN_GAIN faster, for its memory; True or False fixes it),
+    and `solve` returns whichever is fastest: never slower than those under the simulator. With
+    refine=True (default) the winner is then polished by a hill climb on the simulated time
+    (`planner.refine`). With simulate=False: the DP's plan, and the
     objective itself as predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
@@ -409,6 +411,17 @@ DEFER_MIN_GAIN = 0.01
 def deferral_pays(plain_time: float, deferred_time: float) -> bool:
     """Whether deferring weight gradients is worth its memory (see DEFER_MIN_GAIN)."""
     return deferred_time < plain_time * (1.0 - DEFER_MIN_GAIN)
+
+
+def choose_deferral(plan: TeraPipePlan, timed: Callable[[TeraPipePlan], T],
+                    time_of: Callable[[T], float]) -> tuple[TeraPipePlan, T]:
+    """`plan` without and with deferred weight gradients, each timed by `timed`; the deferred
+    one only when `deferral_pays`. Returns the chosen plan and its timing."""
+    plain, deferred = replace(plan, defer_wgrad=False), replace(plan, defer_wgrad=True)
+    plain_timing, deferred_timing = timed(plain), timed(deferred)
+    if deferral_pays(time_of(plain_timing), time_of(deferred_timing)):
+        return deferred, deferred_timing
+    return plain, plain_timing
 
 
 def best_uniform_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,
