@@ -203,7 +203,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 
 def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
     """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
-    from megatron_terapipe.planner import best_uniform_slicing, simulate, solve
+    from megatron_terapipe.planner import best_uniform_slicing, place_wgrad_points, simulate, solve
     from megatron_terapipe.schedule import build_schedule
 
     seq = model.seq_length
@@ -215,14 +215,18 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
             best = plan
     uniform, _ = best_uniform_slicing(cost, seq, 1, STAGES, granularity=granularity,
                                       num_microbatches=num_microbatches, order=best.order)
-    # The same weight-gradient mode as the DP plan, so the two differ only in their slicing.
+    # The same weight-gradient mode as the DP plan (early W actions placed for its own
+    # slicing), so the two differ only in their slicing.
     uniform = replace(uniform, defer_wgrad=best.defer_wgrad)
+    if uniform.defer_wgrad:
+        uniform, _ = place_wgrad_points(uniform, cost, num_microbatches, STAGES, 1)
     uniform = replace(uniform, predicted_time=simulate(
         build_schedule(uniform, num_microbatches, STAGES, 1), cost).iteration_time)
     plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
     info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
-            "dp_defer_wgrad": best.defer_wgrad, "uniform_slices": len(uniform.seq_slices),
-            "uniform_defer_wgrad": uniform.defer_wgrad}
+            "dp_defer_wgrad": best.defer_wgrad, "dp_wgrad_points": [list(p) for p in best.wgrad_points],
+            "uniform_slices": len(uniform.seq_slices), "uniform_defer_wgrad": uniform.defer_wgrad,
+            "uniform_wgrad_points": [list(p) for p in uniform.wgrad_points]}
     return plans, info
 
 
@@ -324,8 +328,10 @@ def main() -> int:
         cost = cost_models[key]
         plans, info = plans_for(cost, model, M, gran)
         print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']} (deferred weight "
-              f"gradients: {info['dp_defer_wgrad']}); best uniform {info['uniform_slices']} slices "
-              f"(deferred: {info['uniform_defer_wgrad']}); running {repeats} interleaved repeats ...", flush=True)
+              f"gradients: {info['dp_defer_wgrad']}, early W {info['dp_wgrad_points']}); best "
+              f"uniform {info['uniform_slices']} slices (deferred: {info['uniform_defer_wgrad']}, "
+              f"early W {info['uniform_wgrad_points']}); running {repeats} interleaved repeats ...",
+              flush=True)
         case = SpeedCase(name, model, M, gran, repeats, plans)
         per_rank = spawn(STAGES, "bench_schedules:speed_worker", case, args.device, timeout=3600)
         for label, plan in plans.items():
@@ -335,6 +341,7 @@ def main() -> int:
                 "slices": None if plan is None else [list(t) for t in plan.token_slices],
                 "order": None if plan is None else plan.order,
                 "defer_wgrad": None if plan is None else plan.defer_wgrad,
+                "wgrad_points": None if plan is None else [list(p) for p in plan.wgrad_points],
                 "measured_s": statistics.median(runs), "runs_s": runs,
                 "predicted_s": predict(cost, plan, model, M, capacity),
                 "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
@@ -368,13 +375,14 @@ def main() -> int:
 
     print()
     print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions; "
-          "measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
+          "+We: with early W actions; measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
           "Megatron's run in the same round)")
     print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
           f"{'sim err':>7} {'vs Megatron':>11}")
     for r in speed_rows:
         n = "-" if r["slices"] is None else (str(sum(len(t) for t in r["slices"]))
-                                             + ("+W" if r["defer_wgrad"] else ""))
+                                             + ("+W" if r["defer_wgrad"] else "")
+                                             + ("e" if r["wgrad_points"] else ""))
         print(f"{r['case']:<18} {r['config']:<18} {n:>6} {r['measured_s']:>10.3f} "
               f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x")
     print(f"\nactivation + K/V peak per stage (MiB), 8 microbatches, seq {mem_model.seq_length}:")

@@ -532,8 +532,10 @@ class PlanReport:
             who = f"{r} rows" if r is not None else "all rows"
             out.append(f">   token slices ({who}) ... {' '.join(map(str, ts))}")
         out.append(f">   order ..................... {plan.order}")
-        out.append(">   weight gradients .......... "
-                   + ("deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"))
+        wgrad = "deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"
+        if plan.wgrad_points:
+            wgrad += f"; {plan.early_w_text()}"
+        out.append(">   weight gradients .......... " + wgrad)
         out.append(f">   slices from ............... {self.source}")
         out.append(f">   cost model ................ {self.cost_model}")
         if self.iteration_time is not None:

@@ -39,6 +39,11 @@ class TeraPipePlan:
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
     defer_wgrad: compute a sequence's weight gradients in one W action after its last backward
         cell, instead of a thin GEMM in every cell's backward (see megatron_terapipe.wgrad).
+    wgrad_points: with defer_wgrad, per pipeline stage, the token slices after whose backward
+        that stage already computes the weight gradients deferred so far (an extra W action).
+        A stage that would wait for its next output gradient there does useful work instead,
+        and its last W gets shorter. Entry k is for stage k; missing entries mean none. The
+        planner places them by simulation (`planner.place_wgrad_points`).
     """
 
     seq_slices: TokenSlices
@@ -46,6 +51,7 @@ class TeraPipePlan:
     order: str = "1f1b"
     predicted_time: Optional[float] = None
     defer_wgrad: bool = False
+    wgrad_points: Sequence[Sequence[int]] = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
@@ -99,10 +105,41 @@ class TeraPipePlan:
             )
         object.__setattr__(self, "batch_slices", batch)
         object.__setattr__(self, "token_slices", token_slices)
+        object.__setattr__(self, "wgrad_points", self._checked_wgrad_points(token_slices))
         if per_batch is None:
             object.__setattr__(self, "seq_slices", flat)
         else:
             object.__setattr__(self, "seq_slices", per_batch)
+
+    def _checked_wgrad_points(self, token_slices) -> tuple[tuple[int, ...], ...]:
+        raw = self.wgrad_points or ()
+        if isinstance(raw, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in raw):
+            raise ValueError(
+                f"TeraPipePlan.wgrad_points must be one list of token slices per stage, got {raw!r}")
+        points = tuple(tuple(sorted(set(_as_int_tuple(p, "wgrad_points[k]")))) for p in raw)
+        while points and not points[-1]:
+            points = points[:-1]
+        if points and not self.defer_wgrad:
+            raise ValueError("TeraPipePlan.wgrad_points needs defer_wgrad=True (they place "
+                             "extra W actions for deferred weight gradients)")
+        most = max(len(ts) for ts in token_slices)
+        for k, p in enumerate(points):
+            bad = [j for j in p if not 0 < j < most]
+            if bad:
+                raise ValueError(
+                    f"TeraPipePlan.wgrad_points for stage {k} name token slices {bad}; they "
+                    f"must be between 1 and {most - 1} (slice 0's backward always ends with "
+                    "a W action)")
+        return points
+
+    def early_w_text(self) -> str:
+        """'early W: stage 0 after slices [8, 7], ...' ('' without early W actions)."""
+        early = [f"stage {k} after slices {list(p)}" for k, p in enumerate(self.wgrad_points) if p]
+        return "early W: " + ", ".join(early) if early else ""
+
+    def wgrad_points_of(self, stage: int) -> tuple[int, ...]:
+        """Token slices after whose backward `stage` runs an extra W action."""
+        return self.wgrad_points[stage] if stage < len(self.wgrad_points) else ()
 
     # ---- derived sizes -------------------------------------------------------------------
     @property
@@ -184,13 +221,15 @@ class TeraPipePlan:
             "order": self.order,
             "predicted_time": self.predicted_time,
             "defer_wgrad": self.defer_wgrad,
+            "wgrad_points": [list(p) for p in self.wgrad_points],
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "TeraPipePlan":
         return cls(seq_slices=data["seq_slices"], batch_slices=data.get("batch_slices"),
                    order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"),
-                   defer_wgrad=bool(data.get("defer_wgrad", False)))
+                   defer_wgrad=bool(data.get("defer_wgrad", False)),
+                   wgrad_points=data.get("wgrad_points") or ())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -200,6 +239,8 @@ class TeraPipePlan:
         rows = self.batch_slices or ("all",)
         parts = [f"{r} rows: {list(ts)}" for r, ts in zip(rows, self.token_slices)]
         wgrad = "deferred" if self.defer_wgrad else "per cell"
+        if self.wgrad_points:
+            wgrad += f" ({self.early_w_text()})"
         return f"order={self.order}; wgrad={wgrad}; " + "; ".join(parts)
 
 

@@ -138,6 +138,11 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
         raise ValueError(f"number of pipeline stages must be positive, got {num_stages}")
     if plan.batch_slices is not None:
         plan.validate(plan.seq_length, micro_batch_size)
+    if len(plan.wgrad_points) > num_stages:
+        raise ValueError(
+            f"the TeraPipe plan places early W actions (wgrad_points) for "
+            f"{len(plan.wgrad_points)} pipeline stages but the pipeline has {num_stages}: plan "
+            f"for {num_stages} stages (terapipe-plan --stages {num_stages})")
     per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
     forwards = [Action("F", c) for cells in per_mb for c in cells]
     stages = []
@@ -147,7 +152,7 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             continue
         if plan.order == "gpipe":
             backwards = [Action("B", a.cell) for a in reversed(forwards)]
-            stages.append(tuple(forwards + _with_weight_grads(backwards, plan.defer_wgrad)))
+            stages.append(tuple(forwards + _with_weight_grads(backwards, plan, k)))
             continue
         backwards = [Action("B", c) for cells in per_mb for c in reversed(cells)]
         n = len(forwards)
@@ -160,18 +165,21 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             order.append(backwards[b])
             b += 1
         order.extend(backwards[b:])
-        stages.append(tuple(_with_weight_grads(order, plan.defer_wgrad)))
+        stages.append(tuple(_with_weight_grads(order, plan, k)))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
 
 
-def _with_weight_grads(actions: list[Action], defer_wgrad: bool) -> list[Action]:
-    """A W right after each sequence's last backward (that of its first token slice)."""
-    if not defer_wgrad:
+def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int) -> list[Action]:
+    """A W right after each sequence's last backward (that of its first token slice), and after
+    the backward of the stage's `wgrad_points` slices. A W computes every weight gradient its
+    sequence deferred since the previous W."""
+    if not plan.defer_wgrad:
         return actions
+    early = set(plan.wgrad_points_of(stage))
     out = []
     for a in actions:
         out.append(a)
-        if a.kind == "B" and a.cell.is_first_token_slice:
+        if a.kind == "B" and (a.cell.is_first_token_slice or a.cell.token_slice in early):
             out.append(Action("W", a.cell))
     return out
 
@@ -295,19 +303,22 @@ def validate(schedule: Schedule) -> None:
         seen_b: set[Cell] = set()
         last_f: dict[tuple[int, int], int] = {}
         last_b: dict[tuple[int, int], int] = {}
-        seen_w: set[tuple[int, int]] = set()
+        seen_w: set[tuple[int, int]] = set()  # sequences whose last W ran
+        early_w: set[Cell] = set()
         for a in actions:
             c = a.cell
             if a.kind == "W":
                 if not schedule.defer_wgrad:
                     raise ScheduleError(f"stage {k} runs {a} but the plan computes weight "
                                         "gradients in every backward (defer_wgrad=False)")
-                if not c.is_first_token_slice or c not in seen_b:
-                    raise ScheduleError(f"stage {k} runs {a} before the backward of every token "
-                                        "slice of its sequence")
-                if c.sequence_key in seen_w:
+                if c not in seen_b:
+                    raise ScheduleError(f"stage {k} runs {a} before the backward of its cell")
+                if c.sequence_key in seen_w or c in early_w:
                     raise ScheduleError(f"stage {k} runs {a} twice")
-                seen_w.add(c.sequence_key)
+                if c.is_first_token_slice:
+                    seen_w.add(c.sequence_key)
+                else:
+                    early_w.add(c)
                 continue
             if a.kind == "F":
                 if c in seen_f:
@@ -335,8 +346,8 @@ def validate(schedule: Schedule) -> None:
         if schedule.forward_only and seen_b:
             raise ScheduleError(f"stage {k} runs backwards in a forward-only schedule")
         if schedule.defer_wgrad and len(seen_w) != len({c.sequence_key for c in expected_f}):
-            raise ScheduleError(f"stage {k} runs {len(seen_w)} weight-gradient (W) actions, "
-                                "expected one per sequence")
+            raise ScheduleError(f"stage {k} runs {len(seen_w)} final weight-gradient (W) actions "
+                                "(after a sequence's first token slice), expected one per sequence")
     timeline(schedule, lambda k, a: 1.0)
 
 

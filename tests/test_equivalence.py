@@ -78,6 +78,8 @@ DEFERRED_2 = [
     Case("w_pp2_1f1b_uneven", DEFERRED, num_microbatches=3),
     Case("w_pp2_gpipe_fewer_mb", deferred(TeraPipePlan([5, 7, 4], order="gpipe")), num_microbatches=1),
     Case("w_pp2_one_slice", deferred(TeraPipePlan([16])), num_microbatches=2),
+    Case("w_pp2_early_w", TeraPipePlan([5, 3, 4, 4], defer_wgrad=True, wgrad_points=[[3, 1], [2]]),
+         num_microbatches=2),
     Case("w_pp2_batch_slices_own_tokens",
          deferred(TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2])), micro_batch_size=3),
     Case("w_pp2_tied_embeddings_ddp_overlap", DEFERRED, model=TinyGPT(untie=False), ddp=True,
@@ -94,6 +96,9 @@ DEFERRED_2 = [
 
 DEFERRED_4 = [
     Case("w_pp4_1f1b_more_mb", DEFERRED, pp=4, num_microbatches=5),
+    Case("w_pp4_early_w_gpipe", TeraPipePlan([5, 7, 4], order="gpipe", defer_wgrad=True,
+                                             wgrad_points=[[2], [1, 2], [], [1]]), pp=4,
+         num_microbatches=2),
     Case("w_tp2_pp2_1f1b", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2),
     Case("w_tp2_pp2_sequence_parallel_ddp", deferred(TeraPipePlan([6, 6, 4])), tp=2, pp=2,
          ddp=True, model=TinyGPT(sequence_parallel=True)),

@@ -64,7 +64,13 @@ def test_launcher_runs_the_unmodified_script_with_terapipe(tmp_path):
     assert "validation loss" in stdout
     measured = json.loads(trace.read_text())["traceEvents"]
     spans = [e for e in measured if e["ph"] == "X"]
-    assert len(spans) == 2 * 2 * 4 * 4  # stages x (F, B) x slices x microbatches
+    cells = [e for e in spans if e["cat"] in ("forward", "backward")]
+    assert len(cells) == 2 * 2 * 4 * 4  # stages x (F, B) x slices x microbatches
+    # the plan's weight-gradient mode (auto: the simulator's choice) decides the W actions
+    deferred = ">   weight gradients .......... deferred" in stdout
+    weight_grads = [e for e in spans if e["cat"] == "weight-grad"]
+    assert len(weight_grads) == (2 * 4 if deferred else 0)  # stages x sequences
+    assert len(spans) == len(cells) + len(weight_grads)
     simulated = json.loads((tmp_path / "trace.simulated.json").read_text())
     assert simulated["otherData"]["num_microbatches"] == 4
 

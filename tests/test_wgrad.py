@@ -8,7 +8,7 @@ import pytest
 
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
-from megatron_terapipe.planner import simulate, solve
+from megatron_terapipe.planner import place_wgrad_points, simulate, solve
 from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
 from megatron_terapipe.testing import spawn
 
@@ -54,7 +54,7 @@ def test_validate_rejects_misplaced_w():
         actions.remove(w)
         return [w] + actions
 
-    with pytest.raises(ScheduleError, match="before the backward of every token slice"):
+    with pytest.raises(ScheduleError, match="before the backward of its cell"):
         validate(_edited(schedule, 0, early))
     with pytest.raises(ScheduleError, match="twice"):
         validate(_edited(schedule, 0, lambda a: a + [w]))
@@ -70,6 +70,38 @@ def test_plan_round_trips_defer_wgrad():
     assert TeraPipePlan.from_dict(plan.to_dict()) == plan
     assert TeraPipePlan.from_dict(TeraPipePlan([4, 4]).to_dict()).defer_wgrad is False
     assert "wgrad=deferred" in plan.describe()
+    early = TeraPipePlan([4, 4, 4], defer_wgrad=True, wgrad_points=[[2, 1], []])
+    assert early.wgrad_points == ((1, 2),)  # sorted, trailing empty stages dropped
+    assert TeraPipePlan.from_dict(early.to_dict()) == early
+    assert "early W: stage 0 after slices [1, 2]" in early.describe()
+
+
+def test_early_w_actions_follow_their_slices_backward_per_stage():
+    plan = TeraPipePlan([4, 4, 4, 4], defer_wgrad=True, wgrad_points=[[2], [1, 3]])
+    for order in ("1f1b", "gpipe"):
+        schedule = build_schedule(dataclasses.replace(plan, order=order), 2, 3, 1)
+        validate(schedule)
+        for k, expected in enumerate(([2, 0], [3, 1, 0], [0])):
+            actions = schedule.stages[k]
+            for m in range(2):
+                ws = [i for i, a in enumerate(actions) if a.kind == "W" and a.cell.microbatch == m]
+                assert [actions[i].cell.token_slice for i in ws] == expected
+                for i in ws:
+                    assert actions[i - 1] == Action("B", actions[i].cell)
+
+
+def test_bad_wgrad_points_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="needs defer_wgrad=True"):
+        TeraPipePlan([4, 4], wgrad_points=[[1]])
+    with pytest.raises(ValueError, match="between 1 and 1"):
+        TeraPipePlan([4, 4], defer_wgrad=True, wgrad_points=[[0]])
+    with pytest.raises(ValueError, match="between 1 and 1"):
+        TeraPipePlan([4, 4], defer_wgrad=True, wgrad_points=[[], [2]])
+    with pytest.raises(ValueError, match="one list of token slices per stage"):
+        TeraPipePlan([4, 4], defer_wgrad=True, wgrad_points=[1])
+    plan = TeraPipePlan([4, 4], defer_wgrad=True, wgrad_points=[[], [], [1]])
+    with pytest.raises(ValueError, match="for 3 pipeline stages but the pipeline has 2"):
+        build_schedule(plan, 1, 2, 1)
 
 
 # ---- the simulator and the planner ------------------------------------------------------------
@@ -94,6 +126,49 @@ def test_simulator_moves_weight_gradient_time_from_backward_cells_to_w():
             assert duration == pytest.approx(0.5 * 2e-3 * 32)
     # the last stage's weight gradients no longer delay the gradient sent upstream
     assert moved.iteration_time < plain.iteration_time
+
+
+def test_simulator_prices_each_w_as_the_slices_deferred_since_the_last_one():
+    plan = TeraPipePlan([8, 8, 16], defer_wgrad=True, wgrad_points=[[1]])
+    result = simulate(build_schedule(plan, 1, 2, 1), _function_model(0.5))
+    ws = {(ta.stage, ta.action.cell.token_slice): ta.end - ta.start
+          for ta in result.timeline if ta.action.kind == "W"}
+    per_token = 0.5 * 2e-3
+    assert ws == pytest.approx({(0, 1): per_token * (16 + 8), (0, 0): per_token * 8,
+                                (1, 0): per_token * 32})
+
+
+def _slow_last_stage(wgrad_share: float = 0.5) -> FunctionCostModel:
+    """The last stage's backward carries extra, non-deferrable work (as an output layer's
+    input gradient): the first stage waits for each of its output gradients."""
+    return FunctionCostModel(forward=lambda b, l, c: 1e-3 * b * l,
+                             backward=lambda b, l, c: 2e-3 * b * l,
+                             edge_backward=lambda b, l, first, last: 2e-3 * b * l * last,
+                             wgrad=lambda b, l, c, first, last: wgrad_share * 2e-3 * b * l)
+
+
+def test_early_w_fills_the_first_stage_waits_as_well_as_any_placement():
+    cost = _slow_last_stage()
+    plan = TeraPipePlan([8, 8, 8, 8], defer_wgrad=True)
+    start = simulate(build_schedule(plan, 1, 2, 1), cost).iteration_time
+    placed, placed_time = place_wgrad_points(plan, cost, 1, 2, 1)
+    assert placed.wgrad_points and placed.wgrad_points[0]
+    assert placed_time == pytest.approx(
+        simulate(build_schedule(placed, 1, 2, 1), cost).iteration_time)
+    assert placed_time < 0.96 * start  # the first stage no longer ends on all its W
+    best = min(simulate(build_schedule(dataclasses.replace(plan, wgrad_points=[a, b]), 1, 2, 1),
+                        cost).iteration_time
+               for a in _subsets((1, 2, 3)) for b in _subsets((1, 2, 3)))
+    assert placed_time <= best * (1 + 5e-3)  # greedy reaches brute force, to its min_gain
+
+
+def _subsets(items):
+    return [[x for i, x in enumerate(items) if mask >> i & 1] for mask in range(1 << len(items))]
+
+
+def test_no_early_w_without_deferral():
+    plan = TeraPipePlan([8, 8, 8, 8])
+    assert place_wgrad_points(plan, _slow_last_stage(), 1, 2, 1)[0] == plan
 
 
 def test_analytic_wgrad_share_is_the_linear_layers_half_of_backward():

@@ -228,6 +228,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                + (" +W" if refined.defer_wgrad else ""),
                                refined, _simulate(refined, args, cost)))
             chosen = rows[0]
+    if not args.no_refine and chosen.plan.defer_wgrad:
+        from .refine import place_wgrad_points
+
+        placed, _ = place_wgrad_points(chosen.plan, cost, args.num_microbatches, K,
+                                       args.micro_batch_size)
+        if placed.wgrad_points:
+            rows.insert(0, Row(chosen.label + ", early W", placed, _simulate(placed, args, cost)))
+            chosen = rows[0]
     chosen_plan = replace(chosen.plan, order=args.order,
                           predicted_time=chosen.result.iteration_time)
 
@@ -241,8 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in _slices_text(chosen.plan):
         print(line, file=out)
     baseline = rows[-1].result.iteration_time
-    print(f"  weight gradients: {'deferred to W actions' if chosen.plan.defer_wgrad else 'in every backward cell'}",
-          file=out)
+    wgrad = "deferred to W actions" if chosen.plan.defer_wgrad else "in every backward cell"
+    if chosen.plan.wgrad_points:
+        wgrad += f"; {chosen.plan.early_w_text()}"
+    print(f"  weight gradients: {wgrad}", file=out)
     print(f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}", file=out)
     for each in rows:
         r = each.result

@@ -335,15 +335,20 @@ class LayerStackCostModel(CostModel):
         return _scalar_or_array(self.layers_per_stage * b * l * (inputs + outputs) * self.dtype_bytes)
 
     def wgrad_time(self, batch, length, context, first_stage, last_stage):
-        """The weight-gradient GEMMs' share of the backward, by FLOPs: a layer's backward does
-        twice its forward FLOPs (input and weight gradients of the linear layers, and the
-        attention's backward); the weight gradients are the linear layers' forward FLOPs again.
-        On the last stage the output layer's backward is half weight gradient."""
+        """The weight-gradient GEMMs of a cell's backward. They repeat the linear layers'
+        forward GEMMs (same FLOPs, same shapes), so they take about the linear layers' share of
+        the forward time of the slice without context; their FLOP share of the backward (which
+        does twice the forward FLOPs) bounds that, where attention's backward is as efficient
+        as the GEMMs. (By FLOPs alone, an attention backward slower per FLOP than the GEMMs,
+        as on CPUs, would inflate the share.) On the last stage the output layer's backward is
+        half weight gradient."""
         b, l, c = _f64(batch, length, context)
         linear = self.model.linear_flops(b, l)
         attention = self.model.attention_flops(b, l, c, self.flash_attention)
-        share = linear / (2.0 * (linear + attention))
-        layers = self.layers_per_stage * self.layer_backward_time(b, l, c) * share
+        by_flops = self.layer_backward_time(b, l, c) * linear / (2.0 * (linear + attention))
+        no_context = self.model.attention_flops(b, l, 0.0, self.flash_attention)
+        by_forward = self.layer_forward_time(b, l, 0.0) * linear / (linear + no_context)
+        layers = self.layers_per_stage * np.minimum(by_flops, by_forward)
         output = 0.5 * self.edge_part_time("output", "backward", b, l)
         shape = _edge_shape(b, l, c, first_stage, last_stage)
         return _scalar_or_array(np.broadcast_to(

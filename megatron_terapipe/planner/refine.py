@@ -81,3 +81,46 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
         best_units, best_time = step_units, step_time
     refined = replace(plan, seq_slices=[u * unit for u in best_units], predicted_time=best_time)
     return refined, best_time
+
+
+def place_wgrad_points(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
+                       num_stages: int, micro_batch_size: int, max_evaluations: int = 200,
+                       cores: Optional[float] = None, min_gain: float = 5e-3
+                       ) -> tuple[TeraPipePlan, float]:
+    """Early W actions where the simulated timeline gains from them, and the plan's time.
+
+    A stage whose backward cells are shorter than its successor's waits for each output
+    gradient; an early W (after the backward of a given token slice, `TeraPipePlan.wgrad_points`)
+    spends that wait on weight gradients that would otherwise all run after the sequence's
+    last backward, on the critical path. Greedy: each step adds the (stage, token slice) that
+    lowers the simulated iteration time most, by at least `min_gain`. Plans without deferred
+    weight gradients, or too large to simulate often (MAX_ACTIONS), come back unchanged.
+    """
+    def timed(p: TeraPipePlan) -> float:
+        schedule = build_schedule(p, num_microbatches, num_stages, micro_batch_size)
+        return simulate(schedule, cost_model, cores=cores).iteration_time
+
+    best_time = timed(plan)
+    actions = plan.num_cells * num_microbatches * num_stages * 3
+    if not plan.defer_wgrad or actions > MAX_ACTIONS:
+        return plan, best_time
+    most = max(len(ts) for ts in plan.token_slices)
+    points = [set(plan.wgrad_points_of(k)) for k in range(num_stages)]
+    evaluations = 0
+    while evaluations < max_evaluations:
+        step = None
+        for k in range(num_stages):
+            for j in range(1, most):
+                if j in points[k] or evaluations >= max_evaluations:
+                    continue
+                trial = [sorted(p | {j}) if i == k else sorted(p) for i, p in enumerate(points)]
+                t = timed(replace(plan, wgrad_points=trial))
+                evaluations += 1
+                if t < best_time * (1.0 - min_gain) and (step is None or t < step[0]):
+                    step = (t, k, j)
+        if step is None:
+            break
+        best_time, k, j = step
+        points[k].add(j)
+    placed = replace(plan, wgrad_points=[sorted(p) for p in points], predicted_time=best_time)
+    return placed, best_time

@@ -86,6 +86,17 @@ class _CellCosts:
         self.defer_wgrad = schedule.defer_wgrad
         self.token_slices = schedule.plan.token_slices
         self._cache: dict[tuple, float] = {}
+        # (stage, W cell) -> token slices whose weight gradients it computes: as the executor's
+        # store, every slice of the sequence backwarded since the sequence's previous W.
+        self._w_slices: dict[tuple[int, Cell], tuple[int, ...]] = {}
+        if self.defer_wgrad:
+            for k, actions in enumerate(schedule.stages):
+                pending: dict[tuple[int, int], list[int]] = {}
+                for a in actions:
+                    if a.kind == "B":
+                        pending.setdefault(a.cell.sequence_key, []).append(a.cell.token_slice)
+                    elif a.kind == "W":
+                        self._w_slices[(k, a.cell)] = tuple(pending.pop(a.cell.sequence_key, ()))
 
     def _get(self, key: tuple, fn, *args) -> float:
         value = self._cache.get(key)
@@ -101,8 +112,12 @@ class _CellCosts:
         c = action.cell
         m = self.cost_model
         first, last = stage == 0, stage == self.num_stages - 1
-        if action.kind == "W":  # the deferred weight gradients of every token slice of c's sequence
-            return sum(self._wgrad(c.rows, t, ctx, first, last) for t, ctx in self._sequence(c))
+        if action.kind == "W":
+            # The weight gradients its sequence deferred since its last W, as the executor
+            # computes them: one GEMM per weight over all those tokens (context plays no part).
+            shapes = self._sequence(c)
+            tokens = sum(shapes[t][0] for t in self._w_slices.get((stage, c), ()))
+            return self._wgrad(c.rows, tokens, 0, first, last) if tokens else 0.0
         if action.kind == "F":
             layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
                                c.rows, c.tokens, c.context)

@@ -366,8 +366,9 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     deferred only when at least DEFER_MIN_GAIN faster, for its memory; True or False fixes it),
     and `solve` returns whichever is fastest: never slower than those under the simulator. With
     refine=True (default) the winner is then polished by a hill climb on the simulated time
-    (`planner.refine`). With simulate=False: the DP's plan, and the
-    objective itself as predicted_time.
+    (`planner.refine`), and, with deferred weight gradients, early W actions are placed where
+    they shorten the simulated timeline (`planner.place_wgrad_points`). With simulate=False: the
+    DP's plan, and the objective itself as predicted_time.
     """
     solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
                              num_microbatches, order, multiple_of, batch_sizes, include_transfer)
@@ -393,13 +394,22 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
         if len(deferrals) == 2 and deferral_pays(best[False][0], best[True][0]):
             predicted, plan = best[True]
     if simulate and refine:
+        from .refine import place_wgrad_points
         from .refine import refine as climb
 
         unit = slicing_unit(seq_length, granularity, multiple_of)
         plan, predicted = climb(plan, cost_model, num_microbatches, num_stages, micro_batch_size,
                                 unit)
+        if defer_wgrad is not False:
+            # Early W actions can make deferral pay where one W per sequence did not.
+            placed, placed_time = place_wgrad_points(
+                replace(plan, defer_wgrad=True), cost_model, num_microbatches, num_stages,
+                micro_batch_size)
+            if plan.defer_wgrad or (defer_wgrad is None and deferral_pays(predicted, placed_time)):
+                plan, predicted = placed, placed_time
     return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
-                        order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad)
+                        order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad,
+                        wgrad_points=plan.wgrad_points)
 
 
 #: Deferred weight gradients hold every linear layer's input and output gradient until the
@@ -417,7 +427,8 @@ def choose_deferral(plan: TeraPipePlan, timed: Callable[[TeraPipePlan], T],
                     time_of: Callable[[T], float]) -> tuple[TeraPipePlan, T]:
     """`plan` without and with deferred weight gradients, each timed by `timed`; the deferred
     one only when `deferral_pays`. Returns the chosen plan and its timing."""
-    plain, deferred = replace(plan, defer_wgrad=False), replace(plan, defer_wgrad=True)
+    plain = replace(plan, defer_wgrad=False, wgrad_points=())
+    deferred = replace(plan, defer_wgrad=True)
     plain_timing, deferred_timing = timed(plain), timed(deferred)
     if deferral_pays(time_of(plain_timing), time_of(deferred_timing)):
         return deferred, deferred_timing
