@@ -105,7 +105,8 @@ class SpeedCase:
 
 
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
-    """Every configuration of `case`, interleaved, `repeats` times; wall seconds per run."""
+    """Every configuration of `case`, interleaved, `repeats` times: wall seconds per run, and
+    for TeraPipe runs this stage's busy seconds (the sum of its cells' spans, "busy:" + label)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -125,6 +126,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
                for b in make_batches(case.num_microbatches, 1, seq, case.model.vocab_size,
                                      masked_rows=False)]
     times: dict[str, list[float]] = {label: [] for label in case.plans}
+    times.update({"busy:" + label: [] for label, plan in case.plans.items() if plan is not None})
 
     def run(label: str) -> None:
         plan = case.plans[label]
@@ -148,6 +150,10 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
                 torch.cuda.synchronize()
             dist.barrier()
             times[label].append(time.perf_counter() - start)
+            if case.plans[label] is not None:
+                from megatron_terapipe import executor
+
+                times["busy:" + label].append(sum(e.end - e.start for e in executor.LAST_RUN.events))
     parallel_state.destroy_model_parallel()
     return times
 
@@ -336,6 +342,8 @@ def main() -> int:
         per_rank = spawn(STAGES, "bench_schedules:speed_worker", case, args.device, timeout=3600)
         for label, plan in plans.items():
             runs = [max(r[label][i] for r in per_rank) for i in range(repeats)]
+            busy = (None if plan is None else
+                    [statistics.median(r["busy:" + label]) for r in per_rank])
             speed_rows.append({
                 "case": name, "config": label, "num_microbatches": M,
                 "slices": None if plan is None else [list(t) for t in plan.token_slices],
@@ -343,6 +351,7 @@ def main() -> int:
                 "defer_wgrad": None if plan is None else plan.defer_wgrad,
                 "wgrad_points": None if plan is None else [list(p) for p in plan.wgrad_points],
                 "measured_s": statistics.median(runs), "runs_s": runs,
+                "stage_busy_s": busy,
                 "predicted_s": predict(cost, plan, model, M, capacity),
                 "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
             })
@@ -378,13 +387,16 @@ def main() -> int:
           "+We: with early W actions; measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
           "Megatron's run in the same round)")
     print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
-          f"{'sim err':>7} {'vs Megatron':>11}")
+          f"{'sim err':>7} {'vs Megatron':>11} {'stage busy s':>13}")
     for r in speed_rows:
         n = "-" if r["slices"] is None else (str(sum(len(t) for t in r["slices"]))
                                              + ("+W" if r["defer_wgrad"] else "")
                                              + ("e" if r["wgrad_points"] else ""))
         print(f"{r['case']:<18} {r['config']:<18} {n:>6} {r['measured_s']:>10.3f} "
-              f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x")
+              f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x "
+              + ("" if r["stage_busy_s"] is None else f"{' / '.join(f'{b:.3f}' for b in r['stage_busy_s']):>13}"))
+    print("(stage busy: the median over rounds of each stage's summed cell spans; an iteration "
+          "cannot be shorter than its busiest stage)")
     print(f"\nactivation + K/V peak per stage (MiB), 8 microbatches, seq {mem_model.seq_length}:")
     for name, peaks in memory.items():
         print(f"  {name:<16} " + "  ".join(f"stage {k}: {b / 2**20:8.1f}" for k, b in enumerate(peaks)))
