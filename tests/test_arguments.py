@@ -11,6 +11,7 @@ import pytest
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.arguments import (
     ArgsPlanProvider,
+    PlanReport,
     TeraPipeArgumentError,
     add_terapipe_args,
     combine_extra_args,
@@ -172,6 +173,13 @@ def test_defer_wgrad_flag():
     assert any("weight gradients .......... deferred" in line for line in report_on.lines(on))
     with pytest.raises(SystemExit):
         parse(["--terapipe-defer-wgrad", "maybe"])
+
+
+def test_plan_log_names_early_w_actions():
+    plan = TeraPipePlan([8, 8, 8, 8], defer_wgrad=True, wgrad_points=[[3, 1]])
+    report = PlanReport(32, 1, 1, 2, "DP slicer", "analytic")
+    assert (">   weight gradients .......... deferred: one W action per sequence; early W: "
+            "stage 0 after slices [1, 3]") in report.lines(plan)
 
 
 def test_provider_plans_once_per_shape(capsys):
