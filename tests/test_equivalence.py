@@ -107,6 +107,9 @@ DEFERRED_4 = [
          ddp=True, model=TinyGPT(sequence_parallel=True)),
     Case("w_dp2_pp2_ddp_overlap", DEFERRED, pp=2, ddp=True, overlap_grad_reduce=True,
          num_microbatches=2),
+    Case("w_dp2_pp2_ddp_overlap_early_w",
+         TeraPipePlan([5, 7, 4], defer_wgrad=True, wgrad_points=[[2, 1], [1]]), pp=2, ddp=True,
+         overlap_grad_reduce=True, num_microbatches=2),
 ]
 
 CASES_2 += DEFERRED_2
