@@ -142,7 +142,7 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
         raise ValueError(
             f"the TeraPipe plan places early W actions (wgrad_points) for "
             f"{len(plan.wgrad_points)} pipeline stages but the pipeline has {num_stages}: plan "
-            f"for {num_stages} stages (terapipe-plan --stages {num_stages})")
+            f"for {num_stages} stages (terapipe-plan --pipeline-stages {num_stages})")
     per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
     forwards = [Action("F", c) for cells in per_mb for c in cells]
     stages = []

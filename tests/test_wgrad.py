@@ -8,7 +8,7 @@ import pytest
 
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
-from megatron_terapipe.planner import place_wgrad_points, simulate, solve
+from megatron_terapipe.planner import place_wgrad_points, refine, simulate, solve
 from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
 from megatron_terapipe.testing import spawn
 
@@ -164,6 +164,22 @@ def test_early_w_fills_the_first_stage_waits_as_well_as_any_placement():
 
 def _subsets(items):
     return [[x for i, x in enumerate(items) if mask >> i & 1] for mask in range(1 << len(items))]
+
+
+def test_refine_keeps_the_early_w_actions_that_still_fit():
+    # a large fixed cost per cell: the climb merges slices, and points past the end must go
+    cost = FunctionCostModel(forward=lambda b, l, c: 1e-3 * b * l + 0.05,
+                             backward=lambda b, l, c: 2e-3 * b * l + 0.1,
+                             wgrad=lambda b, l, c, first, last: 1e-3 * b * l)
+    plan = TeraPipePlan([8, 8, 8, 8], defer_wgrad=True, wgrad_points=[[3, 1], [2]])
+    refined, refined_time = refine(plan, cost, 1, 2, 1, unit=8)
+    n = len(refined.seq_slices)
+    assert n < 4
+    kept = [[j for j in (1, 3) if j < n], [j for j in (2,) if j < n]]
+    assert refined.wgrad_points == TeraPipePlan(refined.seq_slices, defer_wgrad=True,
+                                                wgrad_points=kept).wgrad_points
+    assert refined_time == pytest.approx(
+        simulate(build_schedule(refined, 1, 2, 1), cost).iteration_time)
 
 
 def test_no_early_w_without_deferral():

@@ -41,6 +41,12 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
+def _with_slices(plan: TeraPipePlan, slices: list[int], **changes) -> TeraPipePlan:
+    """`plan` cut into `slices`, keeping the early W actions that still name a slice."""
+    points = [[j for j in p if j < len(slices)] for p in plan.wgrad_points]
+    return replace(plan, seq_slices=slices, wgrad_points=points, **changes)
+
+
 def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num_stages: int,
            micro_batch_size: int, unit: int, max_evaluations: int = 200,
            cores: Optional[float] = None, min_gain: float = 5e-3) -> tuple[TeraPipePlan, float]:
@@ -70,7 +76,7 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
             if candidate in seen:
                 continue
             seen.add(candidate)
-            t = timed(replace(plan, seq_slices=[u * unit for u in candidate]))
+            t = timed(_with_slices(plan, [u * unit for u in candidate]))
             evaluations += 1
             if t < step_time and t < best_time * (1.0 - min_gain):
                 step_units, step_time = candidate, t
@@ -79,7 +85,7 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
         if step_units == best_units:
             break
         best_units, best_time = step_units, step_time
-    refined = replace(plan, seq_slices=[u * unit for u in best_units], predicted_time=best_time)
+    refined = _with_slices(plan, [u * unit for u in best_units], predicted_time=best_time)
     return refined, best_time
 
 
