@@ -697,11 +697,11 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     return max(float((before[n] - after[n]).abs().max()) for n in before)
 
 
-def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[int]]:
-    """pin_to_core in a worker: the core it chose and the calling thread's affinity after."""
+def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[list[int]]]:
+    """pin_to_core in a worker: the core it chose and every thread's affinity after."""
     import os
 
-    from .cpu import pin_to_core
+    from .cpu import pin_to_core, process_thread_ids
 
     core = pin_to_core(rank, world_size)
-    return core, sorted(os.sched_getaffinity(0))
+    return core, [sorted(os.sched_getaffinity(t)) for t in process_thread_ids()]
