@@ -110,6 +110,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megatron_terapipe import executor
     from megatron_terapipe.executor import forward_backward_terapipe
     from megatron_terapipe.testing import build_stage_model, forward_step, make_batches, run_megatron_1f1b
 
@@ -151,8 +152,6 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
             dist.barrier()
             times[label].append(time.perf_counter() - start)
             if case.plans[label] is not None:
-                from megatron_terapipe import executor
-
                 times["busy:" + label].append(sum(e.end - e.start for e in executor.LAST_RUN.events))
     parallel_state.destroy_model_parallel()
     return times
@@ -209,8 +208,8 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 
 def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
     """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
-    from megatron_terapipe.planner import best_uniform_slicing, place_wgrad_points, simulate, solve
-    from megatron_terapipe.schedule import build_schedule
+    from megatron_terapipe.planner import best_uniform_slicing, place_wgrad_points, solve
+    from megatron_terapipe.planner.simulator import plan_time
 
     seq = model.seq_length
     best = None
@@ -226,8 +225,7 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
     uniform = replace(uniform, defer_wgrad=best.defer_wgrad)
     if uniform.defer_wgrad:
         uniform, _ = place_wgrad_points(uniform, cost, num_microbatches, STAGES, 1)
-    uniform = replace(uniform, predicted_time=simulate(
-        build_schedule(uniform, num_microbatches, STAGES, 1), cost).iteration_time)
+    uniform = replace(uniform, predicted_time=plan_time(uniform, cost, num_microbatches, STAGES, 1))
     plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
     info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
             "dp_defer_wgrad": best.defer_wgrad, "dp_wgrad_points": [list(p) for p in best.wgrad_points],
@@ -239,13 +237,11 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> 
 def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches: int,
             cores: float) -> float:
     """Simulated iteration time; Megatron's 1F1B is the 1f1b order with one slice."""
-    from megatron_terapipe.planner import simulate
-    from megatron_terapipe.schedule import build_schedule
+    from megatron_terapipe.planner.simulator import plan_time
 
     if plan is None:
         plan = TeraPipePlan([model.seq_length], order="1f1b")
-    schedule = build_schedule(plan, num_microbatches, STAGES, 1)
-    return simulate(schedule, cost, cores=cores).iteration_time
+    return plan_time(plan, cost, num_microbatches, STAGES, 1, cores)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,9 +18,8 @@ from dataclasses import replace
 from typing import Optional
 
 from ..plan import TeraPipePlan
-from ..schedule import build_schedule
 from .cost_model import CostModel
-from .simulator import simulate
+from .simulator import plan_time
 
 #: Refinement simulates the whole schedule per candidate; past this many actions it is skipped.
 MAX_ACTIONS = 20_000
@@ -41,6 +40,11 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
+def _too_large(plan: TeraPipePlan, num_microbatches: int, num_stages: int) -> bool:
+    """Whether simulating `plan` per candidate would take too long (MAX_ACTIONS)."""
+    return plan.num_cells * num_microbatches * num_stages * 3 > MAX_ACTIONS
+
+
 def _with_slices(plan: TeraPipePlan, slices: list[int], **changes) -> TeraPipePlan:
     """`plan` cut into `slices`, keeping the early W actions that still name a slice."""
     points = [[j for j in p if j < len(slices)] for p in plan.wgrad_points]
@@ -57,12 +61,10 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
     weight-gradient deferral are kept.
     """
     def timed(p: TeraPipePlan) -> float:
-        schedule = build_schedule(p, num_microbatches, num_stages, micro_batch_size)
-        return simulate(schedule, cost_model, cores=cores).iteration_time
+        return plan_time(p, cost_model, num_microbatches, num_stages, micro_batch_size, cores)
 
     start_time = timed(plan)
-    actions = plan.num_cells * num_microbatches * num_stages * 3
-    if not plan.uniform_token_slicing or actions > MAX_ACTIONS or unit <= 0:
+    if not plan.uniform_token_slicing or _too_large(plan, num_microbatches, num_stages) or unit <= 0:
         return plan, start_time
     if any(t % unit for t in plan.token_slices[0]):
         return plan, start_time
@@ -103,12 +105,10 @@ def place_wgrad_points(plan: TeraPipePlan, cost_model: CostModel, num_microbatch
     weight gradients, or too large to simulate often (MAX_ACTIONS), come back unchanged.
     """
     def timed(p: TeraPipePlan) -> float:
-        schedule = build_schedule(p, num_microbatches, num_stages, micro_batch_size)
-        return simulate(schedule, cost_model, cores=cores).iteration_time
+        return plan_time(p, cost_model, num_microbatches, num_stages, micro_batch_size, cores)
 
     best_time = timed(plan)
-    actions = plan.num_cells * num_microbatches * num_stages * 3
-    if not plan.defer_wgrad or actions > MAX_ACTIONS:
+    if not plan.defer_wgrad or _too_large(plan, num_microbatches, num_stages):
         return plan, best_time
     most = max(len(ts) for ts in plan.token_slices)
     points = [set(plan.wgrad_points_of(k)) for k in range(num_stages)]

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..schedule import Action, Cell, Schedule, TimedAction, timeline
+from ..plan import TeraPipePlan
+from ..schedule import Action, Cell, Schedule, TimedAction, build_schedule, timeline
 from .cost_model import CostModel
 
 
@@ -160,6 +161,13 @@ class _CellCosts:
     def kv(self, action: Action) -> float:
         c = action.cell
         return self._get(("KV", c.rows, c.tokens), self.cost_model.kv_bytes, c.rows, c.tokens)
+
+
+def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
+              num_stages: int, micro_batch_size: int, cores: Optional[float] = None) -> float:
+    """Simulated iteration time of `plan`'s schedule (the planner's yardstick)."""
+    schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
+    return simulate(schedule, cost_model, cores=cores).iteration_time
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,

@@ -375,12 +375,10 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
     deferrals = (False, True) if defer_wgrad is None else (bool(defer_wgrad),)
     predicted, plan = solution.objective, replace(solution.plan, defer_wgrad=deferrals[0])
     if simulate:
-        from ..schedule import build_schedule
-        from .simulator import simulate as run_simulation
+        from .simulator import plan_time
 
         def timed(plan: TeraPipePlan) -> float:
-            schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
-            return run_simulation(schedule, cost_model).iteration_time
+            return plan_time(plan, cost_model, num_microbatches, num_stages, micro_batch_size)
 
         uniform, _ = best_uniform_slicing(cost_model, seq_length, micro_batch_size, num_stages,
                                           granularity, num_microbatches, order, multiple_of,
