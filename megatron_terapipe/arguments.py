@@ -627,11 +627,14 @@ class ArgsPlanProvider:
         if path.is_file():
             try:
                 from .planner import LayerTimeFit
+                from .planner.profiled import FORMAT_VERSION
 
-                LayerTimeFit.load(path)
-                return {"measure": False, "path": str(path)}
+                # an entry in an older format lacks what newer profiles measure (e.g. the W
+                # action's time): measure again and overwrite it, as an unreadable one
+                if LayerTimeFit.load(path).format_version == FORMAT_VERSION:
+                    return {"measure": False, "path": str(path)}
             except ValueError:
-                pass  # unreadable cache entry: measure again and overwrite it
+                pass
         return {"measure": True, "path": str(path)}
 
     def _measure(self, seq_length: int, micro_batch_size: int):

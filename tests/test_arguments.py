@@ -228,7 +228,11 @@ class CountingMeasure:
         self.calls += 1
         b, l, c = (list(x) for x in zip(*cells))
         fwd = [2e-4 + 1e-5 * bb * ll * (1 + cc / 256) for bb, ll, cc in cells]
-        return LayerMeasurements(b, l, c, fwd, [2 * t for t in fwd], metadata={})
+        wgrad = [None if cc else 0.6 * t for t, cc in zip(fwd, c)]  # context-free cells only
+        return LayerMeasurements(b, l, c, fwd, [2 * t for t in fwd], metadata={},
+                                 deferred_backward=[None if w is None else 2 * t - w
+                                                    for t, w in zip(fwd, wgrad)],
+                                 wgrad=wgrad)
 
 
 def test_profile_is_measured_once_then_read_from_the_cache(tmp_path, capsys):
@@ -255,6 +259,14 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path, capsys):
     assert profile_cache_path(other, 64, 2) != path
     ArgsPlanProvider(other, measure=measure).plan_for(64, 2)
     assert measure.calls == 2
+
+    # an entry written in an older profile format is measured again and overwritten
+    stored["format_version"] = 2
+    del stored["fit"]["wgrad"]
+    path.write_text(json.dumps(stored))
+    ArgsPlanProvider(parse(argv), measure=measure).plan_for(64, 2)
+    assert measure.calls == 3
+    assert json.loads(path.read_text())["format_version"] == 3
 
 
 def test_cache_key_covers_shape_device_and_versions():

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megatron_terapipe.planner import Link, ProfiledCostModel, solve_slicing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +34,18 @@ def test_measure_fit_save_and_plan(tmp_path):
     times = data["measurements"]["forward"] + data["measurements"]["backward"]
     assert all(t > 0 for t in times)
     assert sorted(set(data["measurements"]["context"]))[0] == 0 and max(data["measurements"]["context"]) > 0
+    # context-free cells also ran with deferred weight gradients: the backward without them and
+    # the W action computing them, with all four linear layers (QKV, projection, FC1, FC2) deferring
+    assert meta["wgrad_deferring_linear_layers"] == 4
+    m = data["measurements"]
+    for c, w, bd in zip(m["context"], m["wgrad"], m["deferred_backward"]):
+        assert (w is None and bd is None) if c else (w > 0 and bd > 0)
     cost = ProfiledCostModel.load(out, layers_per_stage=2, link=Link(10e9, 1e-5))
+    assert cost.fit.has_wgrad
+    b, l = max((b, l) for b, l, c in zip(m["batch"], m["length"], m["context"]) if c == 0)
+    # W is charged as measured, whatever the context (the table never falls with the length)
+    measured = max(w for bb, ll, c, w in zip(m["batch"], m["length"], m["context"], m["wgrad"])
+                   if bb == b and ll <= l and c == 0)
+    assert cost.layer_wgrad_time(b, l, 64) == pytest.approx(measured, rel=1e-12)
     solution = solve_slicing(cost, 128, 2, 4, granularity=16)
     assert solution.plan.seq_length == 128

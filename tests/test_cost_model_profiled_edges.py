@@ -68,7 +68,7 @@ def test_round_trip_with_edges(tmp_path):
     fit = profile_with_edges()
     path = fit.save(tmp_path / "profile.json")
     data = json.loads(path.read_text())
-    assert data["format_version"] == FORMAT_VERSION == 2
+    assert data["format_version"] == FORMAT_VERSION == 3
     assert data["edges"]["metadata"]["vocab_size"] == 512
     assert set(data["edges"]["fit"]) == set(EDGE_KEYS)
     loaded = LayerTimeFit.load(path, model=MODEL, tensor_parallel=1)

@@ -334,21 +334,26 @@ class LayerStackCostModel(CostModel):
         outputs = (m.hidden_size + 2 * m.kv_hidden) / t + 2 * m.hidden_size + fc1_out / t
         return _scalar_or_array(self.layers_per_stage * b * l * (inputs + outputs) * self.dtype_bytes)
 
-    def wgrad_time(self, batch, length, context, first_stage, last_stage):
-        """The weight-gradient GEMMs of a cell's backward. They repeat the linear layers'
+    def layer_wgrad_time(self, batch, length, context):
+        """One layer's weight-gradient GEMMs, estimated. They repeat the linear layers'
         forward GEMMs (same FLOPs, same shapes), so they take about the linear layers' share of
         the forward time of the slice without context; their FLOP share of the backward (which
         does twice the forward FLOPs) bounds that, where attention's backward is as efficient
         as the GEMMs. (By FLOPs alone, an attention backward slower per FLOP than the GEMMs,
-        as on CPUs, would inflate the share.) On the last stage the output layer's backward is
-        half weight gradient."""
+        as on CPUs, would inflate the share.) A profiled cost model measures them instead."""
         b, l, c = _f64(batch, length, context)
         linear = self.model.linear_flops(b, l)
         attention = self.model.attention_flops(b, l, c, self.flash_attention)
         by_flops = self.layer_backward_time(b, l, c) * linear / (2.0 * (linear + attention))
         no_context = self.model.attention_flops(b, l, 0.0, self.flash_attention)
         by_forward = self.layer_forward_time(b, l, 0.0) * linear / (linear + no_context)
-        layers = self.layers_per_stage * np.minimum(by_flops, by_forward)
+        return np.minimum(by_flops, by_forward)
+
+    def wgrad_time(self, batch, length, context, first_stage, last_stage):
+        """The weight-gradient GEMMs of a cell's backward: its layers', and on the last stage
+        the output layer's, whose backward is half weight gradient."""
+        b, l, c = _f64(batch, length, context)
+        layers = self.layers_per_stage * self.layer_wgrad_time(b, l, c)
         output = 0.5 * self.edge_part_time("output", "backward", b, l)
         shape = _edge_shape(b, l, c, first_stage, last_stage)
         return _scalar_or_array(np.broadcast_to(

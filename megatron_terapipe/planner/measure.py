@@ -3,7 +3,9 @@
 Each measured cell is a real slice: the layer (Megatron's GPT layer with our slice-aware core
 attention, spec.py) first runs the `context` tokens as token slice 0 of a sequence, which fills
 the K/V cache; then slice 1 of `length` tokens runs forward (timed) and backward (timed), reading
-that cache exactly as the executor does. Imports torch and Megatron-Core lazily.
+that cache exactly as the executor does. Context-free cells also run with deferred weight
+gradients: the backward without them (timed) and the W action that computes them (timed), as the
+executor runs them. Imports torch and Megatron-Core lazily.
 
 With a vocabulary size it also measures the pipeline's edges on a few (batch, length) points
 (measure_edge_times): the first stage's LanguageModelEmbedding, and the last stage's final layer
@@ -301,7 +303,9 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
                         seed: int = 0, statistic: str = "min", vocab_size: Optional[int] = None,
                         position_embedding_type: str = "learned_absolute",
                         edges: bool = True) -> LayerMeasurements:
-    """Seconds of one layer's forward and backward on each (batch, length, context).
+    """Seconds of one layer's forward and backward on each (batch, length, context), and on
+    context-free cells also the backward with deferred weight gradients and its W action (the
+    weight-gradient GEMMs alone; NaN on cells with context, which W does not depend on).
 
     statistic: "min" (default) keeps the fastest of `repeats` runs, since interference from
     other work only ever slows a run down; "median" keeps the median.
@@ -321,6 +325,7 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     from ..attention import KVCache, running_cell
     from ..schedule import Cell
     from ..spec import get_gpt_layer_spec
+    from ..wgrad import WeightGradStore, install_wgrad_deferral
 
     if cells is None:
         if seq_length is None:
@@ -337,9 +342,38 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     layer = build_module(spec, config=config, layer_number=1)
     layer = layer.to(device=dev, dtype=torch_dtype)
     layer.train()
+    deferrable = install_wgrad_deferral(layer)
     sync = env.sync
 
-    def run(b: int, l: int, c: int) -> tuple[float, float]:
+    def run(b: int, l: int, c: int) -> tuple[float, float, float, float]:
+        forward, backward = run_cell(b, l, c)
+        if c:  # weight gradients do not depend on the context: measured on context-free cells
+            return forward, backward, float("nan"), float("nan")
+        return forward, backward, *run_deferred(b, l)
+
+    def run_deferred(b: int, l: int) -> tuple[float, float]:
+        """The same context-free cell as a deferred-wgrad backward cell, then its W action."""
+        cache, store = KVCache(), WeightGradStore()
+        cell = Cell(0, 0, 0, 0, b, 0, l, 1)
+        x = torch.randn(l, b, model.hidden_size, device=dev, dtype=torch_dtype, requires_grad=True)
+        grad = torch.randn(l, b, model.hidden_size, device=dev, dtype=torch_dtype)
+        with running_cell(cell, cache, "forward", wgrad=store):
+            out, _ = layer(x)
+        sync()
+        start = time.perf_counter()
+        with running_cell(cell, cache, "backward", wgrad=store):
+            out.backward(grad)
+        sync()
+        middle = time.perf_counter()
+        store.flush(cell.sequence_key)
+        sync()
+        end = time.perf_counter()
+        if store.deferred != deferrable:  # every local linear layer must have deferred
+            raise RuntimeError(f"weight-gradient deferral did not run in the measured layer: "
+                               f"{store.deferred} of {deferrable} linear layers deferred")
+        return middle - start, end - middle
+
+    def run_cell(b: int, l: int, c: int) -> tuple[float, float]:
         cache = KVCache()
         n_slices = 2 if c else 1
         if c:
@@ -372,10 +406,11 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     if cells:  # first calls pay one-off costs (allocator, kernel selection): run the largest once
         run(*max(cells, key=lambda cell: cell[0] * (cell[1] + cell[2])))
     stat = _timed_rounds(cells, run, repeats, warmup, statistic, "measuring layer", progress)
-    fwd, bwd = (stat[:, 0], stat[:, 1]) if len(cells) else (np.zeros(0), np.zeros(0))
+    fwd, bwd, deferred_bwd, wgrad = (stat.T if len(cells) else np.zeros((4, 0)))
 
     measured_model = model if V is None else replace(model, vocab_size=int(V))
     metadata = {"model": measured_model.to_dict(), "model_name": model.name,
+                "wgrad_deferring_linear_layers": deferrable,
                 **env.metadata(repeats, warmup, statistic)}
     edge_measurements = None
     if edges and V is not None and cells:
@@ -386,7 +421,8 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
             repeats=repeats, warmup=warmup, progress=progress, seed=seed, statistic=statistic)
     arr = np.array(cells, dtype=np.float64).reshape(-1, 3)
     return LayerMeasurements(arr[:, 0], arr[:, 1], arr[:, 2], np.array(fwd), np.array(bwd), metadata,
-                             edge_measurements)
+                             edge_measurements, deferred_backward=np.array(deferred_bwd),
+                             wgrad=np.array(wgrad))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

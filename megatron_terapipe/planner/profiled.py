@@ -30,8 +30,8 @@ import numpy as np
 from .cost_model import EDGE_PARTS, LayerStackCostModel, Link, ModelDims, _f64
 
 FORMAT = "megatron-terapipe-layer-profile"
-FORMAT_VERSION = 2  # 2 added "edges"; version 1 files still load (without edge costs)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2 added "edges", 3 measured weight gradients ("wgrad"); older files load
+READABLE_VERSIONS = (1, 2, 3)
 DIRECTIONS = ("forward", "backward")
 EDGE_KEYS = tuple(f"{part}_{d}" for part in EDGE_PARTS for d in DIRECTIONS)
 PathLike = Union[str, Path]
@@ -39,7 +39,11 @@ PathLike = Union[str, Path]
 
 @dataclass
 class LayerMeasurements:
-    """Seconds of ONE layer's forward and backward on cells (batch, length, context)."""
+    """Seconds of ONE layer's forward and backward on cells (batch, length, context).
+
+    deferred_backward, wgrad (optional, NaN where not measured): on context-free cells, the
+    backward with deferred weight gradients and the W action computing them (format version 3).
+    """
 
     batch: np.ndarray
     length: np.ndarray
@@ -48,25 +52,33 @@ class LayerMeasurements:
     backward: np.ndarray
     metadata: dict = field(default_factory=dict)
     edges: Optional["EdgeMeasurements"] = None  # embedding / output layer, if measured
+    deferred_backward: Optional[np.ndarray] = None
+    wgrad: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
-        for name in ("batch", "length", "context", "forward", "backward"):
-            setattr(self, name, np.asarray(getattr(self, name), dtype=np.float64).ravel())
+        for name in COLUMNS:
+            value = getattr(self, name)
+            if value is not None:  # None entries (JSON null) read as NaN: not measured
+                setattr(self, name, np.asarray(value, dtype=np.float64).ravel())
         n = len(self.batch)
-        if any(len(getattr(self, k)) != n for k in ("length", "context", "forward", "backward")):
-            raise ValueError("layer measurements: batch, length, context, forward and backward "
-                             "must have the same number of entries")
+        if any(getattr(self, k) is not None and len(getattr(self, k)) != n for k in COLUMNS):
+            raise ValueError("layer measurements: batch, length, context, forward, backward (and "
+                             "deferred_backward, wgrad) must have the same number of entries")
 
     def __len__(self) -> int:
         return len(self.batch)
 
     def subset(self, mask: np.ndarray) -> "LayerMeasurements":
-        return LayerMeasurements(self.batch[mask], self.length[mask], self.context[mask],
-                                 self.forward[mask], self.backward[mask], dict(self.metadata),
-                                 self.edges)
+        columns = {k: (getattr(self, k)[mask] if getattr(self, k) is not None else None)
+                   for k in COLUMNS}
+        return LayerMeasurements(**columns, metadata=dict(self.metadata), edges=self.edges)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k).tolist() for k in ("batch", "length", "context", "forward", "backward")}
+        return {k: [None if np.isnan(x) else x for x in getattr(self, k).tolist()]
+                for k in COLUMNS if getattr(self, k) is not None}
+
+
+COLUMNS = ("batch", "length", "context", "forward", "backward", "deferred_backward", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -281,13 +293,19 @@ class LayerTimeFit:
         return np.where(b > grid[-1], beyond, inside)
 
     # ---- persistence --------------------------------------------------------------------------
+    @property
+    def has_wgrad(self) -> bool:
+        """Whether the W action's weight-gradient GEMMs were measured (format version 3)."""
+        return "wgrad" in self.fits
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "metadata": self.metadata,
             "measurements": self.measurements.to_dict() if self.measurements is not None else None,
-            "fit": {d: {str(b): f.to_dict() for b, f in sorted(self.fits[d].items())} for d in DIRECTIONS},
+            "fit": {d: {str(b): f.to_dict() for b, f in sorted(fits.items())}
+                    for d, fits in self.fits.items()},
             "holdout_error": self.holdout_error,
             "edges": self.edges.to_dict() if self.edges is not None else None,
         }
@@ -329,7 +347,8 @@ class LayerTimeFit:
                              f"{', '.join(map(str, READABLE_VERSIONS))}); measure the profile again")
         try:
             fits: dict[str, dict[int, _BatchFit]] = {}
-            for d in DIRECTIONS:
+            measured = DIRECTIONS + (("wgrad",) if version >= 3 and "wgrad" in data["fit"] else ())
+            for d in measured:
                 fits[d] = {}
                 for b, entry in data["fit"][d].items():
                     lengths = np.asarray(entry["lengths"], dtype=np.float64)
@@ -345,8 +364,8 @@ class LayerTimeFit:
                         raise ValueError(f"fit for {d} at batch {b} has unsorted lengths or "
                                          "negative times")
                     fits[d][int(b)] = _BatchFit(lengths, base, coef)
-            if not fits["forward"] or set(fits["forward"]) != set(fits["backward"]):
-                raise ValueError("forward and backward fits must cover the same batch sizes")
+            if not fits["forward"] or any(set(f) != set(fits["forward"]) for f in fits.values()):
+                raise ValueError("forward, backward (and wgrad) fits must cover the same batch sizes")
             metadata = data["metadata"]
             if not isinstance(metadata, dict) or "model" not in metadata:
                 raise ValueError("metadata with the model dimensions is missing")
@@ -408,6 +427,7 @@ def fit_layer_times(measurements: LayerMeasurements, holdout: float = 0.2, seed:
         return out
 
     holdout_error: dict = {}
+    wgrad = _wgrad_fits(m)
     if 0 < holdout < 1:
         rng = np.random.default_rng(seed)
         pinned = np.zeros(len(m), dtype=bool)
@@ -431,7 +451,27 @@ def fit_layer_times(measurements: LayerMeasurements, holdout: float = 0.2, seed:
                 holdout_error[d] = {"mean_relative": float(rel.mean()),
                                     "max_relative": float(rel.max())}
     edges = fit_edge_times(m.edges) if m.edges is not None else None
-    return LayerTimeFit(fit(m), dict(m.metadata), m, holdout_error, edges)
+    fits = fit(m)
+    if wgrad:
+        fits["wgrad"] = wgrad
+    return LayerTimeFit(fits, dict(m.metadata), m, holdout_error, edges)
+
+
+def _wgrad_fits(m: LayerMeasurements) -> dict[int, _BatchFit]:
+    """The W action's seconds per batch size, a table over the measured lengths (no context
+    term: the weight-gradient GEMMs never see the context); empty unless every batch size has
+    context-free cells with W measured."""
+    if m.wgrad is None:
+        return {}
+    out = {}
+    for b in np.unique(m.batch):
+        sel = (m.batch == b) & (m.context == 0) & np.isfinite(m.wgrad)
+        if not sel.any():
+            return {}
+        if np.any(m.wgrad[sel] < 0):
+            raise ValueError("layer measurements contain negative weight-gradient times")
+        out[int(b)] = _fit_one(m.length[sel], m.context[sel], m.wgrad[sel])
+    return out
 
 
 class ProfiledCostModel(LayerStackCostModel):
@@ -474,6 +514,14 @@ class ProfiledCostModel(LayerStackCostModel):
 
     def layer_backward_time(self, batch, length, context):
         return self.fit.seconds("backward", batch, length, context)
+
+    def layer_wgrad_time(self, batch, length, context):
+        """Measured: the W action's GEMMs for these tokens (they do not depend on the context).
+        Profiles without the measurement (format version < 3) use the base class's estimate."""
+        if not self.fit.has_wgrad:
+            return super().layer_wgrad_time(batch, length, context)
+        b, l, c = _f64(batch, length, context)
+        return self.fit.seconds("wgrad", b, l, np.zeros_like(l))
 
     def edge_part_time(self, part, direction, batch, length):
         if self.fit.edges is None:
