@@ -26,6 +26,7 @@ def test_measure_fit_save_and_plan(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "measuring layer" in proc.stderr  # progress goes to stderr
     assert "held-out error" in proc.stdout
+    assert "deferred weight gradients at 2x128 tokens: backward" in proc.stdout
     data = json.loads(out.read_text())
     meta = data["metadata"]
     assert meta["device_type"] == "cpu" and meta["dtype"] == "float32"

@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from megatron_terapipe import TeraPipePlan, build_schedule
-from megatron_terapipe.planner import FunctionCostModel, refine, simulate, solve
+from megatron_terapipe.planner import FunctionCostModel, fewer_cells, refine, simulate, solve
 
 
 def _cost() -> FunctionCostModel:
@@ -66,3 +66,37 @@ def test_solve_refined_is_no_slower_than_unrefined():
     assert polished.predicted_time <= plain.predicted_time + 1e-15
     assert polished.predicted_time == pytest.approx(
         _time(dataclasses.replace(polished, predicted_time=None), cost))
+
+
+def _flat_cost() -> FunctionCostModel:
+    # time proportional to the tokens: more slices only shrink the pipeline's fill and drain,
+    # by less and less, so many slice counts land within a fraction of a percent
+    return FunctionCostModel(forward=lambda b, l, c: 1e-4 * b * l)
+
+
+def test_fewer_cells_takes_the_fewest_slices_within_the_tolerance():
+    cost = _flat_cost()
+    start = TeraPipePlan.uniform(4096, 32, multiple_of=16)
+    start_time = _time(start, cost)
+    fewer, t = fewer_cells(start, cost, 1, 2, 1, unit=16)
+    # brute force over the candidates it scans (16 to 31 slices: half of 32 to one less)
+    within = [n for n in range(16, 32)
+              if _time(TeraPipePlan.uniform(4096, n, multiple_of=16), cost) <= start_time * 1.005]
+    assert within and len(fewer.seq_slices) == min(within) < 32
+    assert t == pytest.approx(_time(fewer, cost)) and t <= start_time * 1.005
+    assert t > start_time  # a real trade: slightly slower, fewer cells
+    # with no tolerance nothing slower is taken; here every count below 32 is slower
+    same, t0 = fewer_cells(start, cost, 1, 2, 1, unit=16, tolerance=0.0)
+    assert same == start and t0 == pytest.approx(start_time)
+
+
+def test_fewer_cells_keeps_options_and_leaves_what_it_cannot_slice():
+    cost = _flat_cost()
+    start = TeraPipePlan.uniform(4096, 32, order="gpipe", multiple_of=16)
+    start = dataclasses.replace(start, defer_wgrad=True, wgrad_points=[[3]])
+    fewer, _ = fewer_cells(start, cost, 2, 2, 1, unit=16)
+    assert len(fewer.seq_slices) < 32
+    assert (fewer.order, fewer.defer_wgrad, fewer.wgrad_points) == ("gpipe", True, ())
+    assert all(x % 16 == 0 for x in fewer.seq_slices) and sum(fewer.seq_slices) == 4096
+    per_batch = TeraPipePlan([[64, 64], [32, 96]], batch_slices=[1, 1])
+    assert fewer_cells(per_batch, cost, 1, 2, 2, unit=16)[0] == per_batch

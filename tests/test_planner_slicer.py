@@ -226,7 +226,7 @@ def test_dp_equals_exhaustive_search_seeded_sweep():
         assert solution.objective == pytest.approx(expected, rel=1e-9)
 
 
-def test_solve_is_never_slower_than_uniform_or_no_slicing_under_the_simulator():
+def test_solve_is_within_the_fewer_cells_tolerance_of_uniform_or_no_slicing():
     from megatron_terapipe.planner import (AnalyticCostModel, best_uniform_slicing,
                                            hardware_preset, model_preset, simulate, solve)
     from megatron_terapipe.schedule import build_schedule
@@ -238,5 +238,6 @@ def test_solve_is_never_slower_than_uniform_or_no_slicing_under_the_simulator():
         assert plan.predicted_time == pytest.approx(timed(plan))
         uniform, _ = best_uniform_slicing(cost, 2048, 2, K, granularity=64, num_microbatches=M,
                                           order=order)
-        assert plan.predicted_time <= timed(uniform) * (1 + 1e-12)
-        assert plan.predicted_time <= timed(TeraPipePlan([2048], order=order)) * (1 + 1e-12)
+        # fewer_cells may trade up to 0.5% of simulated time for fewer cells
+        assert plan.predicted_time <= timed(uniform) * (1 + 5e-3 + 1e-12)
+        assert plan.predicted_time <= timed(TeraPipePlan([2048], order=order)) * (1 + 5e-3 + 1e-12)

@@ -25,7 +25,7 @@ from .profiled import (
     measure_edge_times,
     measure_layer_times,
 )
-from .refine import place_wgrad_points, refine
+from .refine import fewer_cells, place_wgrad_points, refine
 from .simulator import SimulationResult, simulate
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve, solve_slicing
 from .trace import chrome_trace, write_chrome_trace, write_png
@@ -56,6 +56,7 @@ __all__ = [
     "measure_layer_times",
     "model_preset",
     "place_wgrad_points",
+    "fewer_cells",
     "plan_objective",
     "simulate",
     "solve",

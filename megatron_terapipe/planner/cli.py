@@ -228,6 +228,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                + (" +W" if refined.defer_wgrad else ""),
                                refined, _simulate(refined, args, cost)))
             chosen = rows[0]
+    if not args.no_refine:
+        from .refine import fewer_cells
+
+        unit = slicing_unit(args.seq_length, args.granularity)
+        fewer, _ = fewer_cells(chosen.plan, cost, args.num_microbatches, K, args.micro_batch_size, unit)
+        if fewer.token_slices != chosen.plan.token_slices:
+            rows.insert(0, Row(f"fewer cells x{len(fewer.seq_slices)}"
+                               + (" +W" if fewer.defer_wgrad else ""),
+                               fewer, _simulate(fewer, args, cost)))
+            chosen = rows[0]
     if not args.no_refine and chosen.plan.defer_wgrad:
         from .refine import place_wgrad_points
 
