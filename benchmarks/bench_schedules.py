@@ -92,28 +92,6 @@ def parallel_capacity(processes: int = STAGES, tokens: int = 2048, hidden: int =
     return processes * alone / together
 
 
-def link_worker(rank: int, world_size: int, device: str) -> tuple[list, list]:
-    """One-way times between the two stages' processes, over the pipeline's own transport."""
-    from megatron_terapipe.planner.measure import measure_link_times
-
-    if device == "cpu":
-        from megatron_terapipe.cpu import pin_to_core
-
-        pin_to_core(rank, world_size)
-    else:
-        torch.cuda.set_device(rank)
-    sizes, seconds = measure_link_times(1 - rank, device=device)
-    return sizes.tolist(), seconds.tolist()
-
-
-def measured_link(device: str):
-    """The stage-to-stage link of the cost model, fitted to a ping-pong between 2 processes."""
-    from megatron_terapipe.planner import Link
-
-    sizes, seconds = spawn(STAGES, "bench_schedules:link_worker", device, timeout=600)[0]
-    return Link.fit(sizes, seconds), dict(zip([int(x) for x in sizes], seconds))
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Speed
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +164,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
 
 
 def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
-                       cache: Optional[str], link=None):
+                       cache: Optional[str]):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
     first stage's embedding and the last stage's output layer and loss measured too."""
     from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
@@ -207,7 +185,6 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
     fit = None
     if cache and os.path.exists(cache):
         from megatron_terapipe.planner import LayerTimeFit
-
         from megatron_terapipe.planner.profiled import FORMAT_VERSION
 
         try:
@@ -235,8 +212,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
         if cache:
             fit.save(cache)
     # Stage-to-stage transfers stay on this host: loopback bandwidth, tiny latency.
-    if link is None:  # not measured: loopback (CPU) or NVLink-class (GPU) guesses
-        link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
+    link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
     return ProfiledCostModel(fit, layers_per_stage=layers_per_stage, link=link, model=dims,
                              dtype_bytes=4)
 
@@ -346,12 +322,6 @@ def main() -> int:
     print(f"machine: {machine['cores']} cores ({machine['cpu']}), device {args.device}; two "
           f"single-thread processes get {capacity:.2f} cores' worth of compute "
           f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
-    link, one_way = measured_link(args.device)
-    machine["link"] = {"latency_s": link.latency, "bandwidth_bytes_per_s": link.bandwidth,
-                       "one_way_s": one_way}
-    print(f"stage link (ping-pong, fitted): latency {1e3 * link.latency:.3f} ms, bandwidth "
-          f"{link.bandwidth / 1e9:.2f} GB/s; one way: " + ", ".join(
-              f"{size >> 10} KiB {1e3 * t:.2f} ms" for size, t in one_way.items()), flush=True)
 
     base = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512,
                    num_attention_heads=8, vocab_size=1024, seq_length=512 if quick else 2048)
@@ -367,7 +337,7 @@ def main() -> int:
             print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) ...", flush=True)
             cache = os.path.join(args.out, f"profile_{args.device}_h{model.hidden_size}_s{model.seq_length}.json")
             cost_models[key] = profile_cost_model(model, gran, model.num_layers // STAGES,
-                                                  args.device, cache, link)
+                                                  args.device, cache)
         cost = cost_models[key]
         plans, info = plans_for(cost, model, M, gran)
         print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']} (deferred weight "

@@ -425,49 +425,6 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
                              wgrad=np.array(wgrad))
 
 
-def measure_link_times(peer: int, sizes: Sequence[int] = (64 << 10, 256 << 10, 1 << 20, 4 << 20),
-                       repeats: int = 20, device: Optional[str] = None,
-                       group=None) -> tuple[np.ndarray, np.ndarray]:
-    """One-way seconds of a message of each size (bytes) between this rank and `peer`, by
-    ping-pong over torch.distributed's point-to-point calls (the transport the pipeline uses).
-    Call it on both ranks at once, each naming the other. Returns (sizes, median seconds);
-    Link.fit turns them into a cost-model link."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise RuntimeError("measure_link_times needs an initialised torch.distributed process group")
-    if repeats < 1:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
-    me = dist.get_rank()
-    if peer == me:
-        raise ValueError(f"measure_link_times: peer {peer} is this rank")
-    dev = torch.device(device) if device else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        and dist.get_backend(group) == "nccl" else torch.device("cpu"))
-    leader = me < peer
-    out = []
-    for size in sizes:
-        buf = torch.zeros(max(1, int(size) // 4), dtype=torch.float32, device=dev)
-        samples = []
-        for i in range(repeats + 1):  # the first round trip sets the connection up: untimed
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            start = time.perf_counter()
-            if leader:
-                dist.send(buf, peer, group=group)
-                dist.recv(buf, peer, group=group)
-            else:
-                dist.recv(buf, peer, group=group)
-                dist.send(buf, peer, group=group)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            if i:
-                samples.append((time.perf_counter() - start) / 2)
-        out.append(float(np.median(samples)))
-    return np.asarray([int(s) // 4 * 4 for s in sizes], dtype=np.float64), np.asarray(out)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_terapipe.planner.measure",
                                 description="Measure a Megatron layer on token slices and save a "
