@@ -143,7 +143,7 @@ def fewer_cells(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int
 
     Work a cost model leaves out (Python and kernel launches around each cell, per-message
     transport costs) grows with the number of cells; where the simulator cannot tell plans
-    apart, fewer cells is the safer choice. (On the benchmark's CPU, 9-11 slices measured 4-5%
+    apart, fewer cells is the safer choice. (On the benchmark's CPU, 9-11 slices measured 2-5%
     faster than a 14-slice plan the simulator timed within 0.6% of them.) Plans whose batch
     slices are cut differently, or too large to simulate often, come back unchanged.
     """
