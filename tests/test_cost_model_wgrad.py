@@ -20,11 +20,12 @@ def true_wgrad(b, l):
     return 3e-5 + 7e-7 * b * l
 
 
-def with_wgrad(batches=(1, 2, 4), measured_batches=None):
+def with_wgrad(batches=(1, 2, 4), measured_batches=None, saved_share=1.0):
+    """Synthetic measurements whose deferred backward saves `saved_share` of the W time."""
     m = synthetic(batches=batches)
     measured = np.isin(m.batch, measured_batches or batches) & (m.context == 0)
     m.wgrad = np.where(measured, true_wgrad(m.batch, m.length), np.nan)
-    m.deferred_backward = np.where(measured, m.backward - m.wgrad, np.nan)
+    m.deferred_backward = np.where(measured, m.backward - saved_share * m.wgrad, np.nan)
     return m
 
 
@@ -67,7 +68,7 @@ def test_round_trip_keeps_the_measured_wgrad(tmp_path):
     path = fit.save(tmp_path / "profile.json")
     data = json.loads(path.read_text())
     assert data["format_version"] == FORMAT_VERSION == 3
-    assert set(data["fit"]) == {"forward", "backward", "wgrad"}
+    assert set(data["fit"]) == {"forward", "backward", "wgrad", "wgrad_saving"}
     stored = data["measurements"]["wgrad"]
     contexts = data["measurements"]["context"]
     assert all((w is None) == (c > 0) for w, c in zip(stored, contexts))  # JSON null, not NaN
@@ -81,7 +82,7 @@ def test_round_trip_keeps_the_measured_wgrad(tmp_path):
 def test_profiles_without_wgrad_use_the_estimate(tmp_path):
     data = fit_layer_times(with_wgrad()).to_dict()
     data["format_version"] = 2  # what version 2 wrote: no wgrad fit or columns
-    del data["fit"]["wgrad"]
+    del data["fit"]["wgrad"], data["fit"]["wgrad_saving"]
     del data["measurements"]["wgrad"], data["measurements"]["deferred_backward"]
     path = tmp_path / "v2.json"
     path.write_text(json.dumps(data))
@@ -104,3 +105,18 @@ def test_partial_or_bad_wgrad_measurements():
     bad.wgrad[np.flatnonzero(np.isfinite(bad.wgrad))[0]] = -1.0
     with pytest.raises(ValueError, match="negative weight-gradient times"):
         fit_layer_times(bad)
+
+
+def test_deferred_backward_saves_what_was_measured_not_the_w_time():
+    # a short slice's W costs more as its own action than inside the backward: here deferring
+    # saves the backward only 60% of what the W action then costs
+    cost = ProfiledCostModel(fit_layer_times(with_wgrad(saved_share=0.6)), layers_per_stage=2,
+                             link=LINK)
+    assert cost.layer_deferred_backward_saving(1, 256, 64) == pytest.approx(0.6 * true_wgrad(1, 256))
+    plan = TeraPipePlan([256, 256], defer_wgrad=True)
+    result = simulate(build_schedule(plan, 1, 2, 1), cost)
+    spans = {(a.action.kind, a.action.cell.token_slice): a.end - a.start
+             for a in result.timeline if a.stage == 0}
+    assert spans[("B", 0)] == pytest.approx(cost.backward_time(1, 256, 0) - 2 * 0.6 * true_wgrad(1, 256))
+    assert spans[("B", 1)] == pytest.approx(cost.backward_time(1, 256, 256) - 2 * 0.6 * true_wgrad(1, 256))
+    assert spans[("W", 0)] == pytest.approx(2 * true_wgrad(1, 512))  # one GEMM over both slices

@@ -87,6 +87,13 @@ class CostModel(ABC):
         the model cannot tell, and deferring is priced as a reordering only."""
         return _scalar_or_array(np.zeros(_edge_shape(batch, length, context, first_stage, last_stage)))
 
+    def deferred_backward_saving(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike,
+                                 first_stage: ArrayLike, last_stage: ArrayLike):
+        """Seconds a backward cell saves when its weight gradients are deferred. Default: their
+        GEMMs' time (`wgrad_time`); a profile that measured deferred backward cells knows better
+        (a short slice's W costs more as its own action than inside the backward)."""
+        return self.wgrad_time(batch, length, context, first_stage, last_stage)
+
     def wgrad_hold_bytes(self, batch: ArrayLike, length: ArrayLike):
         """Bytes a stage keeps from a cell's backward until its sequence's W action when weight
         gradients are deferred: the linear layers' inputs and output gradients (default 0)."""
@@ -349,11 +356,22 @@ class LayerStackCostModel(CostModel):
         by_forward = self.layer_forward_time(b, l, 0.0) * linear / (linear + no_context)
         return np.minimum(by_flops, by_forward)
 
+    def layer_deferred_backward_saving(self, batch, length, context):
+        """What deferring saves one layer's backward: by default its weight-gradient GEMMs."""
+        return self.layer_wgrad_time(batch, length, context)
+
     def wgrad_time(self, batch, length, context, first_stage, last_stage):
         """The weight-gradient GEMMs of a cell's backward: its layers', and on the last stage
         the output layer's, whose backward is half weight gradient."""
+        return self._stage_wgrad(self.layer_wgrad_time, batch, length, context, first_stage, last_stage)
+
+    def deferred_backward_saving(self, batch, length, context, first_stage, last_stage):
+        return self._stage_wgrad(self.layer_deferred_backward_saving, batch, length, context,
+                                 first_stage, last_stage)
+
+    def _stage_wgrad(self, per_layer, batch, length, context, first_stage, last_stage):
         b, l, c = _f64(batch, length, context)
-        layers = self.layers_per_stage * self.layer_wgrad_time(b, l, c)
+        layers = self.layers_per_stage * per_layer(b, l, c)
         output = 0.5 * self.edge_part_time("output", "backward", b, l)
         shape = _edge_shape(b, l, c, first_stage, last_stage)
         return _scalar_or_array(np.broadcast_to(

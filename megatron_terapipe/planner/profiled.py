@@ -32,6 +32,8 @@ from .cost_model import EDGE_PARTS, LayerStackCostModel, Link, ModelDims, _f64
 FORMAT = "megatron-terapipe-layer-profile"
 FORMAT_VERSION = 3  # 2 added "edges", 3 measured weight gradients ("wgrad"); older files load
 READABLE_VERSIONS = (1, 2, 3)
+# measured on context-free cells (version 3): the W action, and what deferring saves the backward
+WGRAD_FITS = ("wgrad", "wgrad_saving")
 DIRECTIONS = ("forward", "backward")
 EDGE_KEYS = tuple(f"{part}_{d}" for part in EDGE_PARTS for d in DIRECTIONS)
 PathLike = Union[str, Path]
@@ -347,7 +349,8 @@ class LayerTimeFit:
                              f"{', '.join(map(str, READABLE_VERSIONS))}); measure the profile again")
         try:
             fits: dict[str, dict[int, _BatchFit]] = {}
-            measured = DIRECTIONS + (("wgrad",) if version >= 3 and "wgrad" in data["fit"] else ())
+            measured = DIRECTIONS + (tuple(k for k in WGRAD_FITS if k in data["fit"])
+                                     if version >= 3 else ())
             for d in measured:
                 fits[d] = {}
                 for b, entry in data["fit"][d].items():
@@ -453,24 +456,28 @@ def fit_layer_times(measurements: LayerMeasurements, holdout: float = 0.2, seed:
     edges = fit_edge_times(m.edges) if m.edges is not None else None
     fits = fit(m)
     if wgrad:
-        fits["wgrad"] = wgrad
+        fits.update(wgrad)
     return LayerTimeFit(fits, dict(m.metadata), m, holdout_error, edges)
 
 
-def _wgrad_fits(m: LayerMeasurements) -> dict[int, _BatchFit]:
-    """The W action's seconds per batch size, a table over the measured lengths (no context
-    term: the weight-gradient GEMMs never see the context); empty unless every batch size has
-    context-free cells with W measured."""
-    if m.wgrad is None:
+def _wgrad_fits(m: LayerMeasurements) -> dict[str, dict[int, _BatchFit]]:
+    """Per batch size, tables over the measured lengths (no context term: the weight-gradient
+    GEMMs never see the context) of the W action ("wgrad") and of what deferring saved the
+    backward ("wgrad_saving": full backward less deferred backward, at least 0). Empty unless
+    every batch size has context-free cells with both measured."""
+    if m.wgrad is None or m.deferred_backward is None:
         return {}
-    out = {}
+    out: dict[str, dict[int, _BatchFit]] = {"wgrad": {}, "wgrad_saving": {}}
     for b in np.unique(m.batch):
-        sel = (m.batch == b) & (m.context == 0) & np.isfinite(m.wgrad)
+        sel = ((m.batch == b) & (m.context == 0) & np.isfinite(m.wgrad)
+               & np.isfinite(m.deferred_backward))
         if not sel.any():
             return {}
-        if np.any(m.wgrad[sel] < 0):
+        if np.any(m.wgrad[sel] < 0) or np.any(m.deferred_backward[sel] < 0):
             raise ValueError("layer measurements contain negative weight-gradient times")
-        out[int(b)] = _fit_one(m.length[sel], m.context[sel], m.wgrad[sel])
+        saving = np.maximum(m.backward[sel] - m.deferred_backward[sel], 0.0)
+        out["wgrad"][int(b)] = _fit_one(m.length[sel], m.context[sel], m.wgrad[sel])
+        out["wgrad_saving"][int(b)] = _fit_one(m.length[sel], m.context[sel], saving)
     return out
 
 
@@ -522,6 +529,14 @@ class ProfiledCostModel(LayerStackCostModel):
             return super().layer_wgrad_time(batch, length, context)
         b, l, c = _f64(batch, length, context)
         return self.fit.seconds("wgrad", b, l, np.zeros_like(l))
+
+    def layer_deferred_backward_saving(self, batch, length, context):
+        """Measured: the full backward less the deferred one, on context-free cells of these
+        tokens. Without the measurement: the W time, as the base class."""
+        if "wgrad_saving" not in self.fit.fits:
+            return super().layer_deferred_backward_saving(batch, length, context)
+        b, l, c = _f64(batch, length, context)
+        return self.fit.seconds("wgrad_saving", b, l, np.zeros_like(l))
 
     def edge_part_time(self, part, direction, batch, length):
         if self.fit.edges is None:

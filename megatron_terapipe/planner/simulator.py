@@ -130,7 +130,10 @@ class _CellCosts:
             layers += self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
                                 c.rows, c.tokens, first, last)
         if action.kind == "B" and self.defer_wgrad:
-            layers = max(0.0, layers - self._wgrad(c.rows, c.tokens, c.context, first, last))
+            saving = self._get(("WS", c.rows, c.tokens, c.context, first, last),
+                               self.cost_model.deferred_backward_saving, c.rows, c.tokens,
+                               c.context, first, last)
+            layers = max(0.0, layers - saving)
         return layers
 
     def _wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
