@@ -11,6 +11,10 @@ non-decreasing); the context term is a least-squares fit weighted to minimise re
 because short slices take a few hundred microseconds and long ones seconds. Batch sizes between
 measured ones interpolate linearly; beyond the largest, time grows in proportion to the rows.
 
+Weight gradients (format version 3): on context-free cells the layer also ran with deferred
+weight gradients; tables over the lengths give the W action's time ("wgrad") and what deferring
+saved the backward ("wgrad_saving"). Older profiles estimate both from the forward and backward.
+
 Edge costs (format version 2): the first stage's embedding and the last stage's final norm,
 output layer and loss, measured per (batch, length) and fitted as a + b * tokens per part and
 direction (they do not depend on the context). Version-1 profiles, and profiles measured
