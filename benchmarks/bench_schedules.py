@@ -185,13 +185,12 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
     fit = None
     if cache and os.path.exists(cache):
         from megatron_terapipe.planner import LayerTimeFit
-        from megatron_terapipe.planner.profiled import FORMAT_VERSION
 
         try:
             fit = LayerTimeFit.load(cache)
-            if fit.format_version != FORMAT_VERSION:
-                print(f"  the cached profile has format version {fit.format_version}, not "
-                      f"{FORMAT_VERSION} (it lacks measured W actions): measuring again")
+            if not fit.is_current_format:
+                print(f"  the cached profile has the older format version {fit.format_version}: "
+                      "measuring again")
                 fit = None
         except ValueError as exc:
             print(f"  ignoring the cached profile: {exc}")

@@ -627,11 +627,10 @@ class ArgsPlanProvider:
         if path.is_file():
             try:
                 from .planner import LayerTimeFit
-                from .planner.profiled import FORMAT_VERSION
 
-                # an entry in an older format lacks what newer profiles measure (e.g. the W
-                # action's time): measure again and overwrite it, as an unreadable one
-                if LayerTimeFit.load(path).format_version == FORMAT_VERSION:
+                # an entry in an older format is measured again and overwritten, as an
+                # unreadable one
+                if LayerTimeFit.load(path).is_current_format:
                     return {"measure": False, "path": str(path)}
             except ValueError:
                 pass

@@ -346,34 +346,17 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     sync = env.sync
 
     def run(b: int, l: int, c: int) -> tuple[float, float, float, float]:
-        forward, backward = run_cell(b, l, c)
+        forward, backward, _ = run_cell(b, l, c)
         if c:  # weight gradients do not depend on the context: measured on context-free cells
             return forward, backward, float("nan"), float("nan")
-        return forward, backward, *run_deferred(b, l)
+        # the same cell again, its weight gradients deferred as the executor does: the backward
+        # without them, then the W action that computes them
+        _, deferred_backward, wgrad = run_cell(b, l, 0, WeightGradStore())
+        return forward, backward, deferred_backward, wgrad
 
-    def run_deferred(b: int, l: int) -> tuple[float, float]:
-        """The same context-free cell as a deferred-wgrad backward cell, then its W action."""
-        cache, store = KVCache(), WeightGradStore()
-        cell = Cell(0, 0, 0, 0, b, 0, l, 1)
-        x = torch.randn(l, b, model.hidden_size, device=dev, dtype=torch_dtype, requires_grad=True)
-        grad = torch.randn(l, b, model.hidden_size, device=dev, dtype=torch_dtype)
-        with running_cell(cell, cache, "forward", wgrad=store):
-            out, _ = layer(x)
-        sync()
-        start = time.perf_counter()
-        with running_cell(cell, cache, "backward", wgrad=store):
-            out.backward(grad)
-        sync()
-        middle = time.perf_counter()
-        store.flush(cell.sequence_key)
-        sync()
-        end = time.perf_counter()
-        if store.deferred != deferrable:  # every local linear layer must have deferred
-            raise RuntimeError(f"weight-gradient deferral did not run in the measured layer: "
-                               f"{store.deferred} of {deferrable} linear layers deferred")
-        return middle - start, end - middle
-
-    def run_cell(b: int, l: int, c: int) -> tuple[float, float]:
+    def run_cell(b: int, l: int, c: int, store: Optional[WeightGradStore] = None
+                 ) -> tuple[float, float, float]:
+        """Forward and backward seconds of the cell, and with a store its W action's."""
         cache = KVCache()
         n_slices = 2 if c else 1
         if c:
@@ -386,7 +369,7 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
         grad = torch.randn(l, b, model.hidden_size, device=dev, dtype=torch_dtype)
         sync()
         start = time.perf_counter()
-        with running_cell(cell, cache, "forward"):
+        with running_cell(cell, cache, "forward", wgrad=store):
             out, _ = layer(x)
         sync()
         middle = time.perf_counter()
@@ -394,13 +377,20 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
         if cached != [n_slices]:  # the timed slice must have read (and joined) the K/V cache
             raise RuntimeError("TeraPipe slice attention did not run in the measured layer: "
                                f"K/V cache holds {cached} slices, expected [{n_slices}]")
-        with running_cell(cell, cache, "backward"):
+        with running_cell(cell, cache, "backward", wgrad=store):
             out.backward(grad)
         sync()
         end = time.perf_counter()
-        # Gradients stay: in an iteration every cell after the first adds into them, which
-        # costs more than writing fresh ones.
-        return middle - start, end - middle
+        if store is None:
+            # Gradients stay: in an iteration every cell after the first adds into them, which
+            # costs more than writing fresh ones.
+            return middle - start, end - middle, 0.0
+        if store.deferred != deferrable:  # every local linear layer must have deferred
+            raise RuntimeError(f"weight-gradient deferral did not run in the measured layer: "
+                               f"{store.deferred} of {deferrable} linear layers deferred")
+        store.flush(cell.sequence_key)
+        sync()
+        return middle - start, end - middle, time.perf_counter() - end
 
     cells = [(int(b), int(l), int(c)) for b, l, c in cells]
     if cells:  # first calls pay one-off costs (allocator, kernel selection): run the largest once
@@ -468,7 +458,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(max {100 * err['backward']['max_relative']:.1f}%)")
     if fit.has_wgrad:
         m = measurements
-        i = max(np.flatnonzero(np.isfinite(m.wgrad)), key=lambda j: (m.batch[j] * m.length[j], -j))
+        measured = np.flatnonzero(np.isfinite(m.wgrad))
+        i = measured[np.argmax(m.batch[measured] * m.length[measured])]  # the most tokens
         print(f"deferred weight gradients at {int(m.batch[i])}x{int(m.length[i])} tokens: backward "
               f"{1e3 * m.backward[i]:.2f} ms; without them {1e3 * m.deferred_backward[i]:.2f} ms, "
               f"then a W action of {1e3 * m.wgrad[i]:.2f} ms")

@@ -300,6 +300,12 @@ class LayerTimeFit:
 
     # ---- persistence --------------------------------------------------------------------------
     @property
+    def is_current_format(self) -> bool:
+        """Whether it was written in this version's format (older ones lack newer measurements,
+        e.g. the W action's time: caches measure them again)."""
+        return self.format_version == FORMAT_VERSION
+
+    @property
     def has_wgrad(self) -> bool:
         """Whether the W action's weight-gradient GEMMs were measured (format version 3)."""
         return "wgrad" in self.fits

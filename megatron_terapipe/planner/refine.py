@@ -15,7 +15,7 @@ simulator.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 from ..plan import TeraPipePlan
 from .cost_model import CostModel
@@ -40,9 +40,23 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
+def _timer(cost_model: CostModel, num_microbatches: int, num_stages: int, micro_batch_size: int,
+           cores: Optional[float]) -> Callable[[TeraPipePlan], float]:
+    """plan -> its simulated iteration time, for one run's shape."""
+    return lambda plan: plan_time(plan, cost_model, num_microbatches, num_stages,
+                                  micro_batch_size, cores)
+
+
 def _too_large(plan: TeraPipePlan, num_microbatches: int, num_stages: int) -> bool:
     """Whether simulating `plan` per candidate would take too long (MAX_ACTIONS)."""
     return plan.num_cells * num_microbatches * num_stages * 3 > MAX_ACTIONS
+
+
+def _reslicable(plan: TeraPipePlan, num_microbatches: int, num_stages: int, unit: int) -> bool:
+    """Whether refine and fewer_cells may cut `plan` anew: one token slicing shared by its
+    batch slices, a positive unit, and cheap enough to simulate per candidate."""
+    return plan.uniform_token_slicing and unit > 0 and not _too_large(plan, num_microbatches,
+                                                                      num_stages)
 
 
 def _with_slices(plan: TeraPipePlan, slices: list[int], **changes) -> TeraPipePlan:
@@ -60,11 +74,10 @@ def refine(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int, num
     they are); slices stay multiples of `unit` tokens. The plan's order, batch slices and
     weight-gradient deferral are kept.
     """
-    def timed(p: TeraPipePlan) -> float:
-        return plan_time(p, cost_model, num_microbatches, num_stages, micro_batch_size, cores)
+    timed = _timer(cost_model, num_microbatches, num_stages, micro_batch_size, cores)
 
     start_time = timed(plan)
-    if not plan.uniform_token_slicing or _too_large(plan, num_microbatches, num_stages) or unit <= 0:
+    if not _reslicable(plan, num_microbatches, num_stages, unit):
         return plan, start_time
     if any(t % unit for t in plan.token_slices[0]):
         return plan, start_time
@@ -104,8 +117,7 @@ def place_wgrad_points(plan: TeraPipePlan, cost_model: CostModel, num_microbatch
     lowers the simulated iteration time most, by at least `min_gain`. Plans without deferred
     weight gradients, or too large to simulate often (MAX_ACTIONS), come back unchanged.
     """
-    def timed(p: TeraPipePlan) -> float:
-        return plan_time(p, cost_model, num_microbatches, num_stages, micro_batch_size, cores)
+    timed = _timer(cost_model, num_microbatches, num_stages, micro_batch_size, cores)
 
     best_time = timed(plan)
     if not plan.defer_wgrad or _too_large(plan, num_microbatches, num_stages):
@@ -147,11 +159,10 @@ def fewer_cells(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int
     faster than a 14-slice plan the simulator timed within 0.6% of them.) Plans whose batch
     slices are cut differently, or too large to simulate often, come back unchanged.
     """
-    def timed(p: TeraPipePlan) -> float:
-        return plan_time(p, cost_model, num_microbatches, num_stages, micro_batch_size, cores)
+    timed = _timer(cost_model, num_microbatches, num_stages, micro_batch_size, cores)
 
     plan_t = timed(plan)
-    if not plan.uniform_token_slicing or _too_large(plan, num_microbatches, num_stages) or unit <= 0:
+    if not _reslicable(plan, num_microbatches, num_stages, unit):
         return plan, plan_t
     count = len(plan.token_slices[0])
     seq_length = sum(plan.token_slices[0])
