@@ -5,9 +5,13 @@ Shapes come from the plan on both sides, so no shape handshake is needed.
 - `MegatronTransport` (CUDA): Megatron's own P2PCommunicator. Its blocking batched calls need a
   send and the following receive fused into one call (as Megatron's 1F1B does), which the
   executor does through `send_forward_recv_backward` / `send_backward_recv_forward`.
-- `TorchTransport` (any device, used on CPU/gloo): asynchronous `isend` plus blocking `irecv`.
-  A stage never waits on its own sends, so any schedule that passes `schedule.validate` runs
-  without deadlock. Send buffers stay referenced until `finish()`.
+- `TorchTransport` (any device, used on CPU/gloo): asynchronous `isend` plus `irecv`. A stage
+  never waits on its own sends, so any schedule that passes `schedule.validate` runs without
+  deadlock. Send buffers stay referenced until `finish()`. The executor posts the receive of a
+  stage's next input in each direction (`prefetch_forward` / `prefetch_backward`) before it
+  computes the current cell, so the transfer overlaps compute: gloo moves a message only once
+  its receive is posted (1.2-2 ms for 512 KiB over loopback, measured), which a stage waiting
+  on a blocking receive would otherwise spend idle at every cell.
 """
 
 from __future__ import annotations
@@ -27,6 +31,12 @@ class Transport:
     def recv_backward(self, shape: Sequence[int]) -> torch.Tensor: ...
     def send_forward(self, tensor: torch.Tensor) -> None: ...
     def send_backward(self, tensor: torch.Tensor) -> None: ...
+
+    def prefetch_forward(self, shape: Sequence[int]) -> None:
+        """Start receiving the next forward input (a no-op where receives cannot be posted early)."""
+
+    def prefetch_backward(self, shape: Sequence[int]) -> None:
+        """Start receiving the next output gradient."""
 
     def send_forward_recv_backward(self, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         self.send_forward(tensor)
@@ -51,6 +61,10 @@ class TorchTransport(Transport):
         self.prev = ranks[rank - 1] if rank > 0 else None
         self.next = ranks[rank + 1] if rank < size - 1 else None
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # The one receive posted ahead per direction (tag): messages arrive in schedule order.
+        self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self.receives = 0
+        self.receives_posted_early = 0
 
     def _send(self, tensor: torch.Tensor, dst: Optional[int], tag: int) -> None:
         if dst is None:
@@ -64,12 +78,32 @@ class TorchTransport(Transport):
         if len(self._pending) > 8:
             self._pending = [(w, t) for (w, t) in self._pending if not w.is_completed()]
 
-    def _recv(self, shape: Sequence[int], src: Optional[int], tag: int) -> torch.Tensor:
+    def _post(self, shape: Sequence[int], src: Optional[int], tag: int) -> tuple[dist.Work, torch.Tensor]:
         if src is None:
             raise RuntimeError("TeraPipe: no neighbour stage to receive from")
         buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        dist.irecv(buf, src, group=self.group, tag=tag).wait()
+        return dist.irecv(buf, src, group=self.group, tag=tag), buf
+
+    def _prefetch(self, shape: Sequence[int], src: Optional[int], tag: int) -> None:
+        if tag not in self._posted:
+            self._posted[tag] = self._post(shape, src, tag)
+
+    def _recv(self, shape: Sequence[int], src: Optional[int], tag: int) -> torch.Tensor:
+        posted = self._posted.pop(tag, None)
+        work, buf = posted if posted is not None else self._post(shape, src, tag)
+        self.receives += 1
+        self.receives_posted_early += posted is not None
+        if tuple(buf.shape) != tuple(shape):  # the executor prefetched for another cell
+            raise RuntimeError(f"TeraPipe: a receive of shape {tuple(shape)} found the posted "
+                               f"receive of shape {tuple(buf.shape)}")
+        work.wait()
         return buf
+
+    def prefetch_forward(self, shape):
+        self._prefetch(shape, self.prev, _TAG_FORWARD)
+
+    def prefetch_backward(self, shape):
+        self._prefetch(shape, self.next, _TAG_BACKWARD)
 
     def recv_forward(self, shape):
         return self._recv(shape, self.prev, _TAG_FORWARD)
@@ -84,6 +118,8 @@ class TorchTransport(Transport):
         self._send(tensor, self.prev, _TAG_BACKWARD)
 
     def finish(self) -> None:
+        if self._posted:
+            raise RuntimeError("TeraPipe: a receive was posted that the schedule never used")
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()

@@ -41,6 +41,8 @@ class RunRecord:
     start: float = 0.0
     end: float = 0.0
     deferred_wgrads: int = 0  # weight-gradient pieces the linear layers left to W actions
+    receives: int = 0  # activations and gradients this stage received (torch transport)
+    receives_posted_early: int = 0  # of which the receive was posted before it was needed
 
 
 #: Timings of the most recent call on this process.
@@ -321,6 +323,21 @@ class _StageExecutor:
             disable_grad_sync()
         pending_input: Optional[torch.Tensor] = None
         pending_grad: Optional[torch.Tensor] = None
+        # For each action, the next forward that receives an input and the next backward that
+        # receives a gradient: their receives are posted before this action computes.
+        next_recv = {"F": [None] * len(actions), "B": [None] * len(actions)}
+        upcoming = {"F": None, "B": None}
+        for i in range(len(actions) - 1, -1, -1):
+            next_recv["F"][i], next_recv["B"][i] = upcoming["F"], upcoming["B"]
+            if actions[i].kind in upcoming:
+                upcoming[actions[i].kind] = actions[i].cell
+
+        def prefetch(i: int) -> None:
+            if not self.is_first and next_recv["F"][i] is not None:
+                self.transport.prefetch_forward(self.activation_shape(next_recv["F"][i]))
+            if not self.is_last and next_recv["B"][i] is not None:
+                self.transport.prefetch_backward(self.activation_shape(next_recv["B"][i]))
+
         clock = time.perf_counter
         for i, action in enumerate(actions):
             cell = action.cell
@@ -337,6 +354,7 @@ class _StageExecutor:
                     inp, pending_input = pending_input, None
                 else:
                     inp = self.transport.recv_forward(self.activation_shape(cell))
+                prefetch(i)
                 t0 = clock()
                 out = self.forward(cell, inp)
                 t1 = clock()
@@ -355,6 +373,7 @@ class _StageExecutor:
                     grad = self.transport.recv_backward(self.activation_shape(cell))
                 if i == last_backward and (grad_sync_func is None or self.is_first):
                     enable_grad_sync()
+                prefetch(i)
                 t0 = clock()
                 grad_in = self.backward(cell, grad)
                 t1 = clock()
@@ -461,7 +480,9 @@ def forward_backward_terapipe(
     end = time.perf_counter()
     global LAST_RUN
     LAST_RUN = RunRecord(schedule, stage, executor.events, start, end,
-                         executor.wgrad.deferred if executor.wgrad is not None else 0)
+                         executor.wgrad.deferred if executor.wgrad is not None else 0,
+                         getattr(transport, "receives", 0),
+                         getattr(transport, "receives_posted_early", 0))
 
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(

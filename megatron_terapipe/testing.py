@@ -443,7 +443,15 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     from .executor import LAST_RUN
 
     result: dict[str, Any] = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage(),
-                              "deferred_wgrads": LAST_RUN.deferred_wgrads}
+                              "deferred_wgrads": LAST_RUN.deferred_wgrads,
+                              "receives": LAST_RUN.receives,
+                              "receives_posted_early": LAST_RUN.receives_posted_early}
+    # What the torch transport must have received: an input per cell (but on the first stage),
+    # and an output gradient per cell (but on the last stage, and when forward-only).
+    cells = LAST_RUN.schedule.num_microbatches * LAST_RUN.schedule.plan.num_cells
+    result["expected_receives"] = cells * (
+        (not parallel_state.is_pipeline_first_stage())
+        + (not parallel_state.is_pipeline_last_stage() and not case.forward_only))
     if parallel_state.is_pipeline_last_stage():
         mine_ref = ref_losses[dp_rank * case.num_microbatches:(dp_rank + 1) * case.num_microbatches]
         result["losses"] = _report_values(losses)
@@ -469,12 +477,18 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
 def check_case(results: list[dict[str, Any]], case: Case) -> None:
     """Assert one case of `run_cases` on every rank: gradients within the case's tolerance (or
     none, forward-only), every reported loss equal to the baseline's, weight gradients deferred
-    when the plan says so, and a last stage among the ranks."""
+    when the plan says so, every receive of the torch transport posted before it was needed
+    (but each stage's first input), and a last stage among the ranks."""
     import pytest
 
     saw_last = False
     for rank_result in results:
         r = rank_result[case.name]
+        if case.transport != "megatron":
+            assert r["receives"] == r["expected_receives"], r
+            assert r["receives_posted_early"] >= r["receives"] - 1, (
+                f"rank {r['rank']}: only {r['receives_posted_early']} of {r['receives']} "
+                "receives were posted ahead")
         if case.forward_only:
             assert not r["any_grad"], f"rank {r['rank']}: forward_only left gradients"
         else:
