@@ -106,9 +106,10 @@ def keep_freed_host_memory(mmap_threshold: int = 512 << 20) -> bool:
     page). Token slices make many mid-sized allocations, which is where this hurts most:
     measured on this project's 2-layer, hidden-512 CPU model with 4 microbatches, a TeraPipe
     iteration took 31k page faults (about 5% of its time) and Megatron's own schedule none. With
-    tensors up to `mmap_threshold` served from a heap that is not trimmed, TeraPipe took 20. Called by `enable_cpu_mode`. Leaves the allocator alone when the user tuned it
-    (MALLOC_*_ or GLIBC_TUNABLES set) and where glibc is not the C library. Returns whether it
-    changed the settings."""
+    tensors up to `mmap_threshold` served from a heap that is not trimmed, TeraPipe took 20.
+    Called by `enable_cpu_mode`. Leaves the allocator alone when the user tuned it (MALLOC_*_
+    or GLIBC_TUNABLES set) and where glibc is not the C library. Returns whether it changed
+    the settings."""
     if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or \
             "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return False

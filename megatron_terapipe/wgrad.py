@@ -6,9 +6,9 @@ With token slices, the per-slice wgrad GEMM is thin (its inner dimension is the 
 and it sits on the pipeline's critical path. So, inside a TeraPipe backward cell, Megatron's
 local linear layers (`ColumnParallelLinear`, `RowParallelLinear`, the output layer included)
 compute dgrad at once and hand (input, output gradient) to a `WeightGradStore`. The schedule's
-W action for a sequence then computes every deferred weight gradient of that sequence, its
-slices' GEMMs accumulating into one gradient per weight, and delivers it through autograd, so gradient hooks (Megatron DDP's
-grad-ready hooks and main_grad accumulation) run exactly as they would have.
+W action for a sequence then computes every deferred weight gradient of that sequence, one
+gradient per weight over all its slices, and delivers it through autograd, so gradient hooks
+(Megatron DDP's grad-ready hooks and main_grad accumulation) run exactly as they would have.
 
 Outside a TeraPipe cell, and for frozen weights, weights that are not leaves, inputs that need
 no gradient, Megatron-FSDP parameters and the output layer's own
@@ -78,14 +78,17 @@ def weight_grad(weight: torch.Tensor, pieces: list[_Deferred]) -> Optional[torch
     """The weight gradient over all pieces. Returns what autograd should accumulate into the
     weight, or None when the gradient already went into main_grad and nothing needs to be told.
 
-    Each piece's GEMM accumulates into one output (`addmm_`) rather than concatenating the
-    pieces for one tall GEMM: as fast as one GEMM over rows that are already contiguous, and
-    without the copies (measured on CPU, hidden 512, 8 or 16 slices: 1-4% faster per weight
-    than concatenating)."""
+    In float32 and float64, each piece's GEMM accumulates into one output (`addmm_`): as fast
+    as one GEMM over rows that are already contiguous, without the copies of concatenating them
+    (measured on CPU, hidden 512, 8 or 16 slices: 1-4% faster per weight). In 16-bit types the
+    pieces are concatenated for one GEMM, which accumulates in float32 and rounds once, as the
+    unsliced weight gradient does; adding rounded 16-bit partial sums would lose precision."""
+    gos = [p.grad_output.reshape(-1, p.grad_output.size(-1)) for p in pieces]
+    inputs = [_gathered(p) for p in pieces]
+    if gos[0].dtype not in (torch.float32, torch.float64) and len(pieces) > 1:
+        gos, inputs = [torch.cat(gos)], [torch.cat(inputs)]
     wgrad: Optional[torch.Tensor] = None
-    for piece in pieces:
-        go = piece.grad_output.reshape(-1, piece.grad_output.size(-1))
-        inp = _gathered(piece)
+    for go, inp in zip(gos, inputs):
         if inp.dtype != go.dtype:  # autocast: the forward's GEMM ran in the output's dtype
             inp = inp.to(go.dtype)
         if wgrad is None:

@@ -220,3 +220,26 @@ def test_solve_does_not_defer_for_a_negligible_gain():
 
 def test_hooked_layers_run_megatrons_code_outside_terapipe():
     assert spawn(1, "megatron_terapipe.testing:grads_with_and_without_deferral_hooks")[0] == 0.0
+
+
+def test_weight_grad_sums_every_slice_and_rounds_16_bit_types_once():
+    import torch
+
+    from megatron_terapipe.wgrad import _Deferred, weight_grad
+
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 1, 5) for _ in range(4)]  # [tokens, rows, in] per slice
+    gs = [torch.randn(3, 1, 6) for _ in range(4)]  # [tokens, rows, out]
+
+    def grad(dtype):
+        weight = torch.nn.Parameter(torch.zeros(6, 5, dtype=dtype))
+        pieces = [_Deferred(x.to(dtype), g.to(dtype), False, None, False) for x, g in zip(xs, gs)]
+        return weight_grad(weight, pieces)
+
+    def one_gemm(dtype):
+        g = torch.cat(gs).to(dtype).reshape(-1, 6)
+        x = torch.cat(xs).to(dtype).reshape(-1, 5)
+        return g.t() @ x
+
+    torch.testing.assert_close(grad(torch.float32), one_gemm(torch.float32))
+    assert torch.equal(grad(torch.bfloat16), one_gemm(torch.bfloat16))
