@@ -7,11 +7,12 @@ Shapes come from the plan on both sides, so no shape handshake is needed.
   executor does through `send_forward_recv_backward` / `send_backward_recv_forward`.
 - `TorchTransport` (any device, used on CPU/gloo): asynchronous `isend` plus `irecv`. A stage
   never waits on its own sends, so any schedule that passes `schedule.validate` runs without
-  deadlock. Send buffers stay referenced until `finish()`. The executor posts the receive of a
-  stage's next input in each direction (`prefetch_forward` / `prefetch_backward`) before it
-  computes the current cell, so the transfer overlaps compute: gloo moves a message only once
-  its receive is posted (1.2-2 ms for 512 KiB over loopback, measured), which a stage waiting
-  on a blocking receive would otherwise spend idle at every cell.
+  deadlock. Send buffers stay referenced until `finish()`. On gloo, the executor posts the
+  receive of a stage's next input in each direction (`prefetch_forward` /
+  `prefetch_backward`) before it computes the current cell, so the transfer overlaps compute:
+  gloo moves a message only once its receive is posted (1.2-2 ms for 512 KiB over loopback,
+  measured), which a stage waiting on a blocking receive would otherwise spend idle at every
+  cell.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class TorchTransport(Transport):
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
         # The one receive posted ahead per direction (tag): messages arrive in schedule order.
         self._posted: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        # Only gloo: NCCL runs a pair's sends and receives in order on one stream, where a
+        # receive posted ahead would hold back this stage's own send that its peer waits for.
+        self._posts_ahead = dist.get_backend(pp_group) == "gloo"
         self.receives = 0
         self.receives_posted_early = 0
 
@@ -85,7 +89,7 @@ class TorchTransport(Transport):
         return dist.irecv(buf, src, group=self.group, tag=tag), buf
 
     def _prefetch(self, shape: Sequence[int], src: Optional[int], tag: int) -> None:
-        if tag not in self._posted:
+        if self._posts_ahead and tag not in self._posted:
             self._posted[tag] = self._post(shape, src, tag)
 
     def _recv(self, shape: Sequence[int], src: Optional[int], tag: int) -> torch.Tensor:
