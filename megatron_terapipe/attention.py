@@ -137,7 +137,7 @@ class ActiveCell:
     keep_grad: bool  # False in forward_only runs: cache plain tensors
     wgrad: Optional["WeightGradStore"] = None  # where linear layers defer weight gradients
     # Additive causal masks by (queries, keys, dtype, device): every layer of the cell reuses one.
-    masks: dict = field(default_factory=dict)
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 _ACTIVE: Optional[ActiveCell] = None

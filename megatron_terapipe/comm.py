@@ -94,12 +94,15 @@ class TorchTransport(Transport):
 
     def _recv(self, shape: Sequence[int], src: Optional[int], tag: int) -> torch.Tensor:
         posted = self._posted.pop(tag, None)
-        work, buf = posted if posted is not None else self._post(shape, src, tag)
         self.receives += 1
-        self.receives_posted_early += posted is not None
-        if tuple(buf.shape) != tuple(shape):  # the executor prefetched for another cell
-            raise RuntimeError(f"TeraPipe: a receive of shape {tuple(shape)} found the posted "
-                               f"receive of shape {tuple(buf.shape)}")
+        if posted is None:
+            work, buf = self._post(shape, src, tag)
+        else:
+            self.receives_posted_early += 1
+            work, buf = posted
+            if tuple(buf.shape) != tuple(shape):  # the executor prefetched for another cell
+                raise RuntimeError(f"TeraPipe: a receive of shape {tuple(shape)} found the "
+                                   f"posted receive of shape {tuple(buf.shape)}")
         work.wait()
         return buf
 

@@ -307,8 +307,9 @@ class LayerTimeFit:
 
     @property
     def has_wgrad(self) -> bool:
-        """Whether the W action's weight-gradient GEMMs were measured (format version 3)."""
-        return "wgrad" in self.fits
+        """Whether the W action and what deferring saves were measured (format version 3;
+        `fit_layer_times` and `load` keep both tables or neither)."""
+        return all(k in self.fits for k in WGRAD_FITS)
 
     def to_dict(self) -> dict:
         return {
@@ -537,16 +538,18 @@ class ProfiledCostModel(LayerStackCostModel):
         Profiles without the measurement (format version < 3) use the base class's estimate."""
         if not self.fit.has_wgrad:
             return super().layer_wgrad_time(batch, length, context)
-        b, l, c = _f64(batch, length, context)
-        return self.fit.seconds("wgrad", b, l, np.zeros_like(l))
+        return self._context_free("wgrad", batch, length)
 
     def layer_deferred_backward_saving(self, batch, length, context):
         """Measured: the full backward less the deferred one, on context-free cells of these
         tokens. Without the measurement: the W time, as the base class."""
-        if "wgrad_saving" not in self.fit.fits:
+        if not self.fit.has_wgrad:
             return super().layer_deferred_backward_saving(batch, length, context)
-        b, l, c = _f64(batch, length, context)
-        return self.fit.seconds("wgrad_saving", b, l, np.zeros_like(l))
+        return self._context_free("wgrad_saving", batch, length)
+
+    def _context_free(self, table: str, batch, length):
+        b, l = _f64(batch, length)
+        return self.fit.seconds(table, b, l, np.zeros_like(l))
 
     def edge_part_time(self, part, direction, batch, length):
         if self.fit.edges is None:

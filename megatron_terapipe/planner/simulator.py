@@ -115,7 +115,8 @@ class _CellCosts:
         first, last = stage == 0, stage == self.num_stages - 1
         if action.kind == "W":
             # The weight gradients its sequence deferred since its last W, as the executor
-            # computes them: one GEMM per weight over all those tokens (context plays no part).
+            # computes them: one gradient per weight over all those tokens (context plays no
+            # part).
             shapes = self._sequence(c)
             tokens = sum(shapes[t][0] for t in self._w_slices.get((stage, c), ()))
             return self._wgrad(c.rows, tokens, 0, first, last) if tokens else 0.0
