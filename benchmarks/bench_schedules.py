@@ -38,11 +38,13 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The multi-process harness lives with the tests (the wheel does not ship it).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import torch  # noqa: E402
 
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
-from megatron_terapipe.testing import TinyGPT, spawn  # noqa: E402
+from harness import TinyGPT, spawn  # noqa: E402
 
 STAGES = 2
 
@@ -52,7 +54,7 @@ STAGES = 2
 # ---------------------------------------------------------------------------------------------
 def _mlp_seconds(queue, tokens: int, hidden: int, loops: int, index: int, count: int) -> None:
     """A transformer MLP's forward and backward: the GEMMs and activation traffic of a stage."""
-    from megatron_terapipe.cpu import pin_to_core
+    from megatron_terapipe.megatron.cpu import pin_to_core
 
     torch.set_num_threads(1)
     pin_to_core(index, count)  # as the stages are
@@ -111,12 +113,12 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe import executor
-    from megatron_terapipe.executor import forward_backward_terapipe
-    from megatron_terapipe.testing import build_stage_model, forward_step, make_batches, run_megatron_1f1b
+    from megatron_terapipe.runtime import executor
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from harness import build_stage_model, forward_step, make_batches, run_megatron_1f1b
 
     if device == "cpu":
-        from megatron_terapipe.cpu import enable_cpu_mode, pin_to_core
+        from megatron_terapipe.megatron.cpu import enable_cpu_mode, pin_to_core
 
         enable_cpu_mode()
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
@@ -170,7 +172,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
     from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
                                            fit_layer_times, measure_edge_times, measure_layer_times)
     from megatron_terapipe.planner.cost_model import Link
-    from megatron_terapipe.planner.measure import edge_points_for
+    from megatron_terapipe.megatron.measure import edge_points_for
     from megatron_terapipe.planner.profiled import default_grid
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
@@ -260,7 +262,7 @@ def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches
 def memory_table(model: TinyGPT, plan: TeraPipePlan, num_microbatches: int) -> dict:
     plans = {"terapipe_gpipe": TeraPipePlan(plan.seq_slices, order="gpipe"),
              "terapipe_1f1b": TeraPipePlan(plan.seq_slices, order="1f1b")}
-    peaks = spawn(STAGES, "megatron_terapipe.testing:measure_peak_activations", model, plans,
+    peaks = spawn(STAGES, "harness:measure_peak_activations", model, plans,
                   num_microbatches, 1, True, timeout=1800)
     return {name: [p[name] for p in peaks] for name in ("terapipe_gpipe", "terapipe_1f1b", "megatron_1f1b")}
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_terapipe as mt  # noqa: E402
-from megatron_terapipe.arguments import (  # noqa: E402
+from megatron_terapipe.megatron.arguments import (  # noqa: E402
     TeraPipeArgumentError,
     add_terapipe_args,
     validate_terapipe_args,
@@ -251,7 +251,7 @@ def train(args: argparse.Namespace) -> None:
     config.grad_scale_func = optimizer.scale_loss
 
     if args.pipeline_schedule == "terapipe":
-        from megatron_terapipe.arguments import ArgsPlanProvider
+        from megatron_terapipe.megatron.arguments import ArgsPlanProvider
 
         provider = ArgsPlanProvider(args)
         mt.configure(config, provider)
@@ -309,8 +309,8 @@ def train(args: argparse.Namespace) -> None:
 
     if args.terapipe_trace and args.pipeline_schedule == "terapipe":
         # One more training step, timed cell by cell on every rank, written as a Chrome trace.
-        from megatron_terapipe import executor
-        from megatron_terapipe.run_trace import gather_trace
+        from megatron_terapipe.runtime import executor
+        from megatron_terapipe.runtime.trace import gather_trace
 
         model.zero_grad_buffer()
         forward_backward(data_iterator=train_data, forward_only=False, **common)

@@ -6,7 +6,7 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
-from .arguments import (
+from .megatron.arguments import (
     ArgsPlanProvider,
     TeraPipeArgumentError,
     add_terapipe_args,
@@ -14,10 +14,10 @@ from .arguments import (
     setup_from_args,
     validate_terapipe_args,
 )
-from .cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
-from .executor import forward_backward_terapipe
-from .integration import configure, deselect, install, select
-from .launch import install_hooks
+from .megatron.cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
+from .runtime.executor import forward_backward_terapipe
+from .megatron.install import configure, deselect, install, select
+from .megatron.launch import install_hooks
 from .plan import PlanTable, TeraPipePlan
 from .schedule import Action, Cell, Schedule, ScheduleError, build_schedule, timeline, validate
 from .planner import (
@@ -27,7 +27,6 @@ from .planner import (
     ProfiledCostModel,
     SimulationResult,
     hardware_preset,
-    measure_layer_times,
     model_preset,
     simulate,
     solve,
@@ -35,7 +34,8 @@ from .planner import (
     write_chrome_trace,
     write_png,
 )
-from .spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
+from .megatron.measure import measure_layer_times
+from .megatron.spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
 
 __version__ = "0.1.0"
 

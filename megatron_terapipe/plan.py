@@ -38,7 +38,7 @@ class TeraPipePlan:
         backwards), the order of the TeraPipe paper.
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
     defer_wgrad: compute a sequence's weight gradients in one W action after its last backward
-        cell, instead of a thin GEMM in every cell's backward (see megatron_terapipe.wgrad).
+        cell, instead of a thin GEMM in every cell's backward (see megatron_terapipe.runtime.wgrad).
     wgrad_points: with defer_wgrad, per pipeline stage, the token slices after whose backward
         that stage already computes the weight gradients deferred so far (an extra W action).
         A stage that would wait for its next output gradient there does useful work instead,

@@ -5,7 +5,7 @@
         --tp 1 --pp 2
 
 What it runs, with Megatron-LM's own code wherever the drop-in touches it:
-1. `megatron_terapipe.launch.install_hooks()`, then Megatron-LM's `megatron.training.training` is
+1. `megatron_terapipe.megatron.launch.install_hooks()`, then Megatron-LM's `megatron.training.training` is
    imported: its module-level `get_forward_backward_func` must be the patched one.
 2. Megatron-LM's `parse_args` (called as `initialize_megatron` calls it, with pretrain_gpt.py's
    own extra_args_provider) accepts --pipeline-schedule terapipe --terapipe-slices ...;
@@ -75,9 +75,9 @@ def main() -> int:
 
     import torch
 
-    from megatron_terapipe import integration
-    from megatron_terapipe.cpu import enable_cpu_mode
-    from megatron_terapipe.launch import install_hooks
+    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.launch import install_hooks
 
     install_hooks()
     import megatron.training.arguments as megatron_arguments
@@ -121,7 +121,7 @@ def main() -> int:
     from gpt_builders import gpt_builder
     from model_provider import model_provider
 
-    from megatron_terapipe.spec import uses_slice_attention
+    from megatron_terapipe.megatron.spec import uses_slice_attention
 
     model = model_provider(gpt_builder, pre_process=parallel_state.is_pipeline_first_stage(),
                            post_process=parallel_state.is_pipeline_last_stage())
@@ -152,7 +152,7 @@ def main() -> int:
         print(f"rank {rank}: {terapipe.__name__} vs {megatron.__name__}: per-microbatch losses "
               f"{(a[:, 0] / a[:, 1]).tolist()}, max abs difference {diff:.2e}", flush=True)
         assert diff < 1e-4
-    from megatron_terapipe.arguments import setup_from_args
+    from megatron_terapipe.megatron.arguments import setup_from_args
 
     setup_from_args(args)
     megatron_training.get_forward_backward_func()(data_iterator=data(), forward_only=False, **common)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.arguments import (
+from megatron_terapipe.megatron.arguments import (
     ArgsPlanProvider,
     PlanReport,
     TeraPipeArgumentError,
@@ -22,7 +22,7 @@ from megatron_terapipe.arguments import (
     setup_from_args,
     validate_terapipe_args,
 )
-from megatron_terapipe.testing import spawn
+from harness import spawn
 
 # A Megatron-LM-like namespace (names as in megatron/training/arguments.py, core_v0.16.1).
 MEGATRON = dict(num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=None,
@@ -279,7 +279,7 @@ def test_cache_key_covers_shape_device_and_versions():
 def test_setup_from_args_selects_and_deselects():
     from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
 
-    from megatron_terapipe import integration
+    from megatron_terapipe.megatron import install as integration
 
     try:
         provider = setup_from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "2"]))

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_terapipe.attention import KVCache, _lower_right_mask, running_cell
+from megatron_terapipe.runtime.attention import KVCache, _lower_right_mask, running_cell
 from megatron_terapipe.schedule import Cell
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.batching import CellData, check_causal_mask, slice_batch
+from megatron_terapipe.runtime.batching import CellData, check_causal_mask, slice_batch
 from megatron_terapipe.schedule import microbatch_cells
 
 

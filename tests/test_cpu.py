@@ -5,14 +5,14 @@ import os
 import pytest
 
 from megatron_terapipe import pin_to_core
-from megatron_terapipe.testing import spawn
+from harness import spawn
 
 
 def test_pin_to_core_binds_each_rank_to_its_own_core():
     assert pin_to_core(0, 10**6) is None  # fewer cores than ranks: nothing is pinned
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores")
-    (core0, aff0), (core1, aff1) = spawn(2, "megatron_terapipe.testing:pinned_core")
+    (core0, aff0), (core1, aff1) = spawn(2, "harness:pinned_core")
     assert core0 != core1
     # every thread, gloo's workers included (a process group exists: several threads)
     assert len(aff0) > 1 and all(a == [core0] for a in aff0)
@@ -21,7 +21,7 @@ def test_pin_to_core_binds_each_rank_to_its_own_core():
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from megatron_terapipe.cpu import keep_freed_host_memory
+from megatron_terapipe.megatron.cpu import keep_freed_host_memory
 changed = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

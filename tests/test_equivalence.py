@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.testing import Case, TinyGPT, check_case, spawn
+from harness import Case, TinyGPT, check_case, spawn
 
 UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
 
@@ -118,12 +118,12 @@ CASES_4 += DEFERRED_4
 
 @pytest.fixture(scope="module")
 def world2():
-    return spawn(2, "megatron_terapipe.testing:run_cases", CASES_2, timeout=900)
+    return spawn(2, "harness:run_cases", CASES_2, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return spawn(4, "megatron_terapipe.testing:run_cases", CASES_4, timeout=900)
+    return spawn(4, "harness:run_cases", CASES_4, timeout=900)
 
 
 @pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
@@ -140,7 +140,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
     """With more microbatches than stages, 1f1b frees each microbatch before the next starts."""
     plans = {"1f1b": TeraPipePlan([16, 16, 16, 16]),
              "gpipe": TeraPipePlan([16, 16, 16, 16], order="gpipe")}
-    peaks = spawn(2, "megatron_terapipe.testing:measure_peak_activations",
+    peaks = spawn(2, "harness:measure_peak_activations",
                   TinyGPT(seq_length=64), plans, 8, 2, False, timeout=600)
     for stage, p in enumerate(peaks):
         assert p["1f1b"] > 0

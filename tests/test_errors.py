@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_terapipe import TeraPipePlan, configure
-from megatron_terapipe.testing import Case, WorkerError, spawn
+from harness import Case, WorkerError, spawn
 
 
 def _config(**kw):
@@ -44,14 +44,14 @@ def test_configure_rejects_non_plans():
 def test_bad_runs_fail_fast_on_every_rank(case, message):
     start = time.monotonic()
     with pytest.raises(WorkerError, match=message):
-        spawn(2, "megatron_terapipe.testing:run_cases", [case], timeout=120)
+        spawn(2, "harness:run_cases", [case], timeout=120)
     assert time.monotonic() - start < 60
 
 
 def test_packed_sequences_are_refused():
     import torch
 
-    from megatron_terapipe.batching import check_lengths
+    from megatron_terapipe.runtime.batching import check_lengths
 
     batch = {"tokens": torch.zeros(1, 8, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3, 8])}
     with pytest.raises(ValueError, match="packed \\(THD\\) sequences"):

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron_terapipe.testing import WorkerError, spawn
+from harness import WorkerError, spawn
 
 SCENARIOS = [
     (2, 1, "forward"), (2, 1, "loss"), (2, 0, "backward"),
@@ -18,7 +18,7 @@ SCENARIOS = [
 def test_every_rank_exits_with_an_error(world, fail_rank, where):
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        spawn(world, "megatron_terapipe.testing:run_with_failure", fail_rank, where,
+        spawn(world, "harness:run_with_failure", fail_rank, where,
               timeout=120, grace=45)
     elapsed = time.monotonic() - start
     err = info.value

@@ -28,12 +28,12 @@ def _env():
 
 def _launch(args, nproc=2, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(_free_port()), "-m", "megatron_terapipe.launch", SCRIPT, *args]
+           "--master-port", str(_free_port()), "-m", "megatron_terapipe.megatron.launch", SCRIPT, *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _free_port():
-    from megatron_terapipe.testing import free_port
+    from harness import free_port
 
     return free_port()
 
@@ -93,7 +93,7 @@ def test_bad_flags_stop_before_any_work():
     """Validation runs right after Megatron-LM's validate_args: before torch.distributed
     starts and before any model is built."""
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "megatron_terapipe.launch", SCRIPT, *MODEL,
+    cmd = [sys.executable, "-m", "megatron_terapipe.megatron.launch", SCRIPT, *MODEL,
            "--micro-batch-size", "2", "--train-iters", "2", "--pipeline-schedule", "terapipe",
            "--terapipe-slices", "16", "8"]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
@@ -104,17 +104,17 @@ def test_bad_flags_stop_before_any_work():
 
 
 def test_unknown_flag_still_rejected_by_the_scripts_parser():
-    cmd = [sys.executable, "-m", "megatron_terapipe.launch", SCRIPT, *MODEL,
+    cmd = [sys.executable, "-m", "megatron_terapipe.megatron.launch", SCRIPT, *MODEL,
            "--micro-batch-size", "2", "--pipeline-schedule", "zigzag"]
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--pipeline-schedule: invalid choice: 'zigzag'" in out.stderr
 
 
 def test_launcher_usage():
-    out = subprocess.run([sys.executable, "-m", "megatron_terapipe.launch"], cwd=ROOT, env=_env(),
+    out = subprocess.run([sys.executable, "-m", "megatron_terapipe.megatron.launch"], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "usage: python -m megatron_terapipe.launch SCRIPT" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "megatron_terapipe.launch", "no_such_script.py"],
+    assert out.returncode == 2 and "usage: python -m megatron_terapipe.megatron.launch SCRIPT" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "megatron_terapipe.megatron.launch", "no_such_script.py"],
                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no such script: no_such_script.py" in out.stderr
 
@@ -122,7 +122,7 @@ def test_launcher_usage():
 INSTALL_ORDER = r"""
 import sys
 sys.path.insert(0, {standin!r})
-import megatron_terapipe.integration as integration
+import megatron_terapipe.megatron.install as integration
 from megatron.core.pipeline_parallel import schedules
 original = schedules.get_forward_backward_func
 if {install_first}:
@@ -164,7 +164,7 @@ def _cell(token_start, tokens, rows=2, row_start=0):
 def test_cell_args_are_the_cells_shape_and_come_back():
     from types import SimpleNamespace
 
-    from megatron_terapipe.integration import megatron_lm_cell_args
+    from megatron_terapipe.megatron.install import megatron_lm_cell_args
 
     args = SimpleNamespace(seq_length=32, micro_batch_size=4, create_attention_mask_in_dataloader=True)
     with megatron_lm_cell_args(args, _cell(8, 16, rows=2), drop_mask=True):
@@ -178,8 +178,8 @@ def test_cell_args_are_the_cells_shape_and_come_back():
 
 
 def test_cell_batches_drop_the_causal_mask_and_make_tensors_contiguous():
-    from megatron_terapipe.batching import slice_batch
-    from megatron_terapipe.integration import CellBatches, is_causal_cut
+    from megatron_terapipe.runtime.batching import slice_batch
+    from megatron_terapipe.megatron.install import CellBatches, is_causal_cut
 
     s = 32
     causal = torch.ones(s, s).tril().unsqueeze(0).unsqueeze(0).expand(2, 1, s, s) < 0.5

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_terapipe import TeraPipePlan, build_schedule, validate
-from megatron_terapipe.batching import slice_batch
+from megatron_terapipe.runtime.batching import slice_batch
 from megatron_terapipe.schedule import microbatch_cells
-from megatron_terapipe.testing import Case, spawn
+from harness import Case, spawn
 
 DOCUMENTED = re.compile(
     r"must all be positive|is empty|sum to \d+ tokens but seq_length is \d+|"
@@ -71,7 +71,7 @@ def _random_cases(n: int, seed: int) -> list[Case]:
 
 def test_random_plans_match_the_baseline():
     cases = _random_cases(8, seed=2024)
-    results = spawn(2, "megatron_terapipe.testing:run_cases", cases, timeout=600)
+    results = spawn(2, "harness:run_cases", cases, timeout=600)
     for case in cases:
         for rank_result in results:
             r = rank_result[case.name]

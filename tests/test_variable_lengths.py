@@ -5,13 +5,13 @@ import time
 import pytest
 
 from megatron_terapipe import PlanTable, TeraPipePlan
-from megatron_terapipe.testing import WorkerError, spawn
+from harness import WorkerError, spawn
 
 PLANS = {16: TeraPipePlan([8, 8]), 24: TeraPipePlan([10, 8, 6])}
 
 
 def test_each_length_matches_the_baseline():
-    results = spawn(2, "megatron_terapipe.testing:run_variable_lengths", [16, 24, 16], PLANS,
+    results = spawn(2, "harness:run_variable_lengths", [16, 24, 16], PLANS,
                     timeout=600)
     for rank_results in results:
         assert [r["length"] for r in rank_results] == [16, 24, 16]
@@ -33,5 +33,5 @@ def test_a_length_without_a_plan_names_both_lengths():
 def test_a_batch_of_another_length_fails_fast():
     start = time.monotonic()
     with pytest.raises(WorkerError, match="sequences of length 24 but the schedule was called with seq_length=16"):
-        spawn(2, "megatron_terapipe.testing:run_with_mismatched_batch", 16, 24, timeout=120)
+        spawn(2, "harness:run_with_mismatched_batch", 16, 24, timeout=120)
     assert time.monotonic() - start < 60

@@ -10,7 +10,7 @@ from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
 from megatron_terapipe.planner import place_wgrad_points, refine, simulate, solve
 from megatron_terapipe.schedule import (Action, Schedule, ScheduleError, build_schedule, validate)
-from megatron_terapipe.testing import spawn
+from harness import spawn
 
 
 def deferred(plan: TeraPipePlan) -> TeraPipePlan:
@@ -219,13 +219,13 @@ def test_solve_does_not_defer_for_a_negligible_gain():
 
 
 def test_hooked_layers_run_megatrons_code_outside_terapipe():
-    assert spawn(1, "megatron_terapipe.testing:grads_with_and_without_deferral_hooks")[0] == 0.0
+    assert spawn(1, "harness:grads_with_and_without_deferral_hooks")[0] == 0.0
 
 
 def test_weight_grad_sums_every_slice_and_rounds_16_bit_types_once():
     import torch
 
-    from megatron_terapipe.wgrad import _Deferred, weight_grad
+    from megatron_terapipe.runtime.wgrad import _Deferred, weight_grad
 
     torch.manual_seed(0)
     xs = [torch.randn(3, 1, 5) for _ in range(4)]  # [tokens, rows, in] per slice

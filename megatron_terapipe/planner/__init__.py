@@ -22,8 +22,6 @@ from .profiled import (
     ProfiledCostModel,
     fit_edge_times,
     fit_layer_times,
-    measure_edge_times,
-    measure_layer_times,
 )
 from .refine import fewer_cells, place_wgrad_points, refine
 from .simulator import SimulationResult, simulate
@@ -52,8 +50,6 @@ __all__ = [
     "fit_edge_times",
     "fit_layer_times",
     "hardware_preset",
-    "measure_edge_times",
-    "measure_layer_times",
     "model_preset",
     "place_wgrad_points",
     "fewer_cells",

@@ -563,20 +563,6 @@ class ProfiledCostModel(LayerStackCostModel):
                 f"{self.fit.edges_note()}")
 
 
-def measure_layer_times(*args, **kwargs) -> LayerMeasurements:
-    """Measure one Megatron layer on this device (see measure.py; imports torch lazily)."""
-    from .measure import measure_layer_times as _measure
-
-    return _measure(*args, **kwargs)
-
-
-def measure_edge_times(*args, **kwargs) -> EdgeMeasurements:
-    """Measure the embedding and the output layer + loss on this device (see measure.py)."""
-    from .measure import measure_edge_times as _measure
-
-    return _measure(*args, **kwargs)
-
-
 def default_grid(seq_length: int, batch_sizes: Sequence[int], granularity: int = 8,
                  points: int = 6) -> list[tuple[int, int, int]]:
     """(batch, length, context) cells to measure: geometric lengths, contexts up to the

@@ -3,7 +3,7 @@
 Written like Megatron-LM's pretrain_gpt.py: get_batch reads through get_batch_on_this_tp_rank,
 loss_func returns (summed loss, token count, report), forward_step calls the model with
 labels and loss_mask, and the model is built with Megatron's stock local layer spec. It knows
-nothing about TeraPipe; `python -m megatron_terapipe.launch pretrain_standin.py ...` adds it.
+nothing about TeraPipe; `python -m megatron_terapipe.megatron.launch pretrain_standin.py ...` adds it.
 At the end every rank prints what the TeraPipe executor ran (test instrumentation).
 """
 
@@ -100,7 +100,7 @@ def add_standin_args(parser):
 
 def report_schedule():
     """Test instrumentation: what the TeraPipe executor ran on this rank."""
-    import megatron_terapipe.executor as executor
+    import megatron_terapipe.runtime.executor as executor
 
     run = executor.LAST_RUN
     cells = len(run.schedule.stages[run.stage]) if run.schedule is not None else 0

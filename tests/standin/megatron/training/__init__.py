@@ -3,7 +3,7 @@
 Megatron-LM is not pip-installable (the megatron-core wheel ships only megatron/core), so the
 tests cannot download it. This package mirrors the parts of Megatron-LM (checked against
 NVIDIA/Megatron-LM at tag core_v0.16.1) that the TeraPipe drop-in touches, under the same module
-and function names, so that `megatron_terapipe.launch` hooks it exactly as it hooks the real one:
+and function names, so that `megatron_terapipe.megatron.launch` hooks it exactly as it hooks the real one:
 
 - arguments.parse_args(extra_args_provider, ignore_unknown_args) builds the parser, lets the
   script's provider add flags, parses; validate_args(args, defaults) derives sizes;

@@ -338,7 +338,7 @@ class Case:
 
 
 def _seed(seed: int) -> None:
-    from .cpu import cpu_model_parallel_seed
+    from megatron_terapipe.megatron.cpu import cpu_model_parallel_seed
 
     cpu_model_parallel_seed(seed)
 
@@ -383,10 +383,10 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    from . import configure
-    from .cpu import enable_cpu_mode
-    from .executor import forward_backward_terapipe
-    from .spec import get_gpt_layer_spec
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.spec import get_gpt_layer_spec
 
     enable_cpu_mode()
     dp = world_size // (case.tp * case.pp)
@@ -399,7 +399,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     _seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp)
     if case.slice_spec and case.model.sequence_parallel:
-        from .spec import get_gpt_decoder_block_spec
+        from megatron_terapipe.megatron.spec import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(config)
     elif case.slice_spec:
@@ -440,7 +440,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         forward_step_func=fs, data_iterator=iter(mine), model=[model],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
         micro_batch_size=case.micro_batch_size, forward_only=case.forward_only)
-    from .executor import LAST_RUN
+    from megatron_terapipe.runtime.executor import LAST_RUN
 
     result: dict[str, Any] = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage(),
                               "deferred_wgrads": LAST_RUN.deferred_wgrads,
@@ -512,7 +512,7 @@ def build_stage_model(model_cfg: TinyGPT, tp: int, pp: int, spec=None):
     """This rank's pipeline stage of `model_cfg`, with the slice-aware spec by default."""
     from megatron.core import parallel_state
 
-    from .spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.spec import get_gpt_layer_spec
 
     config = model_cfg.config(tp, pp)
     _seed(model_cfg.seed)
@@ -541,9 +541,9 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
     """Peak bytes of saved activations on this stage, per schedule (pipeline of world_size)."""
     from megatron.core import parallel_state
 
-    from .cpu import enable_cpu_mode
-    from .executor import forward_backward_terapipe
-    from .memory import SavedTensorMeter
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.runtime.memory import SavedTensorMeter
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
@@ -575,10 +575,10 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
     """
     from megatron.core import parallel_state
 
-    from . import configure
-    from .cpu import enable_cpu_mode
-    from .executor import forward_backward_terapipe
-    from .plan import PlanTable
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.plan import PlanTable
 
     enable_cpu_mode()
     longest = max(lengths)
@@ -609,10 +609,10 @@ def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch
     """Call the schedule with seq_length that the data does not have (must raise, not hang)."""
     from megatron.core import parallel_state
 
-    from . import configure
-    from .cpu import enable_cpu_mode
-    from .executor import forward_backward_terapipe
-    from .plan import TeraPipePlan
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.plan import TeraPipePlan
 
     enable_cpu_mode()
     model_cfg = TinyGPT(seq_length=max(seq_length, batch_length))
@@ -637,10 +637,10 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
 
     from megatron.core import parallel_state
 
-    from . import configure
-    from .cpu import enable_cpu_mode
-    from .executor import forward_backward_terapipe
-    from .plan import TeraPipePlan
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.plan import TeraPipePlan
 
     enable_cpu_mode()
     model_cfg = TinyGPT(num_layers=world_size)
@@ -650,7 +650,7 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
     calls = {"n": 0}
     failing = rank == fail_rank
     if failing and where == "wgrad":
-        from .wgrad import WeightGradStore
+        from megatron_terapipe.runtime.wgrad import WeightGradStore
 
         def failing_flush(self, sequence_key):
             raise InjectedFailure(f"injected failure in wgrad on rank {rank}")
@@ -687,8 +687,8 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from .cpu import enable_cpu_mode
-    from .wgrad import install_wgrad_deferral
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.wgrad import install_wgrad_deferral
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)
@@ -715,7 +715,7 @@ def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[list[in
     """pin_to_core in a worker: the core it chose and every thread's affinity after."""
     import os
 
-    from .cpu import pin_to_core, process_thread_ids
+    from megatron_terapipe.megatron.cpu import pin_to_core, process_thread_ids
 
     core = pin_to_core(rank, world_size)
     return core, [sorted(os.sched_getaffinity(t)) for t in process_thread_ids()]

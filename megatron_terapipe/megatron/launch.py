@@ -1,6 +1,6 @@
 """Zero-edit launcher: run an unmodified Megatron-LM training script with TeraPipe available.
 
-    torchrun --nproc-per-node 8 -m megatron_terapipe.launch pretrain_gpt.py \\
+    torchrun --nproc-per-node 8 -m megatron_terapipe.megatron.launch pretrain_gpt.py \\
         <Megatron-LM arguments> --pipeline-schedule terapipe [--terapipe-* flags]
 
 The launcher puts the script's directory first on sys.path (as `python pretrain_gpt.py` does),
@@ -28,12 +28,12 @@ import sys
 from typing import Callable, Optional, Sequence
 
 USAGE = """\
-usage: python -m megatron_terapipe.launch SCRIPT [script arguments ...]
-       python -m megatron_terapipe.launch -m MODULE [module arguments ...]
+usage: python -m megatron_terapipe.megatron.launch SCRIPT [script arguments ...]
+       python -m megatron_terapipe.megatron.launch -m MODULE [module arguments ...]
 
 Runs a Megatron-LM training script (e.g. pretrain_gpt.py) unmodified, with TeraPipe's flags
 (--pipeline-schedule {1f1b,terapipe}, --terapipe-*) added to its arguments. Use it under
-torchrun: torchrun --nproc-per-node N -m megatron_terapipe.launch pretrain_gpt.py ...
+torchrun: torchrun --nproc-per-node N -m megatron_terapipe.megatron.launch pretrain_gpt.py ...
 """
 
 
@@ -84,7 +84,7 @@ def install_hooks() -> None:
     Needs Megatron-LM's `megatron.training` importable (run from the Megatron-LM checkout, or
     put it on PYTHONPATH). Calling it again is harmless.
     """
-    from . import integration
+    from . import install as integration
 
     # Patch megatron.core first: megatron.training.training binds get_forward_backward_func
     # when it is imported (just below), and then gets the patched function.
@@ -94,7 +94,7 @@ def install_hooks() -> None:
         import megatron.training.initialize as megatron_initialize
     except ImportError as exc:
         raise LauncherError(
-            f"megatron_terapipe.launch needs Megatron-LM's megatron.training ({exc}): run it on a "
+            f"megatron_terapipe.megatron.launch needs Megatron-LM's megatron.training ({exc}): run it on a "
             "script in a Megatron-LM checkout (its directory goes first on sys.path) or put the "
             "checkout on PYTHONPATH") from exc
     for module in (megatron_arguments, megatron_initialize):
@@ -120,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     script, rest = argv[0], argv[1:]
     if not os.path.isfile(script):
-        sys.stderr.write(f"megatron_terapipe.launch: no such script: {script}\n\n{USAGE}")
+        sys.stderr.write(f"megatron_terapipe.megatron.launch: no such script: {script}\n\n{USAGE}")
         return 2
     # What `python SCRIPT` does: the script's directory first on sys.path (Megatron-LM's
     # pretrain_gpt.py imports gpt_builders, model_provider and megatron.training from there).

@@ -7,7 +7,7 @@ import functools
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-from .plan import TeraPipePlan
+from ..plan import TeraPipePlan
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SELECTED = False
@@ -87,7 +87,7 @@ def selected() -> bool:
 
 
 def _terapipe_or_megatron(*args, **kwargs):
-    from .executor import forward_backward_terapipe
+    from ..runtime.executor import forward_backward_terapipe
 
     if _SELECTED:
         pp_size = kwargs.get("pp_size", args[0] if args else None)
@@ -279,7 +279,7 @@ class MegatronLMCells:
         self.training_runs = 0
 
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
-        from .attention import active_cell
+        from ..runtime.attention import active_cell
 
         if getattr(forward_step_func, "_terapipe_cells", False):
             return forward_step_func
@@ -308,8 +308,8 @@ class MegatronLMCells:
             result = schedule(**kwargs)
             if self.trace and not kwargs.get("forward_only", False) and self.training_runs < 2:
                 self.training_runs += 1
-                from . import executor
-                from .run_trace import gather_trace
+                from ..runtime import executor
+                from ..runtime.trace import gather_trace
 
                 gather_trace(executor.LAST_RUN, self.trace)  # every rank calls the schedule
             return result

@@ -6,7 +6,7 @@ schedule cannot run, naming the flag and the fix, before any work. `ArgsPlanProv
 parsed flags into a plan the first time the schedule runs for a given shape (the config-time
 hook): rank 0 chooses it and broadcasts it, so every rank runs the identical plan.
 `setup_from_args(args)` validates, selects TeraPipe for `get_forward_backward_func` and installs
-the hooks; the launcher (`python -m megatron_terapipe.launch`) calls it for Megatron-LM scripts.
+the hooks; the launcher (`python -m megatron_terapipe.megatron.launch`) calls it for Megatron-LM scripts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .plan import TeraPipePlan
+from ..plan import TeraPipePlan
 
 SCHEDULES = ("1f1b", "terapipe")
 ORDERS = ("1f1b", "gpipe")
@@ -243,7 +243,7 @@ def validate_terapipe_args(args) -> None:
 # ---------------------------------------------------------------------------------------------
 def model_dims_from_args(args):
     """The planner's ModelDims from Megatron-LM's model flags."""
-    from .planner import ModelDims
+    from ..planner import ModelDims
 
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
     try:
@@ -318,7 +318,7 @@ def device_name() -> str:
 
 def hardware_from_args(args) -> tuple[Any, str]:
     """The analytic model's GPU preset, and a note when it had to be guessed."""
-    from .planner import hardware_preset
+    from ..planner import hardware_preset
 
     name = getattr(args, "terapipe_hardware", "auto") or "auto"
     if name != "auto":
@@ -342,7 +342,7 @@ def _inter_node(args) -> bool:
 
 
 def analytic_cost_model(args):
-    from .planner import AnalyticCostModel
+    from ..planner import AnalyticCostModel
 
     hardware, note = hardware_from_args(args)
     model = AnalyticCostModel(model_dims_from_args(args), hardware, layers_per_stage(args),
@@ -357,7 +357,7 @@ def _link(args):
 
 
 def profiled_cost_model_from_file(args, path: str):
-    from .planner import ProfiledCostModel
+    from ..planner import ProfiledCostModel
 
     try:
         return ProfiledCostModel.load(path, layers_per_stage(args), _link(args),
@@ -384,7 +384,7 @@ def profile_cache_key(args, seq_length: int, micro_batch_size: int) -> dict:
         from megatron.core import __version__ as mcore_version
     except Exception:  # pragma: no cover
         mcore_version = "unknown"
-    from . import __version__
+    from .. import __version__
 
     return {
         "model": model_dims_from_args(args).to_dict() | {"num_layers": None},
@@ -410,7 +410,7 @@ def profile_cache_path(args, seq_length: int, micro_batch_size: int) -> Path:
 
 def profile_cells(args, seq_length: int, micro_batch_size: int) -> list[tuple[int, int, int]]:
     """The (batch, length, context) cells to measure: a small grid over the run's shapes."""
-    from .planner.profiled import default_grid
+    from ..planner.profiled import default_grid
 
     unit = slice_unit(args)
     sizes = sorted({b for b in (1, micro_batch_size) if micro_batch_size % b == 0})
@@ -424,7 +424,7 @@ def default_measure(args, cells: list[tuple[int, int, int]]):
     Uses the planner's measure_layer_times: Megatron's GPT layer with slice-aware attention on
     real token slices, tensor-parallel as the run is.
     """
-    from .planner.measure import measure_layer_times
+    from .measure import measure_layer_times
 
     dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(_dtype_name(args), "float32")
     return measure_layer_times(model_dims_from_args(args), cells, dtype=dtype,
@@ -434,7 +434,7 @@ def default_measure(args, cells: list[tuple[int, int, int]]):
 
 
 def fit_measurements(args, measurements, seq_length: int, micro_batch_size: int):
-    from .planner import fit_layer_times
+    from ..planner import fit_layer_times
 
     measurements.metadata.setdefault("model", model_dims_from_args(args).to_dict())
     measurements.metadata.setdefault("tensor_parallel", _tp_size(args))
@@ -626,7 +626,7 @@ class ArgsPlanProvider:
         path = profile_cache_path(self.args, seq_length, micro_batch_size)
         if path.is_file():
             try:
-                from .planner import LayerTimeFit
+                from ..planner import LayerTimeFit
 
                 # an entry in an older format is measured again and overwritten, as an
                 # unreadable one
@@ -653,7 +653,7 @@ class ArgsPlanProvider:
             model, note = analytic_cost_model(self.args)
             return model, [note] if note else []
         if choice == "profile":
-            from .planner import LayerTimeFit, ProfiledCostModel
+            from ..planner import LayerTimeFit, ProfiledCostModel
 
             if fit is None:
                 path = profile_cache_path(self.args, seq_length, micro_batch_size)
@@ -706,14 +706,14 @@ def _all_gather(obj: Any) -> list[Any]:
 
 
 def simulated_schedule(args, plan: TeraPipePlan, seq_length: int, micro_batch_size: int):
-    from .schedule import build_schedule
+    from ..schedule import build_schedule
 
     return build_schedule(plan, num_microbatches(args, micro_batch_size), _pp_size(args),
                           micro_batch_size)
 
 
 def _write_simulated_trace(args, plan, seq_length, micro_batch_size, cost, path: str) -> None:
-    from .planner import simulate, write_chrome_trace
+    from ..planner import simulate, write_chrome_trace
 
     result = simulate(simulated_schedule(args, plan, seq_length, micro_batch_size), cost)
     write_chrome_trace(result, simulated_trace_path(path))
@@ -755,7 +755,7 @@ def plan_and_report(args, seq_length: int, micro_batch_size: int,
         plan = TeraPipePlan.uniform(seq_length, int(num_slices), order=order, multiple_of=unit)
         source = f"--terapipe-num-slices {num_slices} (uniform)"
     else:
-        from .planner import solve
+        from ..planner import solve
 
         model, notes = cost()
         tp = _tp_size(args)
@@ -776,13 +776,13 @@ def plan_and_report(args, seq_length: int, micro_batch_size: int,
             model, more = cost()
             report.notes.extend(more)
         report.cost_model = model.describe()
-        from .planner import simulate
+        from ..planner import simulate
 
         def timed(p: TeraPipePlan):
             return simulate(simulated_schedule(args, p, seq_length, micro_batch_size), model)
 
         if defer == "auto" and not planned:  # solve() has chosen for its own plans
-            from .planner.slicer import choose_deferral
+            from ..planner.slicer import choose_deferral
 
             plan, mine = choose_deferral(plan, timed, lambda r: r.iteration_time)
         else:
@@ -828,7 +828,7 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     per cell with the cell's shape in the global args, and install(). Otherwise Megatron's own
     schedule stays in charge (install() is still harmless). Returns the provider, or None.
     """
-    from . import integration
+    from . import install as integration
 
     validate_terapipe_args(args)
     if not terapipe_selected(args):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
-from .schedule import Cell
+from ..schedule import Cell
 
 if TYPE_CHECKING:
     from .wgrad import WeightGradStore

@@ -12,7 +12,7 @@ With a vocabulary size it also measures the pipeline's edges on a few (batch, le
 norm, output layer (ColumnParallelLinear hidden -> vocab, as GPTModel builds it) and loss
 (vocab_parallel_cross_entropy and a masked sum, as pretrain_gpt's loss does).
 
-    python -m megatron_terapipe.planner.measure --hidden-size 1024 --num-attention-heads 16 \
+    python -m megatron_terapipe.megatron.measure --hidden-size 1024 --num-attention-heads 16 \
         --seq-length 2048 --batch-sizes 1,2,4 --vocab-size 50304 --out layer_profile.json
 """
 
@@ -30,8 +30,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .cost_model import ModelDims
-from .profiled import EdgeMeasurements, LayerMeasurements, Progress, default_grid, fit_layer_times
+from ..planner.cost_model import ModelDims
+from ..planner.profiled import EdgeMeasurements, LayerMeasurements, Progress, default_grid, fit_layer_times
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 CACHE_FLUSH_BYTES = 8 << 20  # touched before each timed edge part on CPU (evicts L1/L2)
@@ -82,7 +82,7 @@ class _Device:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         if not self.on_gpu:
-            from ..cpu import enable_cpu_mode
+            from .cpu import enable_cpu_mode
 
             enable_cpu_mode()
         _ensure_parallel_state()
@@ -322,10 +322,10 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     import torch
     from megatron.core.transformer.spec_utils import build_module
 
-    from ..attention import KVCache, running_cell
+    from ..runtime.attention import KVCache, running_cell
     from ..schedule import Cell
-    from ..spec import get_gpt_layer_spec
-    from ..wgrad import WeightGradStore, install_wgrad_deferral
+    from .spec import get_gpt_layer_spec
+    from ..runtime.wgrad import WeightGradStore, install_wgrad_deferral
 
     if cells is None:
         if seq_length is None:
@@ -416,7 +416,7 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_terapipe.planner.measure",
+    p = argparse.ArgumentParser(prog="python -m megatron_terapipe.megatron.measure",
                                 description="Measure a Megatron layer on token slices and save a "
                                             "layer profile for terapipe-plan --profile.")
     p.add_argument("--hidden-size", type=int, required=True)

@@ -16,9 +16,9 @@ import torch
 
 from .attention import KVCache, install_rope_offsets, running_cell
 from .batching import CellData, slice_tensor
-from .comm import Transport, make_transport
-from .plan import TeraPipePlan
-from .schedule import Action, Cell, Schedule, build_schedule
+from .transport import Transport, make_transport
+from ..plan import TeraPipePlan
+from ..schedule import Action, Cell, Schedule, build_schedule
 from .wgrad import WeightGradStore, install_wgrad_deferral
 
 
@@ -70,7 +70,7 @@ def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan
     """The plan attached by `configure` (a plan, or a provider with plan_for(seq, mbs))."""
     source = getattr(config, "terapipe_plan", None)
     if source is None:
-        from .integration import default_plan_source
+        from ..megatron.install import default_plan_source
 
         source = default_plan_source()
     if source is None:
@@ -88,7 +88,7 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
               micro_batch_size: int, num_microbatches: int, tp_size: int, cp_size: int,
               decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
     """Everything that would make the run wrong or hang, raised before any communication."""
-    from .integration import check_config
+    from ..megatron.install import check_config
 
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")

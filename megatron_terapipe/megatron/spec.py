@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .attention import SliceAttention
+from ..runtime.attention import SliceAttention
 
 
 def transformer_engine_available() -> bool:

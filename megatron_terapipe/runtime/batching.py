@@ -6,7 +6,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .schedule import Cell
+from ..schedule import Cell
 
 
 def slice_tensor(x: Any, cell: Cell, seq_length: int, micro_batch_size: int) -> Any:
