@@ -1,0 +1,292 @@
+"""One pipeline stage's forward+backward cut into K token slices, against Megatron's own run.
+
+    python benchmarks/bench_stage.py                                   # CPU, a small GPT
+    python benchmarks/bench_stage.py --device cuda --bf16 --hidden-size 4096 \
+        --num-attention-heads 32 --seq-length 2048 --num-layers 4      # one GPU
+
+A whole GPT (embedding, layers, output layer and loss) runs as one stage (PP=1), one microbatch,
+through `forward_backward_terapipe` with K uniform token slices, and through Megatron's
+`forward_backward_no_pipelining` on the same weights built with Megatron's local layer spec.
+Per K it prints the median iteration time (CUDA events after warm-up on a GPU, perf_counter on
+CPU), the host time (the call's wall time up to its return, before the device is synchronised),
+the GPU-busy time (kernel time in torch.profiler), kernel launches (GPU) or dispatched aten ops
+(CPU) per cell, host syncs per cell, and the ratio to 1 slice. A JSON copy goes to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import megatron_terapipe as mt  # noqa: E402
+
+# Profiler names of host-device synchronisations, and of kernel launches.
+SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+               "aten::_local_scalar_dense")
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+@dataclass
+class StageRow:
+    """One line of the table: a schedule and a slicing on one stage."""
+
+    name: str
+    slices: int
+    median_ms: float
+    host_ms: float
+    gpu_busy_ms: Optional[float]
+    launches_per_cell: float  # kernel launches (GPU) or dispatched aten ops (CPU)
+    syncs_per_cell: float
+    times_ms: list[float] = field(default_factory=list)
+    ratio_to_1_slice: Optional[float] = None
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts dispatched aten ops and the ones that read a tensor's value on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--slices", default="1,2,4,8,16,32", help="comma-separated token-slice counts")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--defer-wgrad", choices=("plan", "on", "off"), default="plan",
+                   help="weight gradients in W actions: the plan's default, or forced")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stage_<device>.json)")
+    args = p.parse_args(argv)
+    args.slice_counts = [int(k) for k in args.slices.split(",")]
+    bad = [k for k in args.slice_counts if k <= 0 or args.seq_length % k]
+    if bad:
+        p.error(f"--slices {bad}: each count must be positive and divide --seq-length {args.seq_length}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible")
+    return args
+
+
+def init_process(device: str) -> None:
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    if device == "cpu":
+        mt.enable_cpu_mode()
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def seed(device: str, value: int = 1234) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(value)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(value)
+    else:
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def build_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same GPT twice, same weights: with TeraPipe's spec, and with Megatron's local spec."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, use_cpu_initialization=True,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
+        hidden_dropout=0.0, attention_dropout=0.0)
+    models = []
+    for spec in (mt.get_gpt_layer_spec(), get_gpt_layer_local_spec()):
+        seed(args.device)
+        model = GPTModel(config, spec, vocab_size=args.vocab_size,
+                         max_sequence_length=args.seq_length, position_embedding_type="rope")
+        models.append(model.to(args.device))
+    missing, _ = models[1].load_state_dict(models[0].state_dict(), strict=False)
+    if any(not k.endswith("_extra_state") for k in missing):
+        raise RuntimeError(f"the two specs differ in parameters: {missing}")
+    return models[0], models[1]
+
+
+def make_batch(args) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    b, s = args.micro_batch_size, args.seq_length
+    tokens = torch.randint(0, args.vocab_size, (b, s + 1), generator=gen)
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(b, s),
+             "position_ids": torch.arange(s).expand(b, s), "attention_mask": None}
+    return {k: (v.contiguous().to(args.device) if v is not None else None) for k, v in batch.items()}
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """pretrain_gpt's three-value loss: summed masked loss, token count, report."""
+    losses = output.float().view(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def iteration(schedule: Callable, model: torch.nn.Module, batch: dict, args, **extra) -> None:
+    model.zero_grad(set_to_none=True)
+    schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[model],
+             num_microbatches=1, seq_length=args.seq_length,
+             micro_batch_size=args.micro_batch_size, **extra)
+
+
+def _timed(run: Callable[[], None], device: str) -> tuple[float, float]:
+    """(iteration ms, host ms): CUDA events around the call on a GPU, the host clock on CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        run()
+        host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end), host
+    t0 = time.perf_counter()
+    run()
+    ms = (time.perf_counter() - t0) * 1e3
+    return ms, ms
+
+
+def _profile_cuda(run: Callable[[], None]) -> tuple[float, int, int]:
+    """(kernel ms, kernel launches, syncs) of one iteration under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernel_us, launches, syncs = 0.0, 0, 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_us += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        elif event.name in LAUNCH_EVENTS:
+            launches += 1
+        if event.name in SYNC_EVENTS:
+            syncs += 1
+    # The profiler's own closing synchronize is not the iteration's.
+    return kernel_us / 1e3, launches, max(0, syncs - 1)
+
+
+def measure(name: str, slices: int, run: Callable[[], None], args) -> StageRow:
+    for _ in range(args.warmup):
+        run()
+    timed = [_timed(run, args.device) for _ in range(args.iters)]
+    times = [t for t, _ in timed]
+    host = statistics.median(h for _, h in timed)
+    if args.device == "cuda":
+        busy, launches, syncs = _profile_cuda(run)
+    else:
+        with _OpCounter() as counter:
+            run()
+        busy, launches, syncs = None, counter.ops, counter.syncs
+    return StageRow(name, slices, statistics.median(times), host, busy,
+                    launches / slices, syncs / slices, times)
+
+
+def run_all(args) -> list[StageRow]:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    ours, megatron = build_models(args)
+    batch = make_batch(args)
+    rows = [measure("Megatron local spec, unsliced", 1,
+                    lambda: iteration(forward_backward_no_pipelining, megatron, batch, args), args)]
+    print(_format(rows[-1]), flush=True)
+    for k in args.slice_counts:
+        plan = mt.TeraPipePlan.uniform(args.seq_length, k)
+        if args.defer_wgrad != "plan":
+            plan = mt.TeraPipePlan(plan.seq_slices, defer_wgrad=args.defer_wgrad == "on")
+        rows.append(measure(f"TeraPipe, {k} slices", k, lambda: iteration(
+            mt.forward_backward_terapipe, ours, batch, args, plan=plan), args))
+        print(_format(rows[-1]), flush=True)
+    one = next((r.median_ms for r in rows if r.name.startswith("TeraPipe") and r.slices == 1), None)
+    for r in rows:
+        r.ratio_to_1_slice = r.median_ms / one if one else None
+    return rows
+
+
+def _format(r: StageRow) -> str:
+    busy = f"{r.gpu_busy_ms:9.2f}" if r.gpu_busy_ms is not None else "        -"
+    ratio = f"{r.ratio_to_1_slice:6.2f}x" if r.ratio_to_1_slice is not None else "      -"
+    return (f"{r.name:32s} {r.median_ms:10.2f} {r.host_ms:10.2f} {busy} "
+            f"{r.launches_per_cell:11.1f} {r.syncs_per_cell:9.2f} {ratio}")
+
+
+def header(device: str) -> str:
+    unit = "launches/cell" if device == "cuda" else "aten ops/cell"
+    return (f"{'run':32s} {'median ms':>10s} {'host ms':>10s} {'GPU ms':>9s} "
+            f"{unit:>11s} {'syncs/cell':>9s} {'vs 1':>7s}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    init_process(args.device)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    print(header(args.device), flush=True)
+    rows = run_all(args)
+    print("\n" + header(args.device))
+    for r in rows:
+        print(_format(r))
+    device_name = (torch.cuda.get_device_name(0) if args.device == "cuda"
+                   else f"{platform.machine()} CPU, {os.cpu_count()} cores")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"stage_{args.device}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "device": device_name, "torch": torch.__version__,
+                   "command": "python benchmarks/bench_stage.py " + " ".join(sys.argv[1:]),
+                   "args": {k: v for k, v in vars(args).items() if k != "slice_counts"},
+                   "rows": [asdict(r) for r in rows]}, f, indent=1)
+    print(f"> wrote {out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
