@@ -1,0 +1,71 @@
+"""N pipeline-stage processes on one GPU, each with its own share of the SMs (CUDA MPS).
+
+    with MpsDaemon():                       # nvidia-cuda-mps-control -d ... echo quit
+        spawn(n, "module:stage_main", ...)  # each stage calls enter_stage(rank, n) first
+
+One GPU cannot hold a NCCL group of several ranks ("Duplicate GPU detected"); under MPS each
+process with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N runs like a GPU of 1/N the SMs (two
+processes at 50% ran bf16 GEMMs at 343 and 346 TFLOP/s side by side, 720 alone, on an H100).
+Stages talk through host memory over gloo (host_staged.py). A benchmark tool, not the product.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from typing import Optional
+
+MPS_CONTROL_DIRS = ("/usr/local/nvidia/bin", "/usr/bin", "/usr/local/cuda/bin")
+
+
+def mps_control() -> Optional[str]:
+    """Path of nvidia-cuda-mps-control, or None where MPS is not installed."""
+    found = shutil.which("nvidia-cuda-mps-control")
+    if found:
+        return found
+    for folder in MPS_CONTROL_DIRS:
+        path = os.path.join(folder, "nvidia-cuda-mps-control")
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+class MpsDaemon:
+    """Starts the MPS control daemon for this process tree and stops it on exit.
+
+    The pipe and log folders go to the environment, so child processes started inside the
+    `with` block find the daemon.
+    """
+
+    def __init__(self, root: Optional[str] = None) -> None:
+        self.control = mps_control()
+        if self.control is None:
+            raise RuntimeError("CUDA MPS is not installed here (nvidia-cuda-mps-control not "
+                               f"found on PATH or in {', '.join(MPS_CONTROL_DIRS)})")
+        self.root = root or tempfile.mkdtemp(prefix="terapipe-mps-")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.root, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.root, "log")}
+
+    def __enter__(self) -> "MpsDaemon":
+        for folder in self.env.values():
+            os.makedirs(folder, exist_ok=True)
+        os.environ.update(self.env)
+        subprocess.run([self.control, "-d"], check=True, env=os.environ.copy())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run([self.control], input=b"quit\n", env=os.environ.copy(), check=False)
+
+
+def enter_stage(rank: int, num_stages: int) -> None:
+    """Call first in a stage process, before anything touches CUDA: this stage's SM share."""
+    share = max(1, 100 // num_stages)
+    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("enter_stage must run before CUDA is initialised in this process: "
+                           "the MPS share is read when the CUDA context is created")
+    torch.cuda.set_device(0)
