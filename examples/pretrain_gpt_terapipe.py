@@ -5,6 +5,12 @@
     torchrun --nproc-per-node 8 examples/pretrain_gpt_terapipe.py --device cuda \
         --pipeline-model-parallel-size 4 --tensor-model-parallel-size 2 --seq-length 2048 ...
 
+By default each iteration is one sequence of 2048 tokens: a batch far too small for
+microbatch pipelining to fill 2 stages, which is the case TeraPipe is for. The planner measures
+one layer on this CPU at start-up (cached), cuts the sequence into token slices, and after
+training the script times a few more iterations of TeraPipe and of Megatron's own 1F1B
+schedule on the same model, next to the planner's predictions (`--compare-iters 0` skips it).
+
 Without torchrun the script relaunches itself under torchrun with as many processes as
 tensor x pipeline x data parallelism need. Data: a learnable synthetic corpus by default, or
 `--data-path FILE.txt`, tokenised by a byte-level BPE trained on that file (the `tokenizers`
@@ -41,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=1024)
+    g.add_argument("--seq-length", type=int, default=2048)
     g.add_argument("--vocab-size", type=int, default=512)
     g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default="rope")
     g = p.add_argument_group("parallelism")
@@ -52,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--num-microbatches", type=int, default=2)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--num-microbatches", type=int, default=1)
     g.add_argument("--train-iters", type=int, default=30)
     g.add_argument("--eval-interval", type=int, default=10)
     g.add_argument("--eval-iters", type=int, default=2)
@@ -62,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--data-path", default=None, help="a UTF-8 text file (default: synthetic data)")
+    g.add_argument("--compare-iters", type=int, default=5,
+                   help="after training, time this many iterations of TeraPipe and of Megatron's "
+                        "own 1F1B schedule on the same model (0: skip)")
     add_terapipe_args(p)
     p.set_defaults(pipeline_schedule="terapipe")  # this example exists to show TeraPipe
     args = p.parse_args(argv)
@@ -180,10 +189,79 @@ def reduce_loss(losses: list, group) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# Side by side: TeraPipe against Megatron's own 1F1B on the same model
+# ---------------------------------------------------------------------------------------------
+def compare_schedules(args, model, common: dict, data, report, plan, device) -> None:
+    """Time `args.compare_iters` iterations (forward + backward) of each schedule, interleaved.
+
+    Both run on the same model, weights and batches; gradients are cleared after each and no
+    optimizer step is taken. A round runs TeraPipe, then Megatron's 1F1B (the order alternates
+    from round to round); each time is the wall time between two barriers of all ranks.
+    One untimed round of each comes first.
+    """
+    import statistics
+
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_without_interleaving as megatron_1f1b,
+    )
+    from megatron_terapipe import forward_backward_terapipe
+
+    schedules = {"terapipe": forward_backward_terapipe, "megatron": megatron_1f1b}
+    tty = sys.stdout.isatty()
+
+    def timed(name: str) -> float:
+        model.zero_grad_buffer()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        schedules[name](data_iterator=data, forward_only=False, **common)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    n = args.compare_iters
+    log(f"> timing {n} more iterations of each schedule on the same model "
+        "(forward + backward, interleaved)")
+    for name in schedules:
+        timed(name)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in schedules}
+    for r in range(n):
+        for name in (("terapipe", "megatron") if r % 2 == 0 else ("megatron", "terapipe")):
+            times[name].append(timed(name))
+        if tty and is_logging_rank():
+            print(f"\r>   round {r + 1}/{n}", end="", flush=True)
+    if tty and is_logging_rank():
+        print("\r\033[K", end="", flush=True)
+    model.zero_grad_buffer()
+    tera, mega = (statistics.median(times[k]) for k in ("terapipe", "megatron"))
+    slices = sum(len(ts) for ts in plan.token_slices)
+
+    def predicted(seconds) -> str:
+        return f" (planner predicted {seconds * 1e3:.1f} ms)" if seconds else ""
+
+    def row(label: str, value: str) -> str:
+        return f">   {label} {'.' * max(3, 28 - len(label))} {value}"
+
+    cells = "token slice" if slices == 1 else "token slices"
+    log(row(f"TeraPipe ({slices} {cells})", f"{tera * 1e3:.1f} ms per iteration"
+            + predicted(report.iteration_time if report else None)))
+    log(row("Megatron 1F1B", f"{mega * 1e3:.1f} ms per iteration"
+            + predicted(report.baseline_time if report else None)))
+    line = row("speedup", f"{mega / tera:.2f}x")
+    if report and report.iteration_time and report.baseline_time:
+        line += f" (planner predicted {report.baseline_time / report.iteration_time:.2f}x)"
+    bold, plain = ("\033[1m", "\033[0m") if tty else ("", "")
+    log(f"{bold}{line}{plain}")
+
+
+# ---------------------------------------------------------------------------------------------
 def relaunch_under_torchrun(args: argparse.Namespace) -> None:
     world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.data_parallel_size
     from torch.distributed.run import main as torchrun
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # torchrun's default, said quietly
     print(f"> launching {world} processes "
           f"(TP={args.tensor_model_parallel_size}, PP={args.pipeline_model_parallel_size}, "
           f"DP={args.data_parallel_size}) on {args.device}", flush=True)
@@ -202,6 +280,7 @@ def train(args: argparse.Namespace) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")  # Megatron's default
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -250,12 +329,12 @@ def train(args: argparse.Namespace) -> None:
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
+    plan = report = None
     if args.pipeline_schedule == "terapipe":
-        from megatron_terapipe.megatron.arguments import ArgsPlanProvider
-
-        provider = ArgsPlanProvider(args)
+        provider = mt.ArgsPlanProvider(args)
         mt.configure(config, provider)
-        provider.plan_for(args.seq_length, args.micro_batch_size)  # plan now; rank 0 logs it
+        plan = provider.plan_for(args.seq_length, args.micro_batch_size)  # plan now; rank 0 logs it
+        report = provider.reports.get((args.seq_length, args.micro_batch_size))
     mt.install()
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -316,8 +395,9 @@ def train(args: argparse.Namespace) -> None:
         forward_backward(data_iterator=train_data, forward_only=False, **common)
         gather_trace(executor.LAST_RUN, args.terapipe_trace)
         log_rank0(f"> wrote the measured per-cell trace to {args.terapipe_trace}")
-    if is_logging_rank():
-        print(f"> done: lm loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+    log(f"> done: lm loss {first_loss:.4f} -> {last_loss:.4f}")
+    if args.compare_iters > 0 and plan is not None and pp > 1:
+        compare_schedules(args, model, common, train_data, report, plan, device)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
