@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from harness import Case, TinyGPT, check_case, spawn
+from harness import BF16, Case, TinyGPT, check_case, spawn
 
 UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
 
@@ -42,7 +42,7 @@ CASES_2 = [
     # bf16 through Megatron's Float16Module: both sides round differently once slices change
     # the summation order, so the bound is bf16's (8 mantissa bits), not fp32's.
     Case("pp2_bf16_float16module", UNEVEN, model=TinyGPT(bf16=True, params_dtype=torch.bfloat16),
-         tolerance=5e-2),
+         tolerance=BF16),
 ]
 
 CASES_4 = [
@@ -91,7 +91,7 @@ DEFERRED_2 = [
          model=TinyGPT(recompute_granularity="full")),
     Case("w_pp2_megatron_p2p", DEFERRED, transport="megatron", num_microbatches=4),
     Case("w_pp2_bf16_float16module", DEFERRED,
-         model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=5e-2),
+         model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=BF16),
 ]
 
 DEFERRED_4 = [
