@@ -1,0 +1,44 @@
+"""The one schedule representation: per-stage ordered actions on cells.
+
+A cell is (microbatch, batch slice, token slice). A schedule (build.py) says in which order each
+stage runs the forwards (F) and backwards (B) of every cell and, when the plan defers weight
+gradients, the W actions that compute them. Lowering (lower.py) adds the communication actions
+the stage's transport needs; the executor runs a stage's lowered list, the timing engines
+(replay.py) time the same lists, and `validate` (validate.py) checks them.
+"""
+
+from .actions import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    Cell,
+    Schedule,
+    ScheduleError,
+    microbatch_cells,
+    microbatch_cells_all,
+    opposite,
+)
+from .build import build_schedule
+from .lower import Lowering, lower, lower_stage
+from .replay import TimedAction, shared_timeline, timeline
+from .validate import validate
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "Action",
+    "Cell",
+    "Lowering",
+    "Schedule",
+    "ScheduleError",
+    "TimedAction",
+    "build_schedule",
+    "lower",
+    "lower_stage",
+    "microbatch_cells",
+    "microbatch_cells_all",
+    "opposite",
+    "shared_timeline",
+    "timeline",
+    "validate",
+]

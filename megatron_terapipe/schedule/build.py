@@ -1,0 +1,75 @@
+"""Laying out every stage's compute actions in the plan's order (gpipe or 1f1b)."""
+
+from __future__ import annotations
+
+from ..plan import TeraPipePlan
+from .actions import Action, Cell, Schedule, microbatch_cells
+
+
+def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
+                   micro_batch_size: int, forward_only: bool = False) -> Schedule:
+    """Lay out every stage's actions in the plan's order.
+
+    gpipe: all forwards in cell order, then all backwards in exactly reverse order.
+    1f1b:  stage k first runs (cells of one microbatch - 1) + (num_stages - k - 1) forwards,
+           then alternates one forward and one backward, then drains the backwards. Backwards
+           go microbatch by microbatch, each microbatch's cells in reverse. Because the warm-up
+           covers a whole microbatch, the last stage knows a microbatch's total token count
+           before it runs the first backward of that microbatch (exact loss normalisation).
+    """
+    _check_sizes(plan, num_microbatches, num_stages, micro_batch_size)
+    per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
+    forwards = [Action("F", c) for cells in per_mb for c in cells]
+    stages = []
+    for k in range(num_stages):
+        if forward_only:
+            stages.append(tuple(forwards))
+        elif plan.order == "gpipe":
+            backwards = [Action("B", a.cell) for a in reversed(forwards)]
+            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k)))
+        else:
+            warmup = min(len(forwards), len(per_mb[0]) - 1 + (num_stages - k - 1))
+            order = _one_forward_one_backward(forwards, per_mb, warmup)
+            stages.append(tuple(_with_weight_grads(order, plan, k)))
+    return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
+
+
+def _check_sizes(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
+                 micro_batch_size: int) -> None:
+    if num_microbatches <= 0:
+        raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
+    if num_stages <= 0:
+        raise ValueError(f"number of pipeline stages must be positive, got {num_stages}")
+    if plan.batch_slices is not None:
+        plan.validate(plan.seq_length, micro_batch_size)
+    if len(plan.wgrad_points) > num_stages:
+        raise ValueError(
+            f"the TeraPipe plan places early W actions (wgrad_points) for "
+            f"{len(plan.wgrad_points)} pipeline stages but the pipeline has {num_stages}: plan "
+            f"for {num_stages} stages (terapipe-plan --pipeline-stages {num_stages})")
+
+
+def _one_forward_one_backward(forwards: list[Action], per_mb: list[list[Cell]],
+                              warmup: int) -> list[Action]:
+    """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
+    backwards = [Action("B", c) for cells in per_mb for c in reversed(cells)]
+    order = list(forwards[:warmup])
+    steady = len(forwards) - warmup
+    for f, b in zip(forwards[warmup:], backwards[:steady]):
+        order += [f, b]
+    return order + backwards[steady:]
+
+
+def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int) -> list[Action]:
+    """A W right after each sequence's last backward (that of its first token slice), and after
+    the backward of the stage's `wgrad_points` slices. A W computes every weight gradient its
+    sequence deferred since the previous W."""
+    if not plan.defer_wgrad:
+        return actions
+    early = set(plan.wgrad_points_of(stage))
+    out = []
+    for a in actions:
+        out.append(a)
+        if a.kind == "B" and (a.cell.is_first_token_slice or a.cell.token_slice in early):
+            out.append(Action("W", a.cell))
+    return out

@@ -1,0 +1,110 @@
+"""`validate`: the rules the executor relies on, checked before anything runs.
+
+Dependencies (what the executor relies on, and what the timing engines model):
+- F(c) on stage k needs F(c) on stage k-1 (its input activation).
+- B(c) on stage k needs B(c) on stage k+1 (its output gradient) and F(c) on stage k.
+- W(c) (c: a sequence's first token slice, or an early W point) needs B(c) on the same stage;
+  nothing waits for it.
+- Token slices of one (microbatch, batch slice) go forward in order and backward in reverse,
+  because slice t reads the K/V of slices < t, and their K/V gradients arrive from later slices.
+"""
+
+from __future__ import annotations
+
+from .actions import Action, Cell, Schedule, ScheduleError, opposite
+from .lower import Lowering, lower
+from .replay import timeline
+
+
+def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
+    """Check every stage runs each cell's F (and B) once, in an order the executor can run,
+    that the lowered lists pair every send with the neighbour's receive, and that the
+    schedule does not deadlock. Raises ScheduleError naming the first broken rule."""
+    expected = set(schedule.cells())
+    for k, actions in enumerate(schedule.stages):
+        _check_stage(schedule, k, actions, expected)
+    _check_messages(lower(schedule, lowering))
+    timeline(schedule, lambda k, a: 1.0)
+
+
+def _check_stage(schedule: Schedule, k: int, actions: tuple[Action, ...],
+                 expected: set[Cell]) -> None:
+    seen = {"F": set(), "B": set()}
+    # Per sequence, the token slice that ran last: forwards count up, backwards down.
+    last = {"F": {}, "B": {}}
+    final_w: set[tuple[int, int]] = set()  # sequences whose last W (first token slice) ran
+    early_w: set[Cell] = set()
+    for a in actions:
+        c = a.cell
+        if a.kind == "W":
+            _check_w(schedule, k, a, seen["B"], final_w, early_w)
+            continue
+        if c in seen[a.kind]:
+            raise ScheduleError(f"stage {k} runs {a} twice")
+        if a.kind == "F" and c.token_slice != last["F"].get(c.sequence_key, -1) + 1:
+            raise ScheduleError(f"stage {k} runs {a} before the token slices before it")
+        if a.kind == "B":
+            if c not in seen["F"]:
+                raise ScheduleError(f"stage {k} runs {a} before its forward")
+            if c.token_slice != last["B"].get(c.sequence_key, c.num_token_slices) - 1:
+                raise ScheduleError(
+                    f"stage {k} runs {a} out of reverse token order (K/V gradients from later "
+                    "slices must be complete first)")
+        last[a.kind][c.sequence_key] = c.token_slice
+        seen[a.kind].add(c)
+    if seen["F"] != expected:
+        raise ScheduleError(f"stage {k} runs {len(seen['F'])} forwards, expected {len(expected)}")
+    if not schedule.forward_only and seen["B"] != expected:
+        raise ScheduleError(f"stage {k} runs {len(seen['B'])} backwards, expected {len(expected)}")
+    if schedule.forward_only and seen["B"]:
+        raise ScheduleError(f"stage {k} runs backwards in a forward-only schedule")
+    if schedule.defer_wgrad and len(final_w) != len({c.sequence_key for c in expected}):
+        raise ScheduleError(f"stage {k} runs {len(final_w)} final weight-gradient (W) actions "
+                            "(after a sequence's first token slice), expected one per sequence")
+
+
+def _check_w(schedule: Schedule, k: int, a: Action, backwards_seen: set[Cell],
+             final_w: set[tuple[int, int]], early_w: set[Cell]) -> None:
+    if not schedule.defer_wgrad:
+        raise ScheduleError(f"stage {k} runs {a} but the plan computes weight "
+                            "gradients in every backward (defer_wgrad=False)")
+    if a.cell not in backwards_seen:
+        raise ScheduleError(f"stage {k} runs {a} before the backward of its cell")
+    if a.cell.sequence_key in final_w or a.cell in early_w:
+        raise ScheduleError(f"stage {k} runs {a} twice")
+    if a.cell.is_first_token_slice:
+        final_w.add(a.cell.sequence_key)
+    else:
+        early_w.add(a.cell)
+
+
+def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
+    """Each direction between two neighbours carries its messages in one order on both sides
+    (transports match them in order), and a posted receive is used before the next is posted."""
+    sent = [{"F": [], "B": []} for _ in lowered]
+    received = [{"F": [], "B": []} for _ in lowered]
+    for k, actions in enumerate(lowered):
+        posted = {"F": None, "B": None}
+        for a in actions:
+            if a.is_compute:
+                continue
+            if a.operation in ("SEND", "SEND_RECV"):
+                sent[k][a.direction].append(a.cell)
+            if a.operation == "SEND_RECV":
+                received[k][opposite(a.direction)].append(a.recv_cell)
+            elif a.operation == "RECV":
+                received[k][a.direction].append(a.cell)
+            elif a.operation == "POST":
+                if posted[a.direction] is not None:
+                    raise ScheduleError(f"stage {k} posts {a} before using {posted[a.direction]}")
+                posted[a.direction] = a.cell
+            if a.operation in ("RECV", "SEND_RECV"):
+                used, cell = ((a.direction, a.cell) if a.operation == "RECV"
+                              else (opposite(a.direction), a.recv_cell))
+                if posted[used] not in (None, cell):
+                    raise ScheduleError(f"stage {k} runs {a} while the receive of "
+                                        f"{posted[used]} is posted")
+                posted[used] = None
+    for k in range(len(lowered) - 1):
+        if sent[k]["F"] != received[k + 1]["F"] or sent[k + 1]["B"] != received[k]["B"]:
+            raise ScheduleError(f"stages {k} and {k + 1} send and receive in different orders")
