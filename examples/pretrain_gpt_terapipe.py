@@ -33,9 +33,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import megatron_terapipe as mt  # noqa: E402
-from megatron_terapipe.megatron.arguments import (  # noqa: E402
+from megatron_terapipe.megatron.flags import add_terapipe_args  # noqa: E402
+from megatron_terapipe.megatron.validation import (  # noqa: E402
     TeraPipeArgumentError,
-    add_terapipe_args,
     validate_terapipe_args,
 )
 
@@ -254,6 +254,11 @@ def compare_schedules(args, model, common: dict, data, report, plan, device) -> 
         line += f" (planner predicted {report.baseline_time / report.iteration_time:.2f}x)"
     bold, plain = ("\033[1m", "\033[0m") if tty else ("", "")
     log(f"{bold}{line}{plain}")
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and hasattr(os, "getloadavg") and os.getloadavg()[0] > 1.5 * cores:
+        log(f">   note: other processes shared these {cores} cores (load average "
+            f"{os.getloadavg()[0]:.1f}); TeraPipe gains by running its stages at the same "
+            "time, one core each, so timings under load are not representative")
 
 
 # ---------------------------------------------------------------------------------------------
