@@ -171,9 +171,9 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
     first stage's embedding and the last stage's output layer and loss measured too."""
     from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
                                            fit_layer_times, measure_edge_times, measure_layer_times)
-    from megatron_terapipe.planner.cost_model import Link
-    from megatron_terapipe.megatron.measure import edge_points_for
-    from megatron_terapipe.planner.profiled import default_grid
+    from megatron_terapipe.planner.dims import Link
+    from megatron_terapipe.megatron.measure_edges import edge_points_for
+    from megatron_terapipe.planner.measurements import default_grid
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)

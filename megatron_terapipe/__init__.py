@@ -6,14 +6,10 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
-from .megatron.arguments import (
-    ArgsPlanProvider,
-    TeraPipeArgumentError,
-    add_terapipe_args,
-    combine_extra_args,
-    setup_from_args,
-    validate_terapipe_args,
-)
+from .megatron.flags import add_terapipe_args, combine_extra_args
+from .megatron.plan_provider import ArgsPlanProvider
+from .megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from .megatron.wiring import setup_from_args
 from .megatron.cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
 from .runtime.executor import forward_backward_terapipe
 from .megatron.install import configure, deselect, install, select

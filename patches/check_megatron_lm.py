@@ -152,7 +152,7 @@ def main() -> int:
         print(f"rank {rank}: {terapipe.__name__} vs {megatron.__name__}: per-microbatch losses "
               f"{(a[:, 0] / a[:, 1]).tolist()}, max abs difference {diff:.2e}", flush=True)
         assert diff < 1e-4
-    from megatron_terapipe.megatron.arguments import setup_from_args
+    from megatron_terapipe.megatron.wiring import setup_from_args
 
     setup_from_args(args)
     megatron_training.get_forward_backward_func()(data_iterator=data(), forward_only=False, **common)

@@ -9,19 +9,13 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.arguments import (
-    ArgsPlanProvider,
-    PlanReport,
-    TeraPipeArgumentError,
-    add_terapipe_args,
-    combine_extra_args,
-    plan_and_report,
-    plan_from_args,
-    profile_cache_key,
-    profile_cache_path,
-    setup_from_args,
-    validate_terapipe_args,
-)
+from megatron_terapipe.megatron.flags import add_terapipe_args, combine_extra_args
+from megatron_terapipe.megatron.plan_provider import ArgsPlanProvider
+from megatron_terapipe.megatron.plan_report import PlanReport
+from megatron_terapipe.megatron.planning import plan_and_report, plan_from_args
+from megatron_terapipe.megatron.profile_cache import profile_cache_key, profile_cache_path
+from megatron_terapipe.megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.wiring import setup_from_args
 from harness import spawn
 
 # A Megatron-LM-like namespace (names as in megatron/training/arguments.py, core_v0.16.1).
@@ -193,7 +187,7 @@ def test_provider_plans_once_per_shape(capsys):
 
 def test_profile_cost_model_from_a_file_must_match_the_model(tmp_path):
     from megatron_terapipe.planner import LayerTimeFit, fit_layer_times
-    from megatron_terapipe.planner.profiled import LayerMeasurements
+    from megatron_terapipe.planner.measurements import LayerMeasurements
 
     def fake_fit(hidden):
         cells = [(b, length, c) for b in (1, 2) for length in (8, 16, 32, 64) for c in (0, 16, 32)]
@@ -223,7 +217,7 @@ class CountingMeasure:
         self.calls = 0
 
     def __call__(self, args, cells):
-        from megatron_terapipe.planner.profiled import LayerMeasurements
+        from megatron_terapipe.planner.measurements import LayerMeasurements
 
         self.calls += 1
         b, l, c = (list(x) for x in zip(*cells))

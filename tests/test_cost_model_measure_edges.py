@@ -17,7 +17,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 # In a child process: measuring turns on CPU mode and a process group, process-wide.
 SNIPPET = """
 import json, sys
-from megatron_terapipe.megatron.measure import measure_edge_times
+from megatron_terapipe.megatron.measure_edges import measure_edge_times
 from megatron_terapipe.planner import ModelDims, fit_edge_times
 model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=512)
 m = measure_edge_times(model, [(1, 32), (1, 512), (2, 1024)], dtype="float32", repeats=3,

@@ -17,7 +17,8 @@ from megatron_terapipe.planner import (
     fit_layer_times,
     simulate,
 )
-from megatron_terapipe.planner.profiled import EDGE_KEYS, FORMAT_VERSION
+from megatron_terapipe.planner.fits import FORMAT_VERSION
+from megatron_terapipe.planner.measurements import EDGE_KEYS
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule
 

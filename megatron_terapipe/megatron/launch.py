@@ -10,7 +10,7 @@ installs the hooks (`install_hooks`) and runs the script with runpy as __main__.
   own `extra_args_provider` (the script's parser accepts --pipeline-schedule etc.);
 - right after Megatron-LM's `validate_args` (before torch.distributed starts), the TeraPipe flags
   are validated and, with --pipeline-schedule terapipe, TeraPipe is selected
-  (`arguments.setup_from_args`): GPT models get slice-aware attention, the plan is chosen at the
+  (`wiring.setup_from_args`): GPT models get slice-aware attention, the plan is chosen at the
   first iteration, and forward_step runs per cell with the cell's shape in the global args;
 - `get_forward_backward_func`, in megatron.core and in megatron.training.training, returns the
   TeraPipe schedule when it is selected and Megatron's own otherwise.
@@ -44,7 +44,7 @@ class LauncherError(RuntimeError):
 def _wrap_parse_args(original: Callable) -> Callable:
     if getattr(original, "_terapipe_wrapped", False):
         return original
-    from .arguments import add_terapipe_args, combine_extra_args
+    from .flags import add_terapipe_args, combine_extra_args
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, *args, **kwargs):
@@ -61,7 +61,7 @@ def _wrap_validate(original: Callable) -> Callable:
     @functools.wraps(original)
     def validate(args, *rest, **kwargs):
         result = original(args, *rest, **kwargs)
-        from .arguments import setup_from_args
+        from .wiring import setup_from_args
 
         setup_from_args(result if result is not None and hasattr(result, "__dict__") else args)
         return result

@@ -1,5 +1,6 @@
 """terapipe-plan: choose token (and batch) slices for a model on a pipeline, and compare them
-with no token slicing and with the best uniform slicing.
+with no token slicing and with the best uniform slicing. The choosing is `search.search`;
+this is its command line.
 
     terapipe-plan --model gpt3-13b --hardware v100 --pipeline-stages 8 --seq-length 2048
 """
@@ -8,16 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from dataclasses import replace
+from typing import Iterator, Optional, Sequence
 
-from ..plan import ORDERS, TeraPipePlan
-from ..schedule import build_schedule
-from .cost_model import AnalyticCostModel, CostModel, ModelDims
+from ..plan import ORDERS
+from .analytic import AnalyticCostModel
+from .cost_model import CostModel
+from .dims import Hardware, ModelDims
 from .presets import HARDWARE_PRESETS, MODEL_PRESETS
-from .simulator import SimulationResult, simulate
-from .slicer import best_uniform_slicing, choose_deferral, slicing_unit, solve_slicing
+from .report import comparison_lines, slices_text
+from .search import SearchResult, SearchSpace, pipeline_link, search, stages_cross_nodes
+from .slicer import resolve_batch_sizes
 
 GiB = 1024 ** 3
 
@@ -115,54 +117,8 @@ def _batch_sizes(text: str, parser):
     return sizes
 
 
-@dataclass
-class Row:
-    label: str
-    plan: TeraPipePlan
-    result: SimulationResult
-
-
-def _simulate(plan: TeraPipePlan, args, cost: CostModel) -> SimulationResult:
-    schedule = build_schedule(plan, args.num_microbatches, args.pipeline_stages, args.micro_batch_size)
-    return simulate(schedule, cost)
-
-
-def _slices_text(plan: TeraPipePlan, width: int = 100) -> list[str]:
-    def compact(ts) -> str:
-        # runs of equal lengths as 256x4
-        out, i = [], 0
-        while i < len(ts):
-            j = i
-            while j < len(ts) and ts[j] == ts[i]:
-                j += 1
-            out.append(f"{ts[i]}" if j - i == 1 else f"{ts[i]}x{j - i}")
-            i = j
-        return "[" + ", ".join(out) + f"] ({len(ts)} slices)"
-
-    if plan.num_batch_slices == 1:
-        return [f"  token slices: {compact(plan.token_slices[0])}"]
-    rows = plan.batch_slices or ()
-    if plan.uniform_token_slicing:
-        return [f"  batch slices: {list(rows)} rows, each cut into {compact(plan.token_slices[0])}"]
-    lines = [f"  batch slices: {list(rows)} rows"]
-    for r, ts in zip(rows, plan.token_slices):
-        lines.append(f"    {r} rows: {compact(ts)}")
-    return lines
-
-
-def _memory_text(peaks: Sequence[float]) -> str:
-    values = [p / GiB for p in peaks]
-    if len(values) <= 12:
-        return " ".join(f"{v:.2f}" for v in values)
-    head = " ".join(f"{v:.2f}" for v in values[:6])
-    tail = " ".join(f"{v:.2f}" for v in values[-2:])
-    return f"{head} ... {tail}"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    model = _model_from_args(args, parser)
+def _check_shape(args, model: ModelDims, parser) -> None:
+    """Stop with an error naming the flag if the model does not split as asked."""
     K, tp = args.pipeline_stages, args.tensor_parallel_size
     if model.num_layers % K:
         parser.error(f"--pipeline-stages {K} does not divide the model's {model.num_layers} layers")
@@ -171,118 +127,90 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      f"{model.num_attention_heads} attention heads")
     if args.seq_length % args.granularity:
         parser.error(f"--granularity {args.granularity} does not divide --seq-length {args.seq_length}")
-    batch_sizes = _batch_sizes(args.batch_sizes, parser)
-    hardware = HARDWARE_PRESETS[args.hardware]
-    layers_per_stage = model.num_layers // K
-    inter_node = tp * K > hardware.gpus_per_node  # some stage boundaries cross nodes
-    if args.profile:
-        from .profiled import ProfiledCostModel
 
-        link = hardware.inter_node if inter_node else hardware.intra_node
-        try:
-            cost: CostModel = ProfiledCostModel.load(args.profile, layers_per_stage, link,
-                                                     model=model, tensor_parallel=tp)
-        except ValueError as exc:
-            parser.error(f"--profile: {exc}")
-    else:
-        cost = AnalyticCostModel(model, hardware, layers_per_stage, tensor_parallel=tp,
-                                 inter_node=inter_node)
 
-    started = time.perf_counter()
+def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel:
+    """The analytic model of `hardware`, or the --profile; links as `search.pipeline_link`."""
+    K, tp = args.pipeline_stages, args.tensor_parallel_size
+    cross_nodes = stages_cross_nodes(tp, K, hardware.gpus_per_node)
+    if not args.profile:
+        return AnalyticCostModel(model, hardware, model.num_layers // K, tensor_parallel=tp,
+                                 inter_node=cross_nodes)
+    from .profiled import ProfiledCostModel
+
     try:
-        solution = solve_slicing(cost, args.seq_length, args.micro_batch_size, K,
-                                 granularity=args.granularity, num_microbatches=args.num_microbatches,
-                                 order=args.order, batch_sizes=batch_sizes)
+        return ProfiledCostModel.load(args.profile, model.num_layers // K,
+                                      pipeline_link(hardware, cross_nodes), model=model,
+                                      tensor_parallel=tp)
     except ValueError as exc:
-        parser.error(f"--batch-sizes/--micro-batch-size: {exc}")
-    solve_seconds = time.perf_counter() - started
-    uniform, _ = best_uniform_slicing(cost, args.seq_length, args.micro_batch_size, K,
-                                      granularity=args.granularity,
-                                      num_microbatches=args.num_microbatches, order=args.order)
-    def row(label: str, plan: TeraPipePlan, defer: str = args.defer_wgrad) -> Row:
-        """The plan in the weight-gradient mode `defer` asks for (auto: `choose_deferral`)."""
-        if defer == "auto":
-            plan, result = choose_deferral(plan, lambda p: _simulate(p, args, cost),
-                                           lambda r: r.iteration_time)
-        else:
-            plan = replace(plan, defer_wgrad=defer == "on")
-            result = _simulate(plan, args, cost)
-        return Row(label + (" +W" if plan.defer_wgrad else ""), plan, result)
+        parser.error(f"--profile: {exc}")
+    raise AssertionError  # unreachable: parser.error exits
 
-    rows = [
-        row("TeraPipe DP", solution.plan),
-        row(f"uniform x{len(uniform.seq_slices)}", uniform),
-        # the reference for the speedups: what Megatron's own schedule does
-        row("no token slicing", TeraPipePlan([args.seq_length], order=args.order), "off"),
-    ]
-    # The objective approximates the timeline; the simulator picks (ties keep the DP's plan),
-    # then a hill climb on the simulated time polishes the winner's slices and fewer cells
-    # replace them where the simulator times them within 0.5% (as `solve` does).
-    chosen = min(rows, key=lambda r: r.result.iteration_time)
-    if not args.no_refine:
-        from .refine import fewer_cells, refine
 
-        unit = slicing_unit(args.seq_length, args.granularity)
-        steps = (
-            (lambda old, new: f"refined {old.label.split(' +W')[0]}", refine),
-            (lambda old, new: f"fewer cells x{len(new.seq_slices)}", fewer_cells),
-        )
-        for label, step in steps:
-            better, _ = step(chosen.plan, cost, args.num_microbatches, K, args.micro_batch_size, unit)
-            if better.token_slices != chosen.plan.token_slices:
-                rows.insert(0, Row(label(chosen, better) + (" +W" if better.defer_wgrad else ""),
-                                   better, _simulate(better, args, cost)))
-                chosen = rows[0]
-    if not args.no_refine and chosen.plan.defer_wgrad:
-        from .refine import place_wgrad_points
-
-        placed, _ = place_wgrad_points(chosen.plan, cost, args.num_microbatches, K,
-                                       args.micro_batch_size)
-        if placed.wgrad_points:
-            rows.insert(0, Row(chosen.label + ", early W", placed, _simulate(placed, args, cost)))
-            chosen = rows[0]
-    chosen_plan = replace(chosen.plan, order=args.order,
-                          predicted_time=chosen.result.iteration_time)
-
-    out = sys.stdout
-    print(f"model {model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
-          f"{model.num_attention_heads} heads; {K} stages x {layers_per_stage} layers, TP={tp}", file=out)
-    print(f"seq {args.seq_length}, micro batch {args.micro_batch_size}, {args.num_microbatches} "
-          f"microbatch(es), order {args.order}, granularity {args.granularity}", file=out)
-    print(f"cost model: {cost.describe()}", file=out)
-    print(f"chosen plan ({chosen.label}; the fastest simulated, or fewer cells within 0.5% of it):",
-          file=out)
-    for line in _slices_text(chosen.plan):
-        print(line, file=out)
-    baseline = rows[-1].result.iteration_time
+def _report(args, model: ModelDims, cost: CostModel, hardware: Hardware,
+            result: SearchResult) -> list[str]:
+    K, tp = args.pipeline_stages, args.tensor_parallel_size
+    chosen = result.chosen
     wgrad = "deferred to W actions" if chosen.plan.defer_wgrad else "in every backward cell"
     if chosen.plan.wgrad_points:
         wgrad += f"; {chosen.plan.early_w_text()}"
-    print(f"  weight gradients: {wgrad}", file=out)
-    print(f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}", file=out)
-    for each in rows:
-        r = each.result
-        print(f"{each.label:24} {r.iteration_time * 1e3:>9.2f} ms {100 * r.bubble_fraction:>6.1f}% "
-              f"{max(r.peak_memory_bytes) / GiB:>15.2f} {baseline / r.iteration_time:>7.2f}x", file=out)
-    print(f"peak GiB per stage (activations + K/V), chosen plan: "
-          f"{_memory_text(chosen.result.peak_memory_bytes)}", file=out)
+    lines = [
+        f"model {model.name}: {model.num_layers} layers, hidden {model.hidden_size}, "
+        f"{model.num_attention_heads} heads; {K} stages x {model.num_layers // K} layers, TP={tp}",
+        f"seq {args.seq_length}, micro batch {args.micro_batch_size}, {args.num_microbatches} "
+        f"microbatch(es), order {args.order}, granularity {args.granularity}",
+        f"cost model: {cost.describe()}",
+        f"chosen plan ({chosen.label}; the fastest simulated, or fewer cells within 0.5% of it):",
+        *slices_text(chosen.plan),
+        f"  weight gradients: {wgrad}",
+        *comparison_lines(result),
+    ]
     if not args.profile and max(chosen.result.peak_memory_bytes) > hardware.memory_bytes:
-        print(f"warning: peak activations exceed the {hardware.memory_bytes / GiB:.0f} GiB of one "
-              f"{args.hardware} GPU before weights and optimizer state", file=out)
-    print(f"planner: {solve_seconds:.2f} s, {solution.dp_evaluations} capped DPs; objective "
-          f"{solution.objective * 1e3:.2f} ms", file=out)
+        lines.append(f"warning: peak activations exceed the {hardware.memory_bytes / GiB:.0f} GiB "
+                     f"of one {args.hardware} GPU before weights and optimizer state")
+    lines.append(f"planner: {result.slicing.solve_seconds:.2f} s, {result.slicing.dp_evaluations} "
+                 f"capped DPs; objective {result.slicing.objective * 1e3:.2f} ms")
+    return lines
+
+
+def _write_outputs(args, result: SearchResult) -> Iterator[str]:
+    """--trace, --png and --save-plan: a line naming each file, once written."""
     if args.trace:
         from .trace import write_chrome_trace
 
-        print(f"trace: {write_chrome_trace(chosen.result, args.trace)}", file=out)
+        yield f"trace: {write_chrome_trace(result.chosen.result, args.trace)}"
     if args.png:
         from .trace import write_png
 
-        print(f"timeline: {write_png(chosen.result, args.png)}", file=out)
+        yield f"timeline: {write_png(result.chosen.result, args.png)}"
     if args.save_plan:
         with open(args.save_plan, "w") as fh:
-            fh.write(chosen_plan.to_json() + "\n")
-        print(f"plan: {args.save_plan}", file=out)
+            fh.write(result.plan.to_json() + "\n")
+        yield f"plan: {args.save_plan}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model = _model_from_args(args, parser)
+    _check_shape(args, model, parser)
+    batch_sizes = _batch_sizes(args.batch_sizes, parser)
+    try:
+        resolve_batch_sizes(batch_sizes, args.micro_batch_size)
+    except ValueError as exc:
+        parser.error(f"--batch-sizes/--micro-batch-size: {exc}")
+    hardware = HARDWARE_PRESETS[args.hardware]
+    cost = _cost_model(args, model, hardware, parser)
+    space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,
+                        args.num_microbatches, args.order, args.granularity,
+                        batch_sizes=batch_sizes,
+                        defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
+                        refine=not args.no_refine)
+    result = search(cost, space)
+    for line in _report(args, model, cost, hardware, result):
+        print(line)
+    for line in _write_outputs(args, result):
+        print(line)
     return 0
 
 

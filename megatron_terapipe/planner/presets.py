@@ -16,7 +16,7 @@ with a ProfiledCostModel measured on your own GPUs for planning that matters.
 
 from __future__ import annotations
 
-from .cost_model import Hardware, Link, ModelDims
+from .dims import Hardware, Link, ModelDims
 
 GiB = 1024 ** 3
 GPT2_VOCAB = 50257  # GPT-2 BPE, which GPT-3 reuses

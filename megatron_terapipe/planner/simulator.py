@@ -59,12 +59,6 @@ class SimulationResult:
         return tuple(self.iteration_time - b for b in self.busy)
 
     @property
-    def stage_bubble_fraction(self) -> tuple[float, ...]:
-        if self.iteration_time <= 0:
-            return tuple(0.0 for _ in self.busy)
-        return tuple(i / self.iteration_time for i in self.idle)
-
-    @property
     def bubble_fraction(self) -> float:
         """Share of all stages' time spent waiting: 1 - busy / (stages x iteration time)."""
         if self.iteration_time <= 0:
@@ -167,11 +161,19 @@ class _CellCosts:
         return self._get(("KV", c.rows, c.tokens), self.cost_model.kv_bytes, c.rows, c.tokens)
 
 
+def simulate_plan(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
+                  num_stages: int, micro_batch_size: int,
+                  cores: Optional[float] = None) -> SimulationResult:
+    """`simulate` of `plan`'s schedule for one run's shape."""
+    schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
+    return simulate(schedule, cost_model, cores=cores)
+
+
 def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
               num_stages: int, micro_batch_size: int, cores: Optional[float] = None) -> float:
     """Simulated iteration time of `plan`'s schedule (the planner's yardstick)."""
-    schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
-    return simulate(schedule, cost_model, cores=cores).iteration_time
+    return simulate_plan(plan, cost_model, num_microbatches, num_stages, micro_batch_size,
+                         cores).iteration_time
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,

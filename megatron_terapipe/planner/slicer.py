@@ -12,8 +12,8 @@ u_i = t_i with include_transfer=False). Every cell of every microbatch runs once
 A cell's time is its layers' slice_time plus the heavier of the cost model's edge times
 (`edge_forward_time` / `edge_backward_time`: the embedding on the first stage, the output layer
 and the loss on the last), since the slowest stage sets the pace; both edges on one stage.
-Zero-edge cost models give the paper's t(l, c). `solve`'s predicted_time comes from the
-simulator, which times every stage with its own edges.
+Zero-edge cost models give the paper's t(l, c). The plan search (search.py) then times plans
+with the simulator, which prices every stage with its own edges.
 
 Exact method. For a cap tau on u, S(tau) = least sum over slicings whose cells all have u <= tau:
 a DP over prefix lengths per batch size (S_b(n) = min_k S_b(n-k) + t(b, k, n-k)), then a
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence, TypeVar, Union
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -40,7 +40,6 @@ from ..plan import TeraPipePlan
 from .cost_model import CostModel
 
 BatchSizes = Union[str, Sequence[int], None]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def bottleneck_cell_time(cost_model: CostModel, batch, length, context, num_stag
 
 def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: int,
                    num_stages: int, num_microbatches: int = 1, include_transfer: bool = True) -> float:
-    """The slicer's objective for any plan (what `solve` minimises)."""
+    """The slicer's objective for any plan (what `solve_slicing` minimises)."""
     rows, lengths, contexts = [], [], []
     for r, token_slices in zip(plan.rows(micro_batch_size), plan.token_slices):
         start = 0
@@ -350,92 +349,6 @@ def solve_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,
     return SlicingSolution(plan=plan, objective=best_value, sum_time=best.total,
                            max_time=best.max_u, dp_evaluations=evaluations,
                            solve_seconds=time.perf_counter() - started)
-
-
-def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_stages: int,
-          granularity: int = 8, num_microbatches: int = 1, order: str = "1f1b",
-          multiple_of: int = 1, batch_sizes: BatchSizes = "divisors",
-          include_transfer: bool = True, simulate: bool = True,
-          defer_wgrad: Optional[bool] = None, refine: bool = True) -> TeraPipePlan:
-    """The plan with the least objective (see `solve_slicing`).
-
-    With simulate=True (default) its predicted_time is the simulator's iteration time of the
-    plan's schedule (order, microbatches, transfers, each stage's edge times). The objective
-    approximates that timeline, so the simulator then also times the best uniform slicing and
-    no token slicing, each with and without deferred weight gradients (`defer_wgrad=None`:
-    deferred only when at least DEFER_MIN_GAIN faster, for its memory; True or False fixes it),
-    and `solve` returns whichever is fastest: never slower than those under the simulator. With
-    refine=True (default) the winner is then polished by a hill climb on the simulated time
-    (`planner.refine`); a uniform slicing into fewer slices replaces it if simulated within
-    0.5% of it (`planner.fewer_cells`: work per cell the cost model leaves out favours fewer
-    cells), so the result is then within 0.5% of the fastest under the simulator; and, with
-    deferred weight gradients, early W actions are placed where they shorten the simulated
-    timeline (`planner.place_wgrad_points`). With simulate=False: the DP's plan, and the
-    objective itself as predicted_time.
-    """
-    solution = solve_slicing(cost_model, seq_length, micro_batch_size, num_stages, granularity,
-                             num_microbatches, order, multiple_of, batch_sizes, include_transfer)
-    deferrals = (False, True) if defer_wgrad is None else (bool(defer_wgrad),)
-    predicted, plan = solution.objective, replace(solution.plan, defer_wgrad=deferrals[0])
-    if simulate:
-        from .simulator import plan_time
-
-        def timed(plan: TeraPipePlan) -> float:
-            return plan_time(plan, cost_model, num_microbatches, num_stages, micro_batch_size)
-
-        uniform, _ = best_uniform_slicing(cost_model, seq_length, micro_batch_size, num_stages,
-                                          granularity, num_microbatches, order, multiple_of,
-                                          include_transfer)
-        whole = TeraPipePlan([seq_length], order=order)
-        best: dict[bool, tuple[float, TeraPipePlan]] = {}
-        for d in deferrals:  # ties keep the earlier option (the DP's plan)
-            best[d] = min(((timed(replace(p, defer_wgrad=d)), replace(p, defer_wgrad=d))
-                           for p in (solution.plan, uniform, whole)), key=lambda c: c[0])
-        predicted, plan = best[deferrals[0]]
-        if len(deferrals) == 2 and deferral_pays(best[False][0], best[True][0]):
-            predicted, plan = best[True]
-    if simulate and refine:
-        from .refine import fewer_cells, place_wgrad_points
-        from .refine import refine as climb
-
-        unit = slicing_unit(seq_length, granularity, multiple_of)
-        plan, predicted = climb(plan, cost_model, num_microbatches, num_stages, micro_batch_size,
-                                unit)
-        plan, predicted = fewer_cells(plan, cost_model, num_microbatches, num_stages,
-                                      micro_batch_size, unit)
-        if defer_wgrad is not False:
-            # Early W actions can make deferral pay where one W per sequence did not.
-            placed, placed_time = place_wgrad_points(
-                replace(plan, defer_wgrad=True), cost_model, num_microbatches, num_stages,
-                micro_batch_size)
-            if plan.defer_wgrad or (defer_wgrad is None and deferral_pays(predicted, placed_time)):
-                plan, predicted = placed, placed_time
-    return TeraPipePlan(seq_slices=plan.seq_slices, batch_slices=plan.batch_slices,
-                        order=order, predicted_time=predicted, defer_wgrad=plan.defer_wgrad,
-                        wgrad_points=plan.wgrad_points)
-
-
-#: Deferred weight gradients hold every linear layer's input and output gradient until the
-#: sequence's W action; automatic choices take them only when the simulator finds them at least
-#: this much faster.
-DEFER_MIN_GAIN = 0.01
-
-
-def deferral_pays(plain_time: float, deferred_time: float) -> bool:
-    """Whether deferring weight gradients is worth its memory (see DEFER_MIN_GAIN)."""
-    return deferred_time < plain_time * (1.0 - DEFER_MIN_GAIN)
-
-
-def choose_deferral(plan: TeraPipePlan, timed: Callable[[TeraPipePlan], T],
-                    time_of: Callable[[T], float]) -> tuple[TeraPipePlan, T]:
-    """`plan` without and with deferred weight gradients, each timed by `timed`; the deferred
-    one only when `deferral_pays`. Returns the chosen plan and its timing."""
-    plain = replace(plan, defer_wgrad=False, wgrad_points=())
-    deferred = replace(plan, defer_wgrad=True)
-    plain_timing, deferred_timing = timed(plain), timed(deferred)
-    if deferral_pays(time_of(plain_timing), time_of(deferred_timing)):
-        return deferred, deferred_timing
-    return plain, plain_timing
 
 
 def best_uniform_slicing(cost_model: CostModel, seq_length: int, micro_batch_size: int,

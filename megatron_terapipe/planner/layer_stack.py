@@ -1,0 +1,126 @@
+"""LayerStackCostModel: a stage of identical GPT layers. Subclasses give one layer's seconds;
+this class scales them, and prices memory, transfers and deferred weight gradients from the
+model shape."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import numpy as np
+
+from .arrays import as_float_arrays, broadcast_shape, scalar_or_array
+from .cost_model import CostModel, combine_edges
+from .dims import LayerMemory, Link, ModelDims
+
+
+class LayerStackCostModel(CostModel):
+    """A stage of `layers_per_stage` identical layers; memory and transfer from the model shape.
+
+    Subclasses give forward and backward seconds of ONE layer; this class scales them. Edge
+    costs come from `edge_part_time` (zero here; the analytic and profiled models override it).
+    """
+
+    def __init__(self, model: ModelDims, layers_per_stage: int, link: Link,
+                 tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True):
+        if layers_per_stage <= 0:
+            raise ValueError(f"layers_per_stage must be positive, got {layers_per_stage}")
+        if tensor_parallel <= 0:
+            raise ValueError(f"tensor_parallel must be positive, got {tensor_parallel}")
+        if model.num_attention_heads % tensor_parallel:
+            raise ValueError(
+                f"tensor-parallel size {tensor_parallel} does not divide the "
+                f"{model.num_attention_heads} attention heads")
+        self.model = model
+        self.layers_per_stage = int(layers_per_stage)
+        self.link = link
+        self.tensor_parallel = int(tensor_parallel)
+        self.dtype_bytes = int(dtype_bytes)
+        self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention)
+        self.flash_attention = flash_attention
+
+    @abstractmethod
+    def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
+        ...
+
+    @abstractmethod
+    def layer_backward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
+        ...
+
+    def forward_time(self, batch, length, context):
+        return scalar_or_array(self.layers_per_stage * self.layer_forward_time(*as_float_arrays(batch, length, context)))
+
+    def backward_time(self, batch, length, context):
+        return scalar_or_array(self.layers_per_stage * self.layer_backward_time(*as_float_arrays(batch, length, context)))
+
+    def transfer_time(self, batch, length):
+        b, l = as_float_arrays(batch, length)
+        return scalar_or_array(self.link.time(b * l * self.model.hidden_size * self.dtype_bytes))
+
+    def activation_bytes(self, batch, length, context):
+        return scalar_or_array(self.layers_per_stage * self.memory.activation_bytes(batch, length, context))
+
+    def kv_bytes(self, batch, length):
+        return scalar_or_array(self.layers_per_stage * self.memory.kv_bytes(batch, length))
+
+    def edge_part_time(self, part: str, direction: str, batch: np.ndarray,
+                       length: np.ndarray) -> np.ndarray:
+        """Seconds of one edge part ("embedding": first stage; "output": final norm, output
+        layer and loss on the last stage) in one direction ("forward" / "backward")."""
+        return np.zeros(np.broadcast(batch, length).shape)
+
+    def _edge_time(self, direction, batch, length, first_stage, last_stage):
+        b, l = as_float_arrays(batch, length)
+        shape = broadcast_shape(b, l, first_stage, last_stage)
+        return combine_edges(first_stage, last_stage, self.edge_part_time("embedding", direction, b, l),
+                              self.edge_part_time("output", direction, b, l), shape)
+
+    def edge_forward_time(self, batch, length, first_stage, last_stage):
+        return self._edge_time("forward", batch, length, first_stage, last_stage)
+
+    def edge_backward_time(self, batch, length, first_stage, last_stage):
+        return self._edge_time("backward", batch, length, first_stage, last_stage)
+
+    def wgrad_hold_bytes(self, batch, length):
+        """Per layer: the inputs of QKV, projection, fc1 and fc2, and their output gradients."""
+        b, l = as_float_arrays(batch, length)
+        m, t = self.model, self.tensor_parallel
+        fc1_out = (2 if m.gated_linear_unit else 1) * m.ffn
+        inputs = 3 * m.hidden_size + m.ffn / t
+        outputs = (m.hidden_size + 2 * m.kv_hidden) / t + 2 * m.hidden_size + fc1_out / t
+        return scalar_or_array(self.layers_per_stage * b * l * (inputs + outputs) * self.dtype_bytes)
+
+    def layer_wgrad_time(self, batch, length, context):
+        """One layer's weight-gradient GEMMs, estimated. They repeat the linear layers'
+        forward GEMMs (same FLOPs, same shapes), so they take about the linear layers' share of
+        the forward time of the slice without context; their FLOP share of the backward (which
+        does twice the forward FLOPs) bounds that, where attention's backward is as efficient
+        as the GEMMs. (By FLOPs alone, an attention backward slower per FLOP than the GEMMs,
+        as on CPUs, would inflate the share.) A profiled cost model measures them instead."""
+        b, l, c = as_float_arrays(batch, length, context)
+        linear = self.model.linear_flops(b, l)
+        attention = self.model.attention_flops(b, l, c, self.flash_attention)
+        by_flops = self.layer_backward_time(b, l, c) * linear / (2.0 * (linear + attention))
+        no_context = self.model.attention_flops(b, l, 0.0, self.flash_attention)
+        by_forward = self.layer_forward_time(b, l, 0.0) * linear / (linear + no_context)
+        return np.minimum(by_flops, by_forward)
+
+    def layer_deferred_backward_saving(self, batch, length, context):
+        """What deferring saves one layer's backward: by default its weight-gradient GEMMs."""
+        return self.layer_wgrad_time(batch, length, context)
+
+    def wgrad_time(self, batch, length, context, first_stage, last_stage):
+        """The weight-gradient GEMMs of a cell's backward: its layers', and on the last stage
+        the output layer's, whose backward is half weight gradient."""
+        return self._stage_wgrad(self.layer_wgrad_time, batch, length, context, first_stage, last_stage)
+
+    def deferred_backward_saving(self, batch, length, context, first_stage, last_stage):
+        return self._stage_wgrad(self.layer_deferred_backward_saving, batch, length, context,
+                                 first_stage, last_stage)
+
+    def _stage_wgrad(self, per_layer, batch, length, context, first_stage, last_stage):
+        b, l, c = as_float_arrays(batch, length, context)
+        layers = self.layers_per_stage * per_layer(b, l, c)
+        output = 0.5 * self.edge_part_time("output", "backward", b, l)
+        shape = broadcast_shape(b, l, c, first_stage, last_stage)
+        return scalar_or_array(np.broadcast_to(
+            layers + np.where(np.asarray(last_stage, dtype=bool), output, 0.0), shape))

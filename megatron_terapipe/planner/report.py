@@ -1,0 +1,95 @@
+"""Plans as text: compact slice lists, a to-scale picture of one microbatch's cells, and the
+comparison table terapipe-plan prints."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..plan import TeraPipePlan
+from .search import SearchResult
+
+GiB = 1024 ** 3
+
+
+def compact_slices(lengths: Sequence[int]) -> str:
+    """'[256x4, 128] (5 slices)': runs of equal lengths as length x count."""
+    out, i = [], 0
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        out.append(f"{lengths[i]}" if j - i == 1 else f"{lengths[i]}x{j - i}")
+        i = j
+    return "[" + ", ".join(out) + f"] ({len(lengths)} slices)"
+
+
+def slices_text(plan: TeraPipePlan) -> list[str]:
+    """The plan's token (and batch) slices, compactly, one line per differing batch slice."""
+    if plan.num_batch_slices == 1:
+        return [f"  token slices: {compact_slices(plan.token_slices[0])}"]
+    rows = plan.batch_slices or ()
+    if plan.uniform_token_slicing:
+        return [f"  batch slices: {list(rows)} rows, each cut into "
+                f"{compact_slices(plan.token_slices[0])}"]
+    lines = [f"  batch slices: {list(rows)} rows"]
+    for r, ts in zip(rows, plan.token_slices):
+        lines.append(f"    {r} rows: {compact_slices(ts)}")
+    return lines
+
+
+def memory_text(peaks: Sequence[float]) -> str:
+    """Peak GiB per stage; past 12 stages the first six and the last two."""
+    values = [p / GiB for p in peaks]
+    if len(values) <= 12:
+        return " ".join(f"{v:.2f}" for v in values)
+    head = " ".join(f"{v:.2f}" for v in values[:6])
+    tail = " ".join(f"{v:.2f}" for v in values[-2:])
+    return f"{head} ... {tail}"
+
+
+def comparison_lines(result: SearchResult) -> list[str]:
+    """The table of the plans the search timed: iteration, bubble, peak memory, speedup over
+    the baseline (no token slicing), then the chosen plan's peak memory per stage."""
+    baseline = result.baseline.time
+    lines = [f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}"]
+    for row in result.rows:
+        r = row.result
+        lines.append(f"{row.label:24} {r.iteration_time * 1e3:>9.2f} ms "
+                     f"{100 * r.bubble_fraction:>6.1f}% {max(r.peak_memory_bytes) / GiB:>15.2f} "
+                     f"{baseline / r.iteration_time:>7.2f}x")
+    lines.append("peak GiB per stage (activations + K/V), chosen plan: "
+                 + memory_text(result.chosen.result.peak_memory_bytes))
+    return lines
+
+
+def slice_picture(plan: TeraPipePlan, width: int = 60) -> list[str]:
+    """One microbatch's cells to scale: a row per batch slice, a box per token slice as wide as
+    its share of the sequence, labelled with its length where the label fits. Each row is the
+    batch slice's name and `width` + 1 columns of boxes."""
+    rows = plan.batch_slices or (None,)
+    names = ["all rows" if r is None else f"{r} row" + ("s" if r != 1 else "") for r in rows]
+    pad = max(len(n) for n in names)
+    return [f"{name:>{pad}} {_boxes(ts, width)}" for name, ts in zip(names, plan.token_slices)]
+
+
+def _boxes(lengths: Sequence[int], width: int) -> str:
+    if len(lengths) > width:
+        return f"({len(lengths)} slices: too many to draw in {width} columns)"
+    out = []
+    for length, columns in zip(lengths, _columns(lengths, width)):
+        label = str(length)
+        inside = columns - 1  # one column is the box's left edge
+        out.append("|" + (label.center(inside) if len(label) <= inside else " " * inside))
+    return "".join(out) + "|"
+
+
+def _columns(lengths: Sequence[int], width: int) -> list[int]:
+    """Columns per box, at least one each, the rest shared in proportion to the lengths
+    (largest remainders), adding up to `width`."""
+    spare, total = width - len(lengths), sum(lengths)
+    exact = [spare * length / total for length in lengths]
+    columns = [1 + int(e) for e in exact]
+    by_remainder = sorted(range(len(lengths)), key=lambda i: int(exact[i]) - exact[i])
+    for i in by_remainder[:width - sum(columns)]:
+        columns[i] += 1
+    return columns
