@@ -1,8 +1,27 @@
-"""TeraPipe against Megatron's no-pipelining baseline: losses and every parameter gradient.
+"""TeraPipe against Megatron's no-pipelining run: every reported loss and every gradient.
 
-Each world (2 or 4 gloo processes) runs its cases once (module fixture); each case compares, on
-every rank, the TeraPipe run with `forward_backward_no_pipelining` on the full model built with
-Megatron's own local spec, from the same weights and data.
+Each world (2 or 4 gloo processes) runs its cases once (module fixture). A case builds the full
+model with Megatron's own local spec and runs `forward_backward_no_pipelining` on all the
+batches; then each rank builds its pipeline (and tensor) shard with the slice-aware spec, copies
+in the same weights and runs `forward_backward_terapipe` on the same batches (data-parallel
+ranks on their share). On every rank, `harness.check_case` then compares:
+
+- every parameter's gradient (main_grad under Megatron DDP) with the reference gradient cut to
+  the same shard, both as float32. Gradients are of the loss Megatron backpropagates: the
+  masked token sum / token count / number of microbatches (with calculate_per_token_loss the
+  plain sum; DDP averages over data-parallel ranks, which gives the same). Two checks:
+  max|g - g_ref| / max|g_ref| <= max_normalised per parameter (normalised by that parameter's
+  largest reference gradient), and torch.testing.assert_close(g, g_ref, rtol, atol) on every
+  element, i.e. |g - g_ref| <= atol + rtol * |g_ref|;
+- on the last stage, every value reported by loss_func for every microbatch ([summed loss,
+  token count], or the legacy averaged loss), element-wise with assert_close(loss_rtol,
+  loss_atol).
+
+Tolerances (harness.compare): float32 cases FP32 = max_normalised 1e-5, rtol 1e-4 / atol 1e-6
+for gradients, rtol 1e-6 / atol 1e-6 for losses; measured worst: 8.7e-7 max-normalised,
+1.1e-7 beyond rtol (the per-token-loss case, whose gradients are the largest), losses 1.3e-7
+relative. bf16 cases BF16 = max_normalised 5e-2, rtol 1e-2 / atol 5e-3, losses rtol 5e-4 /
+atol 1e-3; measured 1.6e-2, 1.5e-3 and 3.9e-5.
 """
 
 import dataclasses
@@ -136,12 +155,20 @@ def test_four_processes(world4, case):
     check_case(world4, case)
 
 
-def test_1f1b_keeps_fewer_activations_than_gpipe():
-    """With more microbatches than stages, 1f1b frees each microbatch before the next starts."""
+def test_activation_memory_against_megatron_1f1b():
+    """Peak saved-activation bytes per stage, all three schedules under one SavedTensorMeter:
+    2 stages, 8 microbatches of 2 x 64 tokens, 4 token slices of 16. Megatron's 1F1B holds 2
+    microbatches on stage 0 in its steady state; TeraPipe's 1f1b order warms up in token slices,
+    so fewer tokens are in flight and its worse stage holds no more than Megatron's worse stage
+    (measured 729 KiB against 1202 KiB). gpipe holds all 8 microbatches until the first
+    backward (measured 4.4 and 4.9 MiB)."""
     plans = {"1f1b": TeraPipePlan([16, 16, 16, 16]),
              "gpipe": TeraPipePlan([16, 16, 16, 16], order="gpipe")}
     peaks = spawn(2, "harness:measure_peak_activations",
-                  TinyGPT(seq_length=64), plans, 8, 2, False, timeout=600)
+                  TinyGPT(seq_length=64), plans, 8, 2, True, timeout=600)
+    worst = {name: max(p[name] for p in peaks) for name in ("1f1b", "megatron_1f1b")}
+    assert 0 < worst["1f1b"] <= worst["megatron_1f1b"], peaks
     for stage, p in enumerate(peaks):
-        assert p["1f1b"] > 0
-        assert p["1f1b"] * 2 <= p["gpipe"], f"stage {stage}: {p}"
+        assert p["1f1b"] > 0 and p["megatron_1f1b"] > 0, f"stage {stage}: {p}"
+        # measured 3.6x (stage 0) and 7.3x (stage 1)
+        assert p["gpipe"] >= 2 * max(p["1f1b"], p["megatron_1f1b"]), f"stage {stage}: {p}"
