@@ -3,34 +3,69 @@
 Megatron-Core assumes CUDA in a handful of places that matter for training on one node:
 buffers allocated on `torch.cuda.current_device()` (P2P receive buffers, DDP grad buffers, the
 global memory buffer), `torch.cuda.synchronize()` in P2P shape exchange, token counters created
-with `device="cuda"` in the built-in schedules, and the CUDA RNG tracker seeding. CPU mode points
-these at the CPU, and keeps freed host memory in the process as CUDA's caching allocator keeps
+with `device="cuda"` in the built-in schedules, CUDA stream queries in the DDP grad sync
+(0.19), and the CUDA RNG tracker seeding. CPU mode points these at the CPU (the modules it
+touches are listed and version-checked in compat.py), and keeps freed host memory in the process as CUDA's caching allocator keeps
 device memory (`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU
 job.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import os
 import types
 from typing import Any, Optional
 
 import torch
 
+from . import compat
+
 _ENABLED = False
 _ORIGINALS: dict[str, Any] = {}
 
 
+class _NullStream:
+    """A CUDA stream stand-in on CPU: everything runs in order already."""
+
+    def wait_event(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    def wait_stream(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _CpuCudaProxy(types.ModuleType):
+    """`torch.cuda` as seen by a Megatron module in CPU mode: stream queries answer a stream
+    that waits for nothing (0.19's grad sync asks for the current stream unconditionally)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("current_stream", "default_stream"):
+            return lambda *a, **k: _NullStream()
+        if name == "stream":
+            return lambda *a, **k: contextlib.nullcontext()
+        return getattr(torch.cuda, name)
+
+
 class _CpuTorchProxy(types.ModuleType):
-    """`torch` as seen by a Megatron module, with device='cuda' factory calls mapped to CPU."""
+    """`torch` as seen by a Megatron module, with device='cuda' factory calls mapped to CPU
+    (and, without CUDA, CUDA stream queries answered by `_CpuCudaProxy`)."""
 
     _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 
     def __init__(self) -> None:
         super().__init__("torch")
+        self._cuda = None if torch.cuda.is_available() else _CpuCudaProxy()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "cuda" and self._cuda is not None:
+            return self._cuda
         attr = getattr(torch, name)
         if name in self._FACTORIES:
             def factory(*args, __f=attr, **kwargs):
@@ -44,10 +79,8 @@ class _CpuTorchProxy(types.ModuleType):
 
 def cpu_model_parallel_seed(seed: int, **_ignored: Any) -> None:
     """Stand-in for `model_parallel_cuda_manual_seed` on CPU: one seed, a CUDA-free tracker."""
-    from megatron.core.tensor_parallel import random as tp_random
-
     torch.manual_seed(seed)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    compat.rng_module().initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def enable_cpu_mode() -> None:
@@ -55,6 +88,8 @@ def enable_cpu_mode() -> None:
     global _ENABLED
     if _ENABLED:
         return
+    modules = compat.cpu_mode_modules()  # checked before anything is patched
+    tp_random = compat.rng_module()
     _ORIGINALS["current_device"] = torch.cuda.current_device
     _ORIGINALS["synchronize"] = torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
@@ -66,19 +101,11 @@ def enable_cpu_mode() -> None:
         torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
 
     proxy = _CpuTorchProxy()
-    for name in ("megatron.core.pipeline_parallel.schedules",
-                 "megatron.core.distributed.param_and_grad_buffer",
-                 "megatron.core.transformer.utils",
-                 "megatron.core.optimizer.optimizer",
-                 "megatron.core.optimizer.clip_grads",
-                 "megatron.core.optimizer.grad_scaler",
-                 "megatron.core.utils"):
-        module = importlib.import_module(name)
-        _ORIGINALS[name] = module.torch
+    for module in modules:
+        _ORIGINALS[module.__name__] = module.torch
         module.torch = proxy  # type: ignore[attr-defined]
 
     from megatron.core import tensor_parallel
-    from megatron.core.tensor_parallel import random as tp_random
 
     _ORIGINALS["seed"] = tp_random.model_parallel_cuda_manual_seed
     tp_random.model_parallel_cuda_manual_seed = cpu_model_parallel_seed

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from typing import Any, Callable, Iterator, Optional
 
 from ..plan import TeraPipePlan
+from . import compat
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SELECTED = False
@@ -87,15 +87,19 @@ def selected() -> bool:
 
 
 def _terapipe_or_megatron(*args, **kwargs):
-    from ..runtime.executor import forward_backward_terapipe
+    from .forward_backward import forward_backward_terapipe
 
     if _SELECTED:
-        pp_size = kwargs.get("pp_size", args[0] if args else None)
         vp_size = kwargs.get("vp_size", args[1] if len(args) > 1 else None)
         if vp_size is not None and vp_size > 1:
             raise ValueError("TeraPipe does not support virtual pipeline stages: drop "
                              "--num-layers-per-virtual-pipeline-stage")
-        del pp_size
+        schedule_groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
+        if compat.is_multi_module_collection(schedule_groups):
+            raise ValueError(
+                "TeraPipe does not support multi-module pipelines (a "
+                "MultiModuleProcessGroupCollection selects Megatron's bridge schedule): use "
+                "Megatron's own schedule (drop --pipeline-schedule terapipe)")
         if _SCHEDULE_WRAPPER is not None:
             return _SCHEDULE_WRAPPER(forward_backward_terapipe)
         return forward_backward_terapipe
@@ -107,22 +111,19 @@ def install() -> None:
     """Point Megatron's get_forward_backward_func (and names that imported it) at TeraPipe.
 
     The patched getter returns the TeraPipe schedule while a plan is configured, and Megatron's
-    own schedule otherwise. Calling install() again is harmless.
+    own schedule otherwise. Calling install() again is harmless. The modules it patches are
+    listed (and version-checked) in compat.SCHEDULE_GETTER_MODULES.
     """
     global _ORIGINAL_GET_FORWARD_BACKWARD
-    from megatron.core import pipeline_parallel
-    from megatron.core.pipeline_parallel import schedules
-
+    modules = compat.schedule_getter_modules()
     if _ORIGINAL_GET_FORWARD_BACKWARD is None:
+        from megatron.core.pipeline_parallel import schedules
+
         _ORIGINAL_GET_FORWARD_BACKWARD = schedules.get_forward_backward_func
     _terapipe_or_megatron.__wrapped__ = _ORIGINAL_GET_FORWARD_BACKWARD  # type: ignore[attr-defined]
-    schedules.get_forward_backward_func = _terapipe_or_megatron
-    pipeline_parallel.get_forward_backward_func = _terapipe_or_megatron
-    # Modules that did `from ... import get_forward_backward_func` before install().
-    for name in ("megatron.training.training", "megatron.training"):
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, "get_forward_backward_func"):
-            module.get_forward_backward_func = _terapipe_or_megatron
+    # Includes modules that did `from ... import get_forward_backward_func` before install().
+    for module in modules:
+        module.get_forward_backward_func = _terapipe_or_megatron
 
 
 def original_get_forward_backward_func() -> Callable:
@@ -169,8 +170,7 @@ def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
     _SLICE_ATTENTION_IN_GPT_MODELS = enable
     if not enable:
         return
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
+    GPTModel = compat.gpt_model_class()
     if getattr(GPTModel.__init__, "_terapipe_wrapped", False):
         return
     original = GPTModel.__init__
@@ -190,8 +190,7 @@ def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
 # ---------------------------------------------------------------------------------------------
 def megatron_lm_args() -> Optional[Any]:
     """Megatron-LM's global args (megatron.training.get_args()), or None outside Megatron-LM."""
-    module = sys.modules.get("megatron.training.global_vars")
-    return getattr(module, "_GLOBAL_ARGS", None) if module is not None else None
+    return compat.megatron_lm_global_args()
 
 
 @contextlib.contextmanager
@@ -279,7 +278,7 @@ class MegatronLMCells:
         self.training_runs = 0
 
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
-        from ..runtime.attention import active_cell
+        from ..runtime.context import active_cell
 
         if getattr(forward_step_func, "_terapipe_cells", False):
             return forward_step_func
@@ -305,13 +304,16 @@ class MegatronLMCells:
         def forward_backward_terapipe(**kwargs):
             if kwargs.get("forward_step_func") is not None:
                 kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
-            result = schedule(**kwargs)
-            if self.trace and not kwargs.get("forward_only", False) and self.training_runs < 2:
-                self.training_runs += 1
-                from ..runtime import executor
-                from ..runtime.trace import gather_trace
+            if not (self.trace and not kwargs.get("forward_only", False) and self.training_runs < 2):
+                return schedule(**kwargs)
+            self.training_runs += 1
+            runs: list = []
+            callers_on_run = kwargs.pop("on_run", None) or (lambda record: None)
+            result = schedule(**kwargs, on_run=lambda record: (runs.append(record),
+                                                                callers_on_run(record)))
+            from ..runtime.trace import gather_trace
 
-                gather_trace(executor.LAST_RUN, self.trace)  # every rank calls the schedule
+            gather_trace(runs[-1], self.trace)  # every rank calls the schedule
             return result
 
         return forward_backward_terapipe

@@ -7,8 +7,10 @@ The launcher puts the script's directory first on sys.path (as `python pretrain_
 installs the hooks (`install_hooks`) and runs the script with runpy as __main__. The hooks:
 
 - every `megatron.training.arguments.parse_args` call adds the TeraPipe flags to the script's
-  own `extra_args_provider` (the script's parser accepts --pipeline-schedule etc.);
-- right after Megatron-LM's `validate_args` (before torch.distributed starts), the TeraPipe flags
+  own `extra_args_provider` (the script's parser accepts --pipeline-schedule etc.), whether
+  `initialize_megatron` (0.16) or `parse_and_validate_args` (0.19) makes it;
+- right after Megatron-LM's `validate_args` or `validate_yaml` (before torch.distributed
+  starts), the TeraPipe flags
   are validated and, with --pipeline-schedule terapipe, TeraPipe is selected
   (`wiring.setup_from_args`): GPT models get slice-aware attention, the plan is chosen at the
   first iteration, and forward_step runs per cell with the cell's shape in the global args;
@@ -70,37 +72,29 @@ def _wrap_validate(original: Callable) -> Callable:
     return validate
 
 
-def _patch(module, name: str, wrap: Callable[[Callable], Callable]) -> bool:
-    original = getattr(module, name, None)
-    if original is None:
-        return False
-    setattr(module, name, wrap(original))
-    return True
-
-
 def install_hooks() -> None:
     """Hook Megatron-LM's argument parsing, argument validation and schedule choice.
 
-    Needs Megatron-LM's `megatron.training` importable (run from the Megatron-LM checkout, or
-    put it on PYTHONPATH). Calling it again is harmless.
+    Needs Megatron-LM's `megatron.training` importable (a Megatron-LM checkout on sys.path, or
+    the copy megatron-core 0.19's wheel ships). The functions it wraps, which differ between
+    0.16 and 0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it again is harmless.
     """
+    from . import compat
     from . import install as integration
 
     # Patch megatron.core first: megatron.training.training binds get_forward_backward_func
-    # when it is imported (just below), and then gets the patched function.
+    # when it is imported (possibly by the imports just below), and then gets the patched one.
     integration.install()
     try:
-        import megatron.training.arguments as megatron_arguments
-        import megatron.training.initialize as megatron_initialize
+        hooks = compat.megatron_lm_argument_hooks()
     except ImportError as exc:
         raise LauncherError(
             f"megatron_terapipe.megatron.launch needs Megatron-LM's megatron.training ({exc}): run it on a "
             "script in a Megatron-LM checkout (its directory goes first on sys.path) or put the "
             "checkout on PYTHONPATH") from exc
-    for module in (megatron_arguments, megatron_initialize):
-        _patch(module, "parse_args", _wrap_parse_args)
-        _patch(module, "validate_args", _wrap_validate)
-    _patch(megatron_initialize, "validate_yaml", _wrap_validate)
+    wraps = {"parse": _wrap_parse_args, "validate": _wrap_validate}
+    for module, name, kind in hooks:
+        setattr(module, name, wraps[kind](getattr(module, name)))
     integration.install()  # names imported by megatron.training.* before this point
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..runtime.attention import SliceAttention
+from . import compat
 
 
 def transformer_engine_available() -> bool:
@@ -22,8 +23,8 @@ def with_slice_attention(spec):
     """Copy of a GPT layer ModuleSpec whose self-attention uses SliceAttention."""
     spec = copy.deepcopy(spec)
     try:
-        attention = spec.submodules.self_attention.submodules
-    except AttributeError as exc:
+        attention = compat.layer_submodules(compat.layer_submodules(spec).self_attention)
+    except (AttributeError, ValueError) as exc:
         raise ValueError(
             "TeraPipe needs a GPT layer spec with a self_attention submodule "
             "(e.g. Megatron's get_gpt_layer_local_spec())") from exc
@@ -83,9 +84,8 @@ class TorchNorm:
 
 def _local_norms_to_torch(spec):
     """Swap the local spec's norms for TorchNorm (which also runs sequence-parallel)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    layer = spec.submodules
+    WrappedTorchNorm = compat.local_spec_torch_norm()
+    layer = compat.layer_submodules(spec)
     for slot in ("input_layernorm", "pre_mlp_layernorm", "pre_cross_attn_layernorm"):
         if getattr(layer, slot, None) is WrappedTorchNorm:
             setattr(layer, slot, TorchNorm)
