@@ -53,11 +53,12 @@ def test_keep_freed_host_memory_stops_page_faults_of_repeated_tensors():
     changed, kept_faults = _faults("keep", env)
     if changed != "True":
         pytest.skip("not glibc")
-    # 5 iterations of 8 tensors of 16 MiB (4096 pages each): by default glibc hands memory
-    # back at the end of an iteration and faults it in again in the next (all of it, or
-    # part of it once its thresholds have adapted); kept, at most one tensor's pages fault
-    assert default_faults > 5 * 4096
-    assert kept_faults <= 4096
+    # 5 iterations of 8 tensors of 16 MiB (4096 pages each). By default glibc hands the memory
+    # back at the end of an iteration and faults it in again in the next: measured 9 to all 40
+    # tensors' pages. Kept, measured 1 tensor's (4096 pages); at most 2 are allowed.
+    pages = 5 * 8 * 4096
+    assert default_faults >= pages // 8, default_faults
+    assert kept_faults <= pages // 20, kept_faults
     # a user's own allocator tuning is left alone
     changed, _ = _faults("keep", dict(env, MALLOC_TRIM_THRESHOLD_="1000000"))
     assert changed == "False"
