@@ -176,6 +176,18 @@ def test_plan_log_names_early_w_actions():
             "stage 0 after slices [1, 3]") in report.lines(plan)
 
 
+def test_plan_log_draws_one_microbatch_to_scale():
+    plan = TeraPipePlan([[512, 256, 256], [1024]], batch_slices=[2, 2])
+    lines = PlanReport(1024, 4, 1, 2, "DP slicer", "analytic").lines(plan)
+    i = lines.index(">   one microbatch to scale:")
+    rows = lines[i + 1:i + 3]
+    assert rows[0].startswith(">     2 rows |")
+    assert [s.strip() for s in rows[0].split("|")[1:-1]] == ["512", "256", "256"]
+    assert [s.strip() for s in rows[1].split("|")[1:-1]] == ["1024"]
+    assert len(rows[0]) == len(rows[1]) < 80
+    assert lines[i + 3].startswith(">   order")
+
+
 def test_provider_plans_once_per_shape(capsys):
     provider = ArgsPlanProvider(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4"]))
     first = provider.plan_for(64, 2)

@@ -21,67 +21,66 @@ from .dims import Hardware, Link, ModelDims
 GiB = 1024 ** 3
 GPT2_VOCAB = 50257  # GPT-2 BPE, which GPT-3 reuses
 
+def _gpt3(name: str, num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelDims:
+    return ModelDims(num_layers=num_layers, hidden_size=hidden_size,
+                     num_attention_heads=num_attention_heads, name=name, vocab_size=GPT2_VOCAB)
+
+
 MODEL_PRESETS: dict[str, ModelDims] = {
     # TeraPipe Table 1: GPT3-1B, 24 layers, hidden 2048 (GPT-3 paper's "XL", 1.3B parameters).
-    "gpt3-1b": ModelDims(num_layers=24, hidden_size=2048, num_attention_heads=16,
-                         name="gpt3-1b", vocab_size=GPT2_VOCAB),
+    "gpt3-1b": _gpt3("gpt3-1b", 24, 2048, 16),
     # TeraPipe Table 1: GPT3-13B, 40 layers, hidden 5120; GPT-3 paper: 40 heads of 128.
-    "gpt3-13b": ModelDims(num_layers=40, hidden_size=5120, num_attention_heads=40,
-                          name="gpt3-13b", vocab_size=GPT2_VOCAB),
+    "gpt3-13b": _gpt3("gpt3-13b", 40, 5120, 40),
     # TeraPipe Table 1: GPT3-44B, 96 layers, hidden 6144; 48 heads of 128 is our assumption.
-    "gpt3-44b": ModelDims(num_layers=96, hidden_size=6144, num_attention_heads=48,
-                          name="gpt3-44b", vocab_size=GPT2_VOCAB),
+    "gpt3-44b": _gpt3("gpt3-44b", 96, 6144, 48),
     # TeraPipe Table 1 / GPT-3 paper: 175B, 96 layers, hidden 12288, 96 heads of 128.
-    "gpt3-175b": ModelDims(num_layers=96, hidden_size=12288, num_attention_heads=96,
-                           name="gpt3-175b", vocab_size=GPT2_VOCAB),
+    "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96),
 }
 
-HARDWARE_PRESETS: dict[str, Hardware] = {
-    # AWS p3.16xlarge, the TeraPipe paper's machine: 8x V100-SXM2 16 GB.
-    # 125 TFLOP/s fp16 tensor core and 900 GB/s HBM2 (NVIDIA V100 datasheet).
-    # NVLink 2.0 hybrid cube mesh: 25 GB/s per link per direction, neighbours share 1-2 links.
-    # 25 Gbit/s Ethernet between instances (AWS instance specification), shared by the node.
-    # saturation_tokens=256: the paper reports one token costing about as much as 256 on a
-    # GPT3-1B layer, which this ramp reproduces.
-    "v100": Hardware(
-        name="v100 (p3.16xlarge)", peak_flops=125e12, memory_bandwidth=900e9,
-        memory_bytes=16 * GiB, gpus_per_node=8,
-        intra_node=Link(bandwidth=50e9, latency=10e-6),
-        inter_node=Link(bandwidth=25e9 / 8, latency=50e-6),
-        matmul_efficiency=0.6, saturation_tokens=256, layer_overhead=30e-6,
-    ),
-    # DGX A100 80 GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e (A100 datasheet); NVLink 3 through
-    # NVSwitch, 600 GB/s per GPU both directions; 8x 200 Gbit/s HDR InfiniBand, one per GPU.
-    "a100": Hardware(
-        name="a100 (DGX A100 80GB)", peak_flops=312e12, memory_bandwidth=2039e9,
-        memory_bytes=80 * GiB, gpus_per_node=8,
-        intra_node=Link(bandwidth=300e9, latency=8e-6),
-        inter_node=Link(bandwidth=200e9 / 8, latency=15e-6),
-        matmul_efficiency=0.7, saturation_tokens=512, layer_overhead=20e-6,
-    ),
-    # DGX H100: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (H100 SXM datasheet); NVLink 4 through
-    # NVSwitch, 900 GB/s per GPU both directions; 8x 400 Gbit/s NDR InfiniBand, one per GPU.
-    "h100": Hardware(
-        name="h100 (DGX H100)", peak_flops=989e12, memory_bandwidth=3350e9,
-        memory_bytes=80 * GiB, gpus_per_node=8,
-        intra_node=Link(bandwidth=450e9, latency=8e-6),
-        inter_node=Link(bandwidth=400e9 / 8, latency=15e-6),
-        matmul_efficiency=0.6, saturation_tokens=1024, layer_overhead=15e-6,
-    ),
+# One row per node type, in Hardware's field order: name, peak FLOP/s, HBM bytes/s, HBM GiB,
+# GPUs per node, intra-node link (bytes/s, s), inter-node link per GPU (bytes/s, s),
+# matmul_efficiency, saturation_tokens, layer_overhead (s).
+#
+# v100: AWS p3.16xlarge, the TeraPipe paper's machine: 8x V100-SXM2 16 GB.
+#   125 TFLOP/s fp16 tensor core and 900 GB/s HBM2 (NVIDIA V100 datasheet).
+#   NVLink 2.0 hybrid cube mesh: 25 GB/s per link per direction, neighbours share 1-2 links.
+#   25 Gbit/s Ethernet between instances (AWS instance specification), shared by the node.
+#   saturation_tokens=256: the paper reports one token costing about as much as 256 on a
+#   GPT3-1B layer, which this ramp reproduces.
+# a100: DGX A100 80 GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e (A100 datasheet); NVLink 3
+#   through NVSwitch, 600 GB/s per GPU both directions; 8x 200 Gbit/s HDR InfiniBand, one per GPU.
+# h100: DGX H100: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (H100 SXM datasheet); NVLink 4 through
+#   NVSwitch, 900 GB/s per GPU both directions; 8x 400 Gbit/s NDR InfiniBand, one per GPU.
+_NODES = {
+    "v100": ("v100 (p3.16xlarge)", 125e12, 900e9, 16, 8, (50e9, 10e-6), (25e9 / 8, 50e-6), 0.6, 256, 30e-6),
+    "a100": ("a100 (DGX A100 80GB)", 312e12, 2039e9, 80, 8, (300e9, 8e-6), (200e9 / 8, 15e-6), 0.7, 512, 20e-6),
+    "h100": ("h100 (DGX H100)", 989e12, 3350e9, 80, 8, (450e9, 8e-6), (400e9 / 8, 15e-6), 0.6, 1024, 15e-6),
 }
+
+
+def _node(name, peak_flops, memory_bandwidth, memory_gib, gpus_per_node, intra, inter,
+          matmul_efficiency, saturation_tokens, layer_overhead) -> Hardware:
+    return Hardware(name=name, peak_flops=peak_flops, memory_bandwidth=memory_bandwidth,
+                    memory_bytes=memory_gib * GiB, gpus_per_node=gpus_per_node,
+                    intra_node=Link(*intra), inter_node=Link(*inter),
+                    matmul_efficiency=matmul_efficiency, saturation_tokens=saturation_tokens,
+                    layer_overhead=layer_overhead)
+
+
+HARDWARE_PRESETS: dict[str, Hardware] = {key: _node(*row) for key, row in _NODES.items()}
+
+
+def _lookup(presets: dict, kind: str, name: str):
+    try:
+        return presets[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown {kind} preset {name!r}; choose one of "
+                         f"{', '.join(sorted(presets))}") from None
 
 
 def model_preset(name: str) -> ModelDims:
-    try:
-        return MODEL_PRESETS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose one of "
-                         f"{', '.join(sorted(MODEL_PRESETS))}") from None
+    return _lookup(MODEL_PRESETS, "model", name)
 
 
 def hardware_preset(name: str) -> Hardware:
-    try:
-        return HARDWARE_PRESETS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown hardware preset {name!r}; choose one of "
-                         f"{', '.join(sorted(HARDWARE_PRESETS))}") from None
+    return _lookup(HARDWARE_PRESETS, "hardware", name)
