@@ -1,5 +1,15 @@
-"""The zero-edit launcher on a pretrain_gpt-style script, against the stand-in Megatron-LM
-(tests/standin: same module and function names as Megatron-LM's megatron.training)."""
+"""The zero-edit launcher on a pretrain_gpt-style script, against a stand-in of Megatron-LM.
+
+tests/standin/megatron/training stands for Megatron-LM's `megatron.training` at core_v0.16.1:
+the same module and function names, the same import-time bindings (parse_args, validate_args,
+get_forward_backward_func) and the same per-rank batch broadcast, on CPU with gloo. These tests
+show that the launcher adds its flags to the script's parser, validates them before any model
+is built, swaps in the TeraPipe schedule and gives forward_step each cell's shape.
+
+They do not run Megatron-LM itself: not its real parser and argument checks, training loop,
+datasets, model builders or CUDA paths, and not its pretrain_gpt.py (see the stand-in's
+docstring for the list).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +18,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +28,7 @@ SCRIPT = os.path.join("tests", "standin", "pretrain_standin.py")
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "32", "--vocab-size", "64", "--lr", "0.01", "--log-interval", "1",
-         "--transformer-impl", "local", "--eval-iters", "1"]
+         "--eval-iters", "1"]
 
 
 def _env():
@@ -91,8 +100,8 @@ def test_launcher_with_tensor_parallelism_and_the_dataset_mask():
 
 def test_bad_flags_stop_before_any_work():
     """Validation runs right after Megatron-LM's validate_args: before torch.distributed
-    starts and before any model is built."""
-    start = time.monotonic()
+    starts (no torchrun here: init_process_group would fail on its missing environment) and
+    before any model is built."""
     cmd = [sys.executable, "-m", "megatron_terapipe.megatron.launch", SCRIPT, *MODEL,
            "--micro-batch-size", "2", "--train-iters", "2", "--pipeline-schedule", "terapipe",
            "--terapipe-slices", "16", "8"]
@@ -100,7 +109,6 @@ def test_bad_flags_stop_before_any_work():
     assert out.returncode != 0
     assert "--terapipe-slices 16 8 sum to 24 tokens but --seq-length is 32" in out.stderr
     assert "building GPT model" not in out.stdout
-    assert time.monotonic() - start < 60
 
 
 def test_unknown_flag_still_rejected_by_the_scripts_parser():

@@ -1,9 +1,8 @@
-"""A small stand-in for Megatron-LM's `megatron.training` package (tests only).
+"""A small stand-in for Megatron-LM's `megatron.training` package (tests/test_launch.py only).
 
-Megatron-LM is not pip-installable (the megatron-core wheel ships only megatron/core), so the
-tests cannot download it. This package mirrors the parts of Megatron-LM (checked against
-NVIDIA/Megatron-LM at tag core_v0.16.1) that the TeraPipe drop-in touches, under the same module
-and function names, so that `megatron_terapipe.megatron.launch` hooks it exactly as it hooks the real one:
+What it stands for: the parts of Megatron-LM (NVIDIA/Megatron-LM at tag core_v0.16.1) that the
+TeraPipe launcher touches, under the same module and function names, so that
+`megatron_terapipe.megatron.launch` hooks it as it hooks the real one:
 
 - arguments.parse_args(extra_args_provider, ignore_unknown_args) builds the parser, lets the
   script's provider add flags, parses; validate_args(args, defaults) derives sizes;
@@ -14,8 +13,15 @@ and function names, so that `megatron_terapipe.megatron.launch` hooks it exactly
 - utils.get_batch_on_this_tp_rank broadcasts the batch over the tensor-parallel group; ranks
   other than 0 allocate their receive buffers from args.micro_batch_size and args.seq_length.
 
-`megatron` is a namespace package, so with this directory on sys.path `megatron.core` still
-comes from the installed megatron-core. Runs on CPU with gloo (it enables CPU mode).
+What it does not cover: Megatron-LM's own code. Its full parser and validate_args (only about
+20 flags exist here), its training loop (optimizer setup, loss scaling, gradient clipping,
+checkpoints, microbatch calculator, logging and timers), its datasets and tokenizers, its
+model builders, CUDA and NCCL, and the megatron-core 0.19 entry points
+(parse_and_validate_args). Megatron-LM's real pretrain_gpt.py is not run here.
+
+Megatron-LM is not pip-installable (the megatron-core wheel ships only megatron/core), which is
+why a stand-in exists. `megatron` is a namespace package, so with this directory on sys.path
+`megatron.core` still comes from the installed megatron-core. Runs on CPU with gloo.
 """
 
 from .global_vars import get_args, get_timers

@@ -29,7 +29,6 @@ def _initialize_distributed():
     torch.distributed.init_process_group(
         backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
     parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size)
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     torch.manual_seed(args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)

@@ -42,7 +42,7 @@ def setup_model_and_optimizer(model_provider):
     config = get_model_config(model)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0, bf16=args.bf16,
+        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
                         params_dtype=config.params_dtype, clip_grad=0.0), [model])
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
