@@ -160,5 +160,5 @@ def defer_wgrad(args) -> Optional[bool]:
 
 def slices_given(args) -> bool:
     """Whether the flags fix the slices (--terapipe-slices or --terapipe-num-slices)."""
-    return bool(getattr(args, "terapipe_slices", None)) or \
-        getattr(args, "terapipe_num_slices", None) is not None
+    return (bool(getattr(args, "terapipe_slices", None))
+            or getattr(args, "terapipe_num_slices", None) is not None)

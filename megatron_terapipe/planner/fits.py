@@ -128,7 +128,7 @@ class LayerTimeFit:
 
     def with_edges(self, edges: Optional[EdgeTimeFit]) -> "LayerTimeFit":
         """The same layer fit with these edge costs (e.g. measured separately, see
-        measure.measure_edge_times); save it to write them into the profile."""
+        megatron/measure_edges.py); save it to write them into the profile."""
         return LayerTimeFit(self.fits, self.metadata, self.measurements, self.holdout_error, edges)
 
     def edges_note(self) -> str:

@@ -1,6 +1,6 @@
 """Measured seconds a layer profile is fitted to: one layer on (batch, length, context) cells,
 and the pipeline's edges (embedding; output layer and loss) on (batch, length) points.
-megatron/measure.py measures them; fitting.py fits them."""
+megatron/measure.py and measure_edges.py measure them; fitting.py fits them."""
 
 from __future__ import annotations
 
