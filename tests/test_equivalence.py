@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from harness import BF16, Case, TinyGPT, check_case, spawn
+from harness import (BF16, FP32, Case, TinyGPT, check_case, check_gradients, check_losses,
+                     max_relative_error, spawn)
 
 UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
 
@@ -172,3 +173,19 @@ def test_activation_memory_against_megatron_1f1b():
         assert p["1f1b"] > 0 and p["megatron_1f1b"] > 0, f"stage {stage}: {p}"
         # measured 3.6x (stage 0) and 7.3x (stage 1)
         assert p["gpipe"] >= 2 * max(p["1f1b"], p["megatron_1f1b"]), f"stage {stage}: {p}"
+
+
+def test_the_checks_catch_small_errors():
+    """The element-wise check catches an error in a small gradient element that the
+    max-normalised check lets through; a missing gradient and a changed loss fail too."""
+    ref = torch.tensor([1.0, 1e-3])
+    slightly_off = {"w": (torch.tensor([1.0, 1e-3 + 5e-6]), ref)}  # 5e-6 max-normalised
+    assert max_relative_error(slightly_off)[0] <= FP32.max_normalised
+    with pytest.raises(AssertionError, match="gradient of w"):
+        check_gradients(slightly_off, FP32, "here")
+    with pytest.raises(AssertionError, match="gradient of w"):
+        check_gradients({"w": (None, ref)}, FP32, "here")
+    check_gradients({"w": (ref.clone(), ref)}, FP32, "here")
+    with pytest.raises(AssertionError, match="reported losses"):
+        check_losses([[70.0, 24.0]], [[70.001, 24.0]], FP32, "here")
+    check_losses([[70.0, 24.0]], [[70.0, 24.0]], FP32, "here")
