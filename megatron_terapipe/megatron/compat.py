@@ -30,7 +30,8 @@ ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 #: the installed megatron-core, and that the sources read no other).
 CONFIG_FIELDS_READ = (
     "attention_dropout", "autocast_dtype", "barrier_with_L1_time", "calculate_per_token_loss",
-    "context_parallel_size", "defer_embedding_wgrad_compute", "enable_autocast",
+    "context_parallel_size", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
+    "enable_autocast",
     "finalize_model_grads_func", "grad_scale_func", "grad_sync_func", "hidden_size",
     "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers", "no_sync_func",
     "normalization", "num_moe_experts", "pipeline_dtype", "sequence_parallel",

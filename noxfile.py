@@ -1,0 +1,91 @@
+"""Test matrix: one session per supported megatron-core line, each in its own environment.
+
+    pip install nox
+    nox -s tests-0.16                # megatron-core 0.16.x, Python 3.11, the CPU build of torch
+    nox -s tests-0.19                # megatron-core 0.19.x, Python 3.12 (torch's CUDA build)
+    nox -s equivalence-0.19          # 0.19: the equivalence, launcher and compatibility tests
+    nox -s tests-0.19 -- -k launch   # arguments after -- go to pytest
+
+Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
+machine keeps on disk; on 3.12 it downloads the CUDA build, which also runs without a GPU),
+then the plugin with its test extra and the session's megatron-core line, prints what the
+compatibility module finds (`python -m megatron_terapipe.megatron.compat`) and runs pytest.
+Virtual environments go to .nox/ (ignored by git). A Python that is not on PATH but installed
+with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_19 to a Megatron-LM work tree of
+the matching release (core_v0.16.1, core_v0.19.0) to also check the launcher and the patch
+against it (tests/test_compat_megatron_lm.py); without one, those tests use the megatron.training
+that megatron-core 0.19's wheel ships, or skip.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+
+import nox
+
+nox.options.sessions = ["tests-0.16"]
+nox.options.download_python = "never"
+nox.options.error_on_missing_interpreters = True
+
+#: megatron-core line -> (Python, pip requirement)
+LINES = {
+    "0.16": ("3.11", "megatron-core~=0.16.0"),
+    "0.19": ("3.12", "megatron-core~=0.19.0"),
+}
+#: The smaller 0.19 run: equivalence against Megatron's own schedule, the launcher and patch
+#: on Megatron-LM's argument parser, and the compatibility checks.
+EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py",
+                     "tests/test_compat.py", "tests/test_compat_megatron_lm.py")
+
+
+def interpreter(version: str) -> str:
+    """`version` when `python<version>` runs, else pyenv's newest `<version>.x` (pyenv's shim
+    for a version that is installed but not selected fails), else `version` (nox reports it)."""
+    command = f"python{version}"
+    if shutil.which(command) and subprocess.run([command, "--version"],
+                                                capture_output=True).returncode == 0:
+        return version
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", command))
+    found.sort(key=lambda p: [int(x) for x in p.split(os.sep)[-3].split(".") if x.isdigit()])
+    return found[-1] if found else version
+
+
+def install(session: nox.Session, line: str) -> None:
+    session.install("torch==2.13.0")
+    session.install("-e", ".[test]", LINES[line][1])
+    session.run("python", "-c", "import torch, megatron.core as m; "
+                "print('torch', torch.__version__, '| megatron-core', m.__version__)")
+    session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.compat")
+
+
+def run_tests(session: nox.Session, line: str, tests: tuple[str, ...] = ()) -> None:
+    env = {}
+    checkout = os.environ.get("MEGATRON_LM_" + line.replace(".", "_"))
+    if checkout:
+        env["MEGATRON_LM_CHECKOUT"] = checkout
+    session.run("python", "-m", "pytest", "-q", *tests, *session.posargs, env=env)
+
+
+@nox.session(name="tests-0.16", python=interpreter(LINES["0.16"][0]))
+def tests_016(session: nox.Session) -> None:
+    """The whole suite on megatron-core 0.16.x (Python 3.11, CPU torch)."""
+    install(session, "0.16")
+    run_tests(session, "0.16")
+
+
+@nox.session(name="tests-0.19", python=interpreter(LINES["0.19"][0]))
+def tests_019(session: nox.Session) -> None:
+    """The whole suite on megatron-core 0.19.x (Python 3.12)."""
+    install(session, "0.19")
+    run_tests(session, "0.19")
+
+
+@nox.session(name="equivalence-0.19", python=interpreter(LINES["0.19"][0]))
+def equivalence_019(session: nox.Session) -> None:
+    """The equivalence, launcher and compatibility tests on megatron-core 0.19.x."""
+    install(session, "0.19")
+    run_tests(session, "0.19", EQUIVALENCE_TESTS)
