@@ -113,8 +113,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.runtime import executor
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe import forward_backward_terapipe
     from harness import build_stage_model, forward_step, make_batches, run_megatron_1f1b
 
     if device == "cpu":
@@ -132,6 +131,8 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     times: dict[str, list[float]] = {label: [] for label in case.plans}
     times.update({"busy:" + label: [] for label, plan in case.plans.items() if plan is not None})
 
+    runs = []  # the TeraPipe calls' run records
+
     def run(label: str) -> None:
         plan = case.plans[label]
         if plan is None:
@@ -139,7 +140,8 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
         else:
             forward_backward_terapipe(forward_step_func=forward_step, data_iterator=iter(batches),
                                       model=[model], num_microbatches=case.num_microbatches,
-                                      seq_length=seq, micro_batch_size=1, plan=plan)
+                                      seq_length=seq, micro_batch_size=1, plan=plan,
+                                      on_run=runs.append)
 
     for label in case.plans:  # warm-up: allocator, kernels, gloo connections
         run(label)
@@ -160,7 +162,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
             dist.barrier()
             times[label].append(time.perf_counter() - start)
             if case.plans[label] is not None:
-                times["busy:" + label].append(sum(e.end - e.start for e in executor.LAST_RUN.events))
+                times["busy:" + label].append(sum(e.end - e.start for e in runs[-1].events))
     parallel_state.destroy_model_parallel()
     return times
 

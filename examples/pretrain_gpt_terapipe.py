@@ -393,12 +393,12 @@ def train(args: argparse.Namespace) -> None:
 
     if args.terapipe_trace and args.pipeline_schedule == "terapipe":
         # One more training step, timed cell by cell on every rank, written as a Chrome trace.
-        from megatron_terapipe.runtime import executor
         from megatron_terapipe.runtime.trace import gather_trace
 
         model.zero_grad_buffer()
-        forward_backward(data_iterator=train_data, forward_only=False, **common)
-        gather_trace(executor.LAST_RUN, args.terapipe_trace)
+        runs = []
+        forward_backward(data_iterator=train_data, forward_only=False, on_run=runs.append, **common)
+        gather_trace(runs[-1], args.terapipe_trace)
         log_rank0(f"> wrote the measured per-cell trace to {args.terapipe_trace}")
     log(f"> done: lm loss {first_loss:.4f} -> {last_loss:.4f}")
     if args.compare_iters > 0 and plan is not None and pp > 1:

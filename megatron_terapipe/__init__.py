@@ -11,7 +11,7 @@ from .megatron.plan_provider import ArgsPlanProvider
 from .megatron.validation import TeraPipeArgumentError, validate_terapipe_args
 from .megatron.wiring import setup_from_args
 from .megatron.cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
-from .runtime.executor import forward_backward_terapipe
+from .megatron.forward_backward import forward_backward_terapipe
 from .megatron.install import configure, deselect, install, select
 from .megatron.launch import install_hooks
 from .plan import PlanTable, TeraPipePlan

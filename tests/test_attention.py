@@ -3,7 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_terapipe.runtime.attention import KVCache, _lower_right_mask, running_cell
+from megatron_terapipe.runtime.attention import _lower_right_mask
+from megatron_terapipe.runtime.context import running_cell
+from megatron_terapipe.runtime.kv_cache import KVCache
 from megatron_terapipe.schedule import Cell
 
 

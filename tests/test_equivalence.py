@@ -63,6 +63,10 @@ CASES_2 = [
     # the summation order, so the bound is bf16's (8 mantissa bits), not fp32's.
     Case("pp2_bf16_float16module", UNEVEN, model=TinyGPT(bf16=True, params_dtype=torch.bfloat16),
          tolerance=BF16),
+    # config.deallocate_pipeline_outputs: sent outputs freed, backward through the engine.
+    Case("pp2_deallocate_outputs", UNEVEN, deallocate_outputs=True),
+    Case("pp2_megatron_p2p_deallocate_outputs", dataclasses.replace(UNEVEN, defer_wgrad=True),
+         transport="megatron", num_microbatches=4, deallocate_outputs=True),
 ]
 
 CASES_4 = [
@@ -84,6 +88,8 @@ CASES_4 = [
     Case("dp2_pp2_ddp_1f1b", UNEVEN, pp=2, ddp=True, num_microbatches=2),
     Case("dp2_pp2_ddp_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
          num_microbatches=3),
+    Case("pp4_gpipe_deallocate_outputs", TeraPipePlan([8, 4, 4], order="gpipe"), pp=4,
+         num_microbatches=2, deallocate_outputs=True),
 ]
 
 

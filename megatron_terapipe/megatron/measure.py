@@ -28,9 +28,11 @@ from ..planner.dims import ModelDims
 from ..planner.fits import LayerTimeFit
 from ..planner.fitting import fit_layer_times
 from ..planner.measurements import LayerMeasurements, default_grid
-from ..runtime.attention import KVCache, running_cell
-from ..runtime.wgrad import WeightGradStore, install_wgrad_deferral
+from ..runtime.context import running_cell
+from ..runtime.kv_cache import KVCache
+from ..runtime.wgrad import WeightGradStore
 from ..schedule import Cell
+from .linear_deferral import install_wgrad_deferral
 from .measure_device import (POSITION_EMBEDDING_TYPES, MeasureDevice, check_position_type,
                              check_repeats, timed_rounds)
 from .measure_edges import edge_points_for, measure_edge_times

@@ -1,6 +1,6 @@
 """Slice-aware core attention: a token slice attends to the cached K/V of earlier slices.
 
-The executor announces the cell it is running (`running_cell`). While it runs, every
+The executor announces the cell it is running (context.py). While it runs, every
 `SliceAttention` module appends the slice's keys and values to a per-sequence, per-layer cache
 and attends over the whole prefix with a bottom-right causal mask.
 
@@ -17,147 +17,19 @@ Gradients, computed once per node (no retain_graph):
 
 from __future__ import annotations
 
-import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..schedule import Cell
-
-if TYPE_CHECKING:
-    from .wgrad import WeightGradStore
+from .context import active_cell
+from .kv_cache import KVBuffer
 
 try:  # bottom-right aligned causal bias lets SDPA pick flash/efficient kernels on GPU
     from torch.nn.attention.bias import causal_lower_right
 except ImportError:  # pragma: no cover - older torch
     causal_lower_right = None
-
-
-class KVBuffer:
-    """Keys and values of one sequence for one layer, slice after slice, in one buffer.
-
-    Slices write their K/V at their token offsets; a slice's attention reads the buffer's prefix
-    as a view, so nothing is concatenated and autograd keeps one copy however many slices read
-    it. Writes go through `.data` so they do not bump the version counter of views that earlier
-    slices saved for backward (they never overlap those views). `grad_key`/`grad_value`
-    collect the K/V gradients that later slices send to earlier ones.
-    """
-
-    def __init__(self, like: torch.Tensor, capacity: int) -> None:
-        shape = (capacity,) + tuple(like.shape[1:])
-        self.key = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.value = torch.empty(shape, dtype=like.dtype, device=like.device)
-        self.grad_key: Optional[torch.Tensor] = None
-        self.grad_value: Optional[torch.Tensor] = None
-        self.starts: list[int] = []  # token offset of every slice written
-        self.filled = 0  # tokens written so far
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def reserve(self, end: int) -> None:
-        """Grow to hold `end` tokens (only when the sequence length was not known upfront)."""
-        capacity = self.key.size(0)
-        if end <= capacity:
-            return
-        new = max(end, 2 * capacity)
-        for name in ("key", "value", "grad_key", "grad_value"):
-            old = getattr(self, name)
-            if old is None:
-                continue
-            grown = (torch.zeros if name.startswith("grad") else torch.empty)(
-                (new,) + tuple(old.shape[1:]), dtype=old.dtype, device=old.device)
-            grown[:capacity].copy_(old)
-            setattr(self, name, grown)
-
-    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        end = start + key.size(0)
-        self.reserve(end)
-        self.key.data[start:end].copy_(key.detach())
-        self.value.data[start:end].copy_(value.detach())
-        if end > self.filled:  # a new slice (a recompute replay rewrites an old one)
-            self.starts.append(start)
-            self.filled = end
-
-    def grad(self, which: str, like: torch.Tensor) -> torch.Tensor:
-        name = "grad_" + which
-        g = getattr(self, name)
-        if g is None:
-            g = torch.zeros((self.key.size(0),) + tuple(like.shape[1:]), dtype=like.dtype,
-                            device=like.device)
-            setattr(self, name, g)
-        return g
-
-    def nbytes(self) -> int:
-        tensors = [t for t in (self.key, self.value, self.grad_key, self.grad_value) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@dataclass
-class KVCache:
-    """K/V buffers of every live sequence (microbatch, batch slice), per attention layer.
-
-    seq_length: tokens per sequence when known (buffers are sized once); otherwise they grow.
-    """
-
-    seq_length: Optional[int] = None
-    entries: dict[tuple[int, int], dict[int, KVBuffer]] = field(default_factory=dict)
-
-    def buffer(self, cell: Cell, layer: int, like: torch.Tensor) -> KVBuffer:
-        layers = self.entries.setdefault(cell.sequence_key, {})
-        buf = layers.get(layer)
-        if buf is None:
-            capacity = self.seq_length or cell.token_end
-            buf = layers[layer] = KVBuffer(like, max(capacity, cell.token_end))
-        return buf
-
-    def release_slice(self, cell: Cell) -> None:
-        """After a slice's backward; the buffers go with the sequence's first slice."""
-        if cell.token_slice == 0:
-            self.entries.pop(cell.sequence_key, None)
-
-    def release_sequence(self, cell: Cell) -> None:
-        self.entries.pop(cell.sequence_key, None)
-
-    def live_bytes(self) -> int:
-        return sum(buf.nbytes() for layers in self.entries.values() for buf in layers.values())
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-
-@dataclass
-class ActiveCell:
-    cell: Cell
-    cache: KVCache
-    phase: str  # "forward" or "backward" (recomputation during backward replays the prefix)
-    keep_grad: bool  # False in forward_only runs: cache plain tensors
-    wgrad: Optional["WeightGradStore"] = None  # where linear layers defer weight gradients
-    # Additive causal masks by (queries, keys, dtype, device): every layer of the cell reuses one.
-    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
-
-
-_ACTIVE: Optional[ActiveCell] = None
-
-
-@contextlib.contextmanager
-def running_cell(cell: Cell, cache: KVCache, phase: str, keep_grad: bool = True,
-                 wgrad: Optional["WeightGradStore"] = None) -> Iterator[None]:
-    """Tell slice-aware modules which cell runs now."""
-    global _ACTIVE
-    previous = _ACTIVE
-    _ACTIVE = ActiveCell(cell, cache, phase, keep_grad, wgrad)
-    try:
-        yield
-    finally:
-        _ACTIVE = previous
-
-
-def active_cell() -> Optional[ActiveCell]:
-    return _ACTIVE
 
 
 class _PrefixView(torch.autograd.Function):
@@ -211,7 +83,7 @@ class SliceAttention(torch.nn.Module):
 
     # -- K/V of the prefix ------------------------------------------------------------------
     def _extend_with_prefix(self, key: torch.Tensor, value: torch.Tensor):
-        active = _ACTIVE
+        active = active_cell()
         if active is None:
             return key, value
         cell = active.cell
@@ -283,7 +155,7 @@ def _lower_right_mask(queries: int, keys: int, like: torch.Tensor) -> torch.Tens
     CPU SDPA materialises a causal bias as a boolean mask and converts it to this on every
     call; building it once per cell saves both steps in every layer but the first."""
     key = (queries, keys, like.dtype, like.device)
-    active = _ACTIVE
+    active = active_cell()
     mask = active.masks.get(key) if active is not None else None
     if mask is None:
         mask = torch.full((queries, keys), float("-inf"), dtype=like.dtype, device=like.device)
@@ -294,32 +166,11 @@ def _lower_right_mask(queries: int, keys: int, like: torch.Tensor) -> torch.Tens
 
 
 def rope_offset_pre_hook(module, args, kwargs):
-    """Forward pre-hook for RotaryEmbedding: positions of a slice start at its first token."""
-    active = _ACTIVE
+    """Forward pre-hook for a rotary embedding module whose forward takes `offset` (Megatron's
+    RotaryEmbedding: megatron/rope.py hooks it): a slice's positions start at its first token."""
+    active = active_cell()
     if active is not None and active.cell.token_start:
         kwargs = dict(kwargs)
         kwargs["offset"] = active.cell.token_start
         return args, kwargs
     return None
-
-
-def install_rope_offsets(model: torch.nn.Module) -> int:
-    """Hook every rotary embedding in `model` once. Returns how many are hooked."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    try:
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
-    except ImportError:  # pragma: no cover
-        MultimodalRotaryEmbedding = ()
-    count = 0
-    for module in model.modules():
-        if MultimodalRotaryEmbedding and isinstance(module, MultimodalRotaryEmbedding):
-            raise ValueError(
-                "TeraPipe does not support multimodal RoPE (mrope) yet: use "
-                "position_embedding_type 'rope' or 'learned_absolute'")
-        if isinstance(module, RotaryEmbedding):
-            if not getattr(module, "_terapipe_offset_hooked", False):
-                module.register_forward_pre_hook(rope_offset_pre_hook, with_kwargs=True)
-                module._terapipe_offset_hooked = True
-            count += 1
-    return count

@@ -118,26 +118,20 @@ class CellData:
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)
 
+    def batch_if_read(self, microbatch: int) -> Any:
+        """The whole microbatch if forward_step read it on this stage, else None."""
+        return self._batches.get(microbatch)
+
     def iterator_for(self, cell: Cell) -> Optional[Iterator]:
+        """The iterator forward_step_func gets for `cell`: it yields the cell's batch once,
+        read from the source only when forward_step asks for it."""
         if self.source is None:
             return None
-        return _OneShot(self, cell)
+        return self._cell_batch(cell)
 
-
-class _OneShot:
-    """Iterator handed to forward_step_func for one cell: yields that cell's batch once."""
-
-    def __init__(self, data: CellData, cell: Cell) -> None:
-        self.data = data
-        self.cell = cell
-        self.used = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.used:
-            raise StopIteration
-        self.used = True
-        batch = self.data._batch(self.cell.microbatch)
-        return slice_batch(batch, self.cell, self.data.seq_length, self.data.micro_batch_size)
+    def _cell_batch(self, cell: Cell) -> Iterator:
+        try:
+            batch = self._batch(cell.microbatch)
+        except StopIteration:  # the source ran out: the caller's next() raises it too
+            return
+        yield slice_batch(batch, cell, self.seq_length, self.micro_batch_size)

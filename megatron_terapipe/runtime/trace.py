@@ -1,17 +1,47 @@
-"""Chrome trace of a real run: every rank's per-cell spans, merged into one file on rank 0.
+"""What one schedule call did on a stage (RunRecord), and the Chrome trace of a real run:
+every rank's per-cell spans, merged into one file on rank 0.
 
-Opens in Perfetto (ui.perfetto.dev) or chrome://tracing, next to the simulator's trace of the
-same plan: one process row per pipeline stage, one box per forward/backward cell.
+The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing, next to the simulator's
+trace of the same plan: one process row per pipeline stage, one box per forward/backward cell.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .executor import RunRecord
+from ..schedule import Action, Cell, Schedule
+
+
+@dataclass
+class CellEvent:
+    """Wall-clock span of one compute action on this rank (for traces and simulator fidelity)."""
+
+    stage: int
+    kind: str
+    cell: Cell
+    start: float
+    end: float
+
+
+@dataclass
+class RunRecord:
+    """One schedule call on one stage. The schedule hands it to `on_run` callbacks (see
+    megatron/forward_backward.py) instead of keeping it anywhere."""
+
+    schedule: Schedule
+    stage: int
+    actions: tuple[Action, ...]  # the lowered list the stage ran
+    events: list[CellEvent] = field(default_factory=list)
+    start: float = 0.0
+    end: float = 0.0
+    deferred_wgrads: int = 0  # weight-gradient pieces the linear layers left to W actions
+    receives: int = 0  # activations and gradients this stage received (torch transport)
+    receives_posted_early: int = 0  # of which the receive was posted before it was needed
+    outputs_deallocated: int = 0  # sent outputs whose data was freed (deallocate_outputs)
 
 
 CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}

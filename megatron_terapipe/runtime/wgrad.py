@@ -12,7 +12,8 @@ gradient per weight over all its slices, and delivers it through autograd, so gr
 
 Outside a TeraPipe cell, and for frozen weights, weights that are not leaves, inputs that need
 no gradient, Megatron-FSDP parameters and the output layer's own
-`defer_embedding_wgrad_compute` buffer, the layers run Megatron's original code unchanged.
+`defer_embedding_wgrad_compute` buffer, the layers run Megatron's original code unchanged
+(megatron/linear_deferral.py makes that choice and patches the layers).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .context import active_cell
 
 # As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
 # autocast state, so its GEMMs see the dtypes the forward saw.
@@ -117,7 +120,7 @@ def _gathered(piece: _Deferred) -> torch.Tensor:
     return x.reshape(-1, x.size(-1))
 
 
-class _DeferredWgradLinear(torch.autograd.Function):
+class DeferredWgradLinear(torch.autograd.Function):
     """Megatron's tensor-parallel linear (same forward and dgrad communication) whose weight
     gradient goes to the running cell's WeightGradStore instead of being computed at once."""
 
@@ -149,8 +152,6 @@ class _DeferredWgradLinear(torch.autograd.Function):
     @staticmethod
     @_custom_bwd
     def backward(ctx, grad_output):
-        from .attention import active_cell
-
         input, weight = ctx.saved_tensors
         parameter = ctx.parameter
         grad_input = grad_output.matmul(weight)
@@ -172,44 +173,3 @@ class _DeferredWgradLinear(torch.autograd.Function):
             if grad is not None:
                 torch.autograd.backward(parameter, grad)
         return grad_input, None, grad_bias, None, None, None, None, None
-
-
-def _deferring_forward_impl(module, original):
-    from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
-    from .attention import active_cell
-
-    def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False,
-                     allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
-                     wgrad_deferral_limit=None, tp_group=None, **kwargs):
-        active = active_cell()
-        if (active is None or active.wgrad is None or kwargs or not torch.is_grad_enabled()
-                or not weight.requires_grad or not input.requires_grad or weight.grad_fn is not None
-                or grad_output_buffer is not None or hasattr(weight, "__fsdp_param__")):
-            return original(input=input, weight=weight, bias=bias,
-                            gradient_accumulation_fusion=gradient_accumulation_fusion,
-                            allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-                            grad_output_buffer=grad_output_buffer,
-                            wgrad_deferral_limit=wgrad_deferral_limit, tp_group=tp_group, **kwargs)
-        tp_group = get_tensor_model_parallel_group_if_none(tp_group)
-        return _DeferredWgradLinear.apply(input, weight.detach(), bias, gradient_accumulation_fusion,
-                                          allreduce_dgrad, sequence_parallel, tp_group, [weight])
-
-    return forward_impl
-
-
-def install_wgrad_deferral(model: torch.nn.Module) -> int:
-    """Let Megatron's local linear layers in `model` defer weight gradients inside TeraPipe
-    backward cells. Idempotent; returns how many layers can defer (Transformer Engine layers
-    keep computing their weight gradients at once)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    count = 0
-    for module in model.modules():
-        if type(module) not in (ColumnParallelLinear, RowParallelLinear):
-            continue
-        if not getattr(module, "_terapipe_wgrad_deferral", False):
-            module._forward_impl = _deferring_forward_impl(module, module._forward_impl)
-            module._terapipe_wgrad_deferral = True
-        count += 1
-    return count

@@ -20,7 +20,7 @@ from .actions import (
 )
 from .build import build_schedule
 from .lower import Lowering, lower, lower_stage
-from .replay import TimedAction, shared_timeline, timeline
+from .replay import TimedAction, replay_timeline, shared_timeline, timeline
 from .validate import validate
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "microbatch_cells",
     "microbatch_cells_all",
     "opposite",
+    "replay_timeline",
     "shared_timeline",
     "timeline",
     "validate",

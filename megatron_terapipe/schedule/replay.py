@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .actions import COMM_KINDS, Action, Cell, Schedule, ScheduleError, opposite, recv
-from .lower import lower
+from .lower import Lowering, lower
+
+Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list
 
 Durations = Callable[[int, Action], float]
 _EPS = 1e-12
@@ -36,8 +38,7 @@ class _Replay:
     depends on: a B its F, a W its B) holds it; a SEND writes its message's arrival time into
     the receiving stage's `table`; a RECV reads its own. POSTs take no time: left out."""
 
-    def __init__(self, schedule: Schedule) -> None:
-        lowered = lower(schedule)
+    def __init__(self, lowered: Lowered) -> None:
         self.num_stages = len(lowered)
         self.arrival = [{"F": {}, "B": {}} for _ in lowered]  # [stage][direction][cell id]
         self.computed = [{"F": set(), "B": set(), "W": set()} for _ in lowered]
@@ -82,10 +83,18 @@ class _Replay:
 
 
 def timeline(schedule: Schedule, compute_time: Durations,
-             transfer_time: Durations = lambda stage, action: 0.0) -> list[TimedAction]:
+             transfer_time: Durations = lambda stage, action: 0.0,
+             lowering: Lowering = Lowering()) -> list[TimedAction]:
     """Every compute action's start and end when each stage runs its lowered list as soon as
-    its messages allow (list scheduling). Raises ScheduleError on a deadlock."""
-    replay = _Replay(schedule)
+    its messages allow (list scheduling). Raises ScheduleError on a deadlock. The lowering
+    choices do not change the times (posts take none; fused calls replay as their parts)."""
+    return replay_timeline(lower(schedule, lowering), compute_time, transfer_time)
+
+
+def replay_timeline(lowered: Lowered, compute_time: Durations,
+                    transfer_time: Durations = lambda stage, action: 0.0) -> list[TimedAction]:
+    """`timeline` of lists already lowered."""
+    replay = _Replay(lowered)
     out: list[TimedAction] = []
     free_at = [0.0] * replay.num_stages
     while not replay.done():
@@ -118,7 +127,7 @@ def timeline(schedule: Schedule, compute_time: Durations,
 
 def shared_timeline(schedule: Schedule, compute_time: Durations,
                     transfer_time: Durations = lambda stage, action: 0.0,
-                    cores: float = 1.0) -> list[TimedAction]:
+                    cores: float = 1.0, lowering: Lowering = Lowering()) -> list[TimedAction]:
     """Like `timeline`, for stages that share `cores` processors (processor sharing).
 
     When n stages compute at once, each runs at min(1, cores / n) of its own speed: e.g. a
@@ -127,7 +136,7 @@ def shared_timeline(schedule: Schedule, compute_time: Durations,
     """
     if cores <= 0:
         raise ValueError(f"cores must be positive, got {cores}")
-    replay = _Replay(schedule)
+    replay = _Replay(lower(schedule, lowering))
     running: dict[int, list] = {}  # stage -> [step, start, remaining seconds of solo work]
     out: list[TimedAction] = []
     now = 0.0

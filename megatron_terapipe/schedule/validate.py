@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .actions import Action, Cell, Schedule, ScheduleError, opposite
 from .lower import Lowering, lower
-from .replay import timeline
+from .replay import replay_timeline
 
 
 def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
@@ -23,8 +23,9 @@ def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
     expected = set(schedule.cells())
     for k, actions in enumerate(schedule.stages):
         _check_stage(schedule, k, actions, expected)
-    _check_messages(lower(schedule, lowering))
-    timeline(schedule, lambda k, a: 1.0)
+    lowered = lower(schedule, lowering)
+    _check_messages(lowered)
+    replay_timeline(lowered, lambda k, a: 1.0)
 
 
 def _check_stage(schedule: Schedule, k: int, actions: tuple[Action, ...],

@@ -33,6 +33,7 @@ class Case:
     transport: Optional[str] = None  # "megatron": Megatron's P2PCommunicator, as on GPUs
     attn_mask_type: Optional[str] = None  # e.g. "no_mask": a non-causal spec (must be refused)
     bad_output: bool = False  # forward_step returns one token too few (must be refused)
+    deallocate_outputs: bool = False  # config.deallocate_pipeline_outputs: free sent outputs
     tolerance: Tolerance = FP32
 
 
@@ -121,18 +122,19 @@ def _forward_step(case: Case):
     return short_output
 
 
-def _run_record(case: Case) -> dict[str, Any]:
-    """What the executor recorded of the run: deferred weight gradients and receives."""
+def _run_record(case: Case, record) -> dict[str, Any]:
+    """What the executor recorded of the run (its RunRecord): deferred weight gradients,
+    receives and freed outputs."""
     from megatron.core import parallel_state
 
-    from megatron_terapipe.runtime.executor import LAST_RUN
-
-    result: dict[str, Any] = {"deferred_wgrads": LAST_RUN.deferred_wgrads,
-                              "receives": LAST_RUN.receives,
-                              "receives_posted_early": LAST_RUN.receives_posted_early}
+    result: dict[str, Any] = {"deferred_wgrads": record.deferred_wgrads,
+                              "receives": record.receives,
+                              "receives_posted_early": record.receives_posted_early,
+                              "outputs_deallocated": record.outputs_deallocated}
     # What the torch transport must have received: an input per cell (but on the first stage),
     # and an output gradient per cell (but on the last stage, and when forward-only).
-    cells = LAST_RUN.schedule.num_microbatches * LAST_RUN.schedule.plan.num_cells
+    cells = record.schedule.num_microbatches * record.schedule.plan.num_cells
+    result["cells"] = cells
     result["expected_receives"] = cells * (
         (not parallel_state.is_pipeline_first_stage())
         + (not parallel_state.is_pipeline_last_stage() and not case.forward_only))
@@ -146,7 +148,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
 
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     dp = world_size // (case.tp * case.pp)
@@ -159,6 +161,8 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     config, model = _terapipe_model(case, full_state)
     configure(config, case.plan)
     config.terapipe_transport = case.transport
+    config.deallocate_pipeline_outputs = case.deallocate_outputs
+    records: list = []
     # Megatron DDP averages over data-parallel ranks and each rank divides by its own
     # microbatch count, so the sum matches the baseline's 1 / (dp * microbatches).
     mine = slice(parallel_state.get_data_parallel_rank() * case.num_microbatches,
@@ -166,9 +170,10 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     losses = forward_backward_terapipe(
         forward_step_func=_forward_step(case), data_iterator=iter(batches[mine]), model=[model],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
-        micro_batch_size=case.micro_batch_size, forward_only=case.forward_only)
+        micro_batch_size=case.micro_batch_size, forward_only=case.forward_only,
+        on_run=records.append)
     result = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage(),
-              **_run_record(case)}
+              **_run_record(case, records[-1])}
     if result["last_stage"]:
         result["losses"] = report_values(losses)
         result["ref_losses"] = report_values(ref_losses[mine])
@@ -202,6 +207,8 @@ def check_case(results: list[dict[str, Any]], case: Case) -> None:
             check_gradients(r["grads"], case.tolerance, where)
             if case.plan.defer_wgrad:  # the linear layers really left them to the W actions
                 assert r["deferred_wgrads"] > 0, f"{where}: nothing was deferred"
+        if case.deallocate_outputs and not r["last_stage"]:  # every sent output was freed
+            assert r["outputs_deallocated"] == r["cells"], f"{where}: {r['outputs_deallocated']}"
         if r["last_stage"]:
             saw_last = True
             check_losses(r["losses"], r["ref_losses"], case.tolerance, where)

@@ -34,7 +34,7 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
     from megatron.core import parallel_state
 
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory import SavedTensorMeter
 
     enable_cpu_mode()
@@ -71,7 +71,7 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
     from megatron_terapipe.plan import PlanTable
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     base_case = Case("variable", None, model=TinyGPT(seq_length=max(lengths)), num_microbatches=2)
@@ -103,7 +103,7 @@ def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     model_cfg = TinyGPT(seq_length=max(seq_length, batch_length))
@@ -153,7 +153,7 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
-    from megatron_terapipe.runtime.executor import forward_backward_terapipe
+    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     model_cfg = TinyGPT(num_layers=world_size)
@@ -185,7 +185,7 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.runtime.wgrad import install_wgrad_deferral
+    from megatron_terapipe.megatron.linear_deferral import install_wgrad_deferral
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)

@@ -20,6 +20,9 @@ from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
 
 
+TERAPIPE_RUNS = []  # what the TeraPipe schedule ran on this rank, call by call
+
+
 def get_batch(data_iterator, vp_stage=None):
     """Generate a batch."""
     if not is_first_or_last_pipeline_stage(vp_stage):
@@ -50,6 +53,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
+    config.terapipe_on_run = TERAPIPE_RUNS.append  # test instrumentation (report_schedule)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
@@ -99,11 +103,10 @@ def add_standin_args(parser):
 
 
 def report_schedule():
-    """Test instrumentation: what the TeraPipe executor ran on this rank."""
-    import megatron_terapipe.runtime.executor as executor
-
-    run = executor.LAST_RUN
-    cells = len(run.schedule.stages[run.stage]) if run.schedule is not None else 0
+    """Test instrumentation: what the TeraPipe executor ran on this rank (its run records come
+    through config.terapipe_on_run, set in model_provider)."""
+    run = TERAPIPE_RUNS[-1] if TERAPIPE_RUNS else None
+    cells = len(run.schedule.stages[run.stage]) if run is not None else 0
     rank = os.environ.get("RANK", "0")
     print(f"> standin rank {rank}: terapipe actions in the last schedule call: {cells}", flush=True)
 
