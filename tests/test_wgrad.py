@@ -225,7 +225,7 @@ def test_hooked_layers_run_megatrons_code_outside_terapipe():
 def test_weight_grad_sums_every_slice_and_rounds_16_bit_types_once():
     import torch
 
-    from megatron_terapipe.runtime.wgrad import _Deferred, weight_grad
+    from megatron_terapipe.runtime.wgrad import WeightGradPiece, weight_grad
 
     torch.manual_seed(0)
     xs = [torch.randn(3, 1, 5) for _ in range(4)]  # [tokens, rows, in] per slice
@@ -233,7 +233,7 @@ def test_weight_grad_sums_every_slice_and_rounds_16_bit_types_once():
 
     def grad(dtype):
         weight = torch.nn.Parameter(torch.zeros(6, 5, dtype=dtype))
-        pieces = [_Deferred(x.to(dtype), g.to(dtype), False, None, False) for x, g in zip(xs, gs)]
+        pieces = [WeightGradPiece(x.to(dtype), g.to(dtype), False, None, False) for x, g in zip(xs, gs)]
         return weight_grad(weight, pieces)
 
     def one_gemm(dtype):

@@ -2,7 +2,7 @@
 
 `ColumnParallelLinear` and `RowParallelLinear` (the output layer included) route their matmul
 through `_forward_impl`; inside a cell whose schedule has W actions, the patched one runs
-runtime.wgrad.DeferredWgradLinear instead, which leaves the weight gradient to the W action.
+runtime.deferred_linear.DeferredWgradLinear instead, which leaves the weight gradient to the W action.
 Everywhere else (no running cell, frozen or non-leaf weights, inputs needing no gradient,
 Megatron-FSDP parameters, the output layer's own gradient buffer) Megatron's code runs as is.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..runtime.context import active_cell
-from ..runtime.wgrad import DeferredWgradLinear
+from ..runtime.deferred_linear import DeferredWgradLinear
 from . import compat
 
 

@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
 from ..schedule import Cell
-
-if TYPE_CHECKING:
-    from .kv_cache import KVCache
-    from .wgrad import WeightGradStore
+from .kv_cache import KVCache
+from .wgrad import WeightGradStore
 
 
 @dataclass
 class ActiveCell:
     cell: Cell
-    cache: "KVCache"
+    cache: KVCache
     phase: str  # "forward" or "backward" (recomputation during backward replays the prefix)
     keep_grad: bool  # False in forward_only runs: cache plain tensors
-    wgrad: Optional["WeightGradStore"] = None  # where linear layers defer weight gradients
+    wgrad: Optional[WeightGradStore] = None  # where linear layers defer weight gradients
     # Additive causal masks by (queries, keys, dtype, device): every layer of the cell reuses one.
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
@@ -36,8 +34,8 @@ _ACTIVE: Optional[ActiveCell] = None
 
 
 @contextlib.contextmanager
-def running_cell(cell: Cell, cache: "KVCache", phase: str, keep_grad: bool = True,
-                 wgrad: Optional["WeightGradStore"] = None) -> Iterator[None]:
+def running_cell(cell: Cell, cache: KVCache, phase: str, keep_grad: bool = True,
+                 wgrad: Optional[WeightGradStore] = None) -> Iterator[None]:
     """Tell slice-aware modules which cell runs now."""
     global _ACTIVE
     previous = _ACTIVE

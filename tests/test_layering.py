@@ -1,0 +1,65 @@
+"""Imports go one way: schedule (data) <- runtime (torch only) <- megatron (the glue).
+
+Every import counts, function-level ones included."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "megatron_terapipe")
+
+
+def imported_modules(folder: str) -> dict[str, set[str]]:
+    """Absolute names of the modules each file under `folder` imports (relative ones resolved)."""
+    out = {}
+    for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
+        if not name.endswith(".py"):
+            continue
+        package = ["megatron_terapipe"] + folder.split("/")
+        tree = ast.parse(open(os.path.join(PACKAGE, folder, name)).read())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                found.add(".".join(base + ([node.module] if node.module else [])))
+        out[f"{folder}/{name}"] = found
+    return out
+
+
+def test_runtime_is_torch_only():
+    for path, modules in imported_modules("runtime").items():
+        megatron = {m for m in modules
+                    if m.split(".")[0] == "megatron" or m.startswith("megatron_terapipe.megatron")}
+        assert not megatron, f"{path} imports {megatron}"
+
+
+def test_the_schedule_is_data():
+    for path, modules in imported_modules("schedule").items():
+        outside = {m for m in modules if m.split(".")[0] in ("torch", "megatron", "numpy")
+                   or m.startswith(("megatron_terapipe.runtime", "megatron_terapipe.megatron",
+                                    "megatron_terapipe.planner"))}
+        assert not outside, f"{path} imports {outside}"
+
+
+def test_no_import_circles_in_the_schedule_and_the_runtime():
+    graph = {}
+    for folder in ("schedule", "runtime"):
+        for path, modules in imported_modules(folder).items():
+            name = "megatron_terapipe." + path[:-len(".py")].replace("/", ".")
+            graph[name.removesuffix(".__init__")] = modules
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, "import circle: " + " -> ".join(path + [module])
+        if module in done or module not in graph:
+            return
+        for imported in graph[module]:
+            visit(imported, path + [module])
+        done.add(module)
+
+    for module in graph:
+        visit(module, [])
