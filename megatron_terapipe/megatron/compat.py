@@ -7,7 +7,8 @@ private attribute, a module attribute it replaces, a helper whose home moved, go
 function here, and each of those calls `require_tested(touch)` first: on an untested megatron-core
 it raises `UnsupportedMegatronError`, which names the touch point, the installed version and the
 supported lines, unless `MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON=1` says to try anyway.
-docs/megatron.md lists every touch point with the versions it was checked on.
+docs/megatron.md lists every touch point with the versions it was checked on;
+`python -m megatron_terapipe.megatron.compat_check` runs every check on the installed version.
 
 What moved between 0.16 and 0.19, and how each function here absorbs it: docs/megatron.md.
 """
@@ -31,17 +32,11 @@ ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 CONFIG_FIELDS_READ = (
     "attention_dropout", "autocast_dtype", "barrier_with_L1_time", "calculate_per_token_loss",
     "context_parallel_size", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
-    "enable_autocast",
-    "finalize_model_grads_func", "grad_scale_func", "grad_sync_func", "hidden_size",
-    "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers", "no_sync_func",
-    "normalization", "num_moe_experts", "pipeline_dtype", "sequence_parallel",
+    "enable_autocast", "finalize_model_grads_func", "grad_scale_func", "grad_sync_func",
+    "hidden_size", "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers",
+    "no_sync_func", "normalization", "num_moe_experts", "pipeline_dtype", "sequence_parallel",
     "tensor_model_parallel_size", "timers", "variable_seq_lengths",
-    "virtual_pipeline_model_parallel_size",
-)
-
-#: Megatron-LM argument names the per-cell wrapper sets or reads in the global args.
-MEGATRON_LM_ARGS_USED = ("seq_length", "micro_batch_size", "create_attention_mask_in_dataloader",
-                         "tensor_model_parallel_size")
+    "virtual_pipeline_model_parallel_size")
 
 
 class UnsupportedMegatronError(RuntimeError):
@@ -293,16 +288,41 @@ def cpu_mode_modules() -> list:
 
 
 def rng_module():
-    """megatron.core.tensor_parallel.random, checked for the private CUDA RNG state helpers that
-    CPU mode replaces (activation checkpointing calls them)."""
-    require_tested("CPU mode (CUDA RNG state helpers)")
+    """megatron.core.tensor_parallel.random, checked for the private names CPU mode replaces
+    (activation checkpointing saves and restores the CUDA RNG through them) and the planner
+    saves around its measurement (the global RNG tracker)."""
+    require_tested("Megatron's RNG state (tensor_parallel.random)")
     from megatron.core.tensor_parallel import random as tp_random
 
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "model_parallel_cuda_manual_seed",
-                 "initialize_rng_tracker"):
-        if not callable(getattr(tp_random, name, None)):
-            raise moved("CPU mode", f"tensor_parallel.random.{name} is gone")
+                 "initialize_rng_tracker", "_CUDA_RNG_STATE_TRACKER",
+                 "_CUDA_RNG_STATE_TRACKER_INITIALIZED"):
+        if not hasattr(tp_random, name):
+            raise moved("Megatron's RNG state", f"tensor_parallel.random.{name} is gone")
     return tp_random
+
+
+def save_rng_tracker() -> Optional[tuple]:
+    """Megatron's global RNG tracker, whether it was initialised, and its states."""
+    tp_random = rng_module()
+    tracker = tp_random._CUDA_RNG_STATE_TRACKER
+    try:
+        states = tracker.get_states() if tracker is not None else None
+    except Exception:  # noqa: BLE001 - a tracker without states is restored as it is
+        states = None
+    return tracker, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED, states
+
+
+def restore_rng_tracker(saved: tuple) -> None:
+    tracker, initialized, states = saved
+    tp_random = rng_module()
+    tp_random._CUDA_RNG_STATE_TRACKER = tracker
+    tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
+    if tracker is not None and states is not None:
+        try:
+            tracker.set_states(states)
+        except Exception:  # noqa: BLE001 - as get_states: a tracker without states stays as is
+            pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,55 +374,3 @@ def megatron_lm_global_args() -> Optional[Any]:
         raise moved("running Megatron-LM's forward_step per cell",
                     "megatron.training.global_vars has no _GLOBAL_ARGS")
     return module._GLOBAL_ARGS
-
-
-# ---------------------------------------------------------------------------------------------
-# A report of every check, for `python -m megatron_terapipe.megatron.compat`
-# ---------------------------------------------------------------------------------------------
-def check_all() -> list[tuple[str, Optional[str]]]:
-    """(touch point, None if it checks out or the error) for every check that needs no process
-    group and no Megatron-LM."""
-    checks = [("schedule getter", schedule_getter_modules),
-              ("set_current_microbatch", _set_current_microbatch_impl),
-              ("parallel linears' _forward_impl", parallel_linear_classes),
-              ("RoPE offset", rotary_embedding_classes),
-              ("GPTModel.__init__", gpt_model_class),
-              ("CPU mode modules", cpu_mode_modules),
-              ("CUDA RNG helpers", rng_module),
-              ("TransformerConfig fields", missing_config_fields)]
-    results = []
-    for name, check in checks:
-        try:
-            missing = check()
-            error = f"missing {missing}" if name == "TransformerConfig fields" and missing else None
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
-            error = f"{type(exc).__name__}: {exc}"
-        results.append((name, error))
-    return results
-
-
-def missing_config_fields() -> list[str]:
-    """CONFIG_FIELDS_READ that the installed TransformerConfig does not define."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return [name for name in CONFIG_FIELDS_READ if name not in fields]
-
-
-def main() -> int:
-    import platform
-
-    version = megatron_core_version()
-    print(f"megatron-core {version_text(version)} on Python {platform.python_version()}: "
-          f"{'tested' if is_tested(version) else 'NOT tested'} (supported: {SUPPORTED})")
-    failed = 0
-    for name, error in check_all():
-        print(f"  {name:32s} {'ok' if error is None else error}")
-        failed += error is not None
-    return 1 if failed or not is_tested(version) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -77,6 +77,12 @@ class _CpuTorchProxy(types.ModuleType):
         return attr
 
 
+def cpu_torch_proxy() -> types.ModuleType:
+    """A `torch` for a Megatron module on CPU: device='cuda' factories make CPU tensors, and
+    without CUDA, stream queries answer a stream that waits for nothing."""
+    return _CpuTorchProxy()
+
+
 def cpu_model_parallel_seed(seed: int, **_ignored: Any) -> None:
     """Stand-in for `model_parallel_cuda_manual_seed` on CPU: one seed, a CUDA-free tracker."""
     torch.manual_seed(seed)

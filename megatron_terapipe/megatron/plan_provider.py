@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from ..plan import TeraPipePlan
 from ..planner.fits import LayerTimeFit
+from . import compat
 from .cost_from_args import device_name
 from .plan_report import PlanReport
 from .planning import cost_model_from_args, plan_run, wants_profile, write_simulated_trace
@@ -189,41 +190,11 @@ def _with_rng_kept(fn: Callable[[], T]) -> T:
 
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    saved_tracker = _tracker_state()
+    saved_tracker = compat.save_rng_tracker()  # private globals of tensor_parallel.random
     try:
         return fn()
     finally:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-        if saved_tracker is not None:
-            _restore_tracker(*saved_tracker)
-
-
-def _tracker_state():
-    """Megatron's RNG tracker, whether it was initialised, and its states (None without
-    Megatron)."""
-    try:
-        from megatron.core.tensor_parallel import random as tp_random
-    except ImportError:  # pragma: no cover
-        return None
-    tracker = tp_random._CUDA_RNG_STATE_TRACKER
-    states = None
-    if tracker is not None:
-        try:
-            states = tracker.get_states()
-        except Exception:  # pragma: no cover
-            states = None
-    return tracker, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED, states
-
-
-def _restore_tracker(tracker, initialized, states) -> None:
-    from megatron.core.tensor_parallel import random as tp_random
-
-    tp_random._CUDA_RNG_STATE_TRACKER = tracker
-    tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
-    if tracker is not None and states is not None:
-        try:
-            tracker.set_states(states)
-        except Exception:  # pragma: no cover
-            pass
+        compat.restore_rng_tracker(saved_tracker)
