@@ -171,8 +171,10 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
                        cache: Optional[str]):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
     first stage's embedding and the last stage's output layer and loss measured too."""
+    from megatron_terapipe.megatron.measure import measure_layer_times
+    from megatron_terapipe.megatron.measure_edges import measure_edge_times
     from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
-                                           fit_layer_times, measure_edge_times, measure_layer_times)
+                                           fit_layer_times)
     from megatron_terapipe.planner.dims import Link
     from megatron_terapipe.megatron.measure_edges import edge_points_for
     from megatron_terapipe.planner.measurements import default_grid
