@@ -83,8 +83,11 @@ def cpu_torch_proxy() -> types.ModuleType:
     return _CpuTorchProxy()
 
 
-def cpu_model_parallel_seed(seed: int, **_ignored: Any) -> None:
-    """Stand-in for `model_parallel_cuda_manual_seed` on CPU: one seed, a CUDA-free tracker."""
+def cpu_model_parallel_seed(seed: int, *_ignored_args: Any, **_ignored: Any) -> None:
+    """Stand-in for `model_parallel_cuda_manual_seed` on CPU: one seed, a CUDA-free tracker.
+
+    Megatron-LM calls it as (seed, te_rng_tracker, inference_rng_tracker, cudagraph_rng), all
+    positional; none of them means anything without CUDA."""
     torch.manual_seed(seed)
     compat.rng_module().initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 

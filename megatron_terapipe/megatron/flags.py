@@ -60,6 +60,9 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--terapipe-profile-points", type=int, default=DEFAULT_PROFILE_POINTS,
                        metavar="N", help="slice lengths and contexts measured per axis with "
                                          "--terapipe-cost-model profile (keep it small)")
+    group.add_argument("--terapipe-cpu", action="store_true",
+                       help="run Megatron-LM's training script on CPU processes with gloo "
+                            "(launcher only; needs --clip-grad 0.0; see megatron/lm_cpu.py)")
     group.add_argument("--terapipe-trace", default=None, metavar="PATH",
                        help="write Chrome traces: the simulated plan to PATH's "
                             "'.simulated.json' sibling, the measured second iteration to PATH")

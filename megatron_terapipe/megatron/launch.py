@@ -62,6 +62,8 @@ def _wrap_validate(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def validate(args, *rest, **kwargs):
+        if getattr(args, "terapipe_cpu", False):
+            _apply_cpu_settings(args)
         result = original(args, *rest, **kwargs)
         from .wiring import setup_from_args
 
@@ -70,6 +72,26 @@ def _wrap_validate(original: Callable) -> Callable:
 
     validate._terapipe_wrapped = True  # type: ignore[attr-defined]
     return validate
+
+
+def _apply_cpu_settings(args) -> None:
+    from .lm_cpu import apply_cpu_settings
+
+    try:
+        lines = apply_cpu_settings(args)
+    except ValueError as exc:
+        raise LauncherError(str(exc)) from None
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            print(line, flush=True)
+
+
+def _enable_cpu_if_asked(args: Sequence[str]) -> None:
+    """--terapipe-cpu must act before the script's initialize_megatron asserts CUDA."""
+    if "--terapipe-cpu" in args:
+        from .lm_cpu import enable_megatron_lm_cpu_mode
+
+        enable_megatron_lm_cpu_mode()
 
 
 def install_hooks() -> None:
@@ -110,6 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         module, rest = argv[1], argv[2:]
         sys.argv = [module] + rest
         install_hooks()
+        _enable_cpu_if_asked(rest)
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0
     script, rest = argv[0], argv[1:]
@@ -121,6 +144,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     sys.argv = [script] + rest
     install_hooks()
+    _enable_cpu_if_asked(rest)
     runpy.run_path(script, run_name="__main__")
     return 0
 

@@ -1,0 +1,139 @@
+"""Megatron-LM's own training script on CPU (`launch ... --terapipe-cpu`), for laptops and CI.
+
+`enable_cpu_mode` covers Megatron-Core. Megatron-LM's `megatron.training` (and Megatron-Core's
+rerun state machine, which it drives) assume CUDA in a few more places, each handled here:
+- `initialize_megatron` asserts `torch.cuda.is_available()` and sets up model parallelism only
+  when `torch.cuda.device_count() > 0`; it then seeds through
+  `model_parallel_cuda_manual_seed(seed, te_rng_tracker, inference_rng_tracker, cudagraph_rng)`.
+- The legacy fused kernels are compiled with nvcc at start-up, and JIT fusions are warmed up on
+  CUDA tensors (nothing on CPU uses either).
+- DDP wrapping runs in a side `torch.cuda.Stream`.
+- The rerun state machine saves and restores the CUDA RNG state every step.
+These modules see a `torch` whose `cuda` answers as one device that is the CPU (streams and
+synchronisation are no-ops, the "CUDA" RNG state is the CPU one). Nothing else changes.
+
+Flags the switch sets, because nothing else runs on CPU: `--distributed-backend gloo`,
+`--transformer-impl local`, `--no-gradient-accumulation-fusion`, `--no-persist-layer-norm`,
+`--no-masked-softmax-fusion`, `--no-bias-gelu-fusion`, `--no-bias-dropout-fusion`. The user must
+pass `--clip-grad 0.0`: Megatron-Core's `clip_grad_by_total_norm_fp32` asserts CUDA tensors, and
+turning gradient clipping off is a change of training the user should make knowingly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from typing import Any
+
+import torch
+
+# Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as CUDA.
+TRAINING_MODULES = (
+    "megatron.core.rerun_state_machine",
+    "megatron.training.initialize",
+    "megatron.training.training",
+    "megatron.training.utils",
+)
+
+# args attribute -> value on CPU (what the flag in the module docstring sets).
+CPU_SETTINGS = {
+    "distributed_backend": "gloo",
+    "transformer_impl": "local",
+    "gradient_accumulation_fusion": False,
+    "no_persist_layer_norm": True,
+    "masked_softmax_fusion": False,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+}
+
+
+class _CpuStream:
+    """A CUDA stream stand-in: work on CPU is already ordered."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CudaOnCpu(types.ModuleType):
+    """`torch.cuda` as Megatron-LM's training modules see it in CPU mode: one device, the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    Stream = _CpuStream
+
+    def is_available(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 1
+
+    def current_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def set_device(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def current_stream(self, *args: Any, **kwargs: Any) -> _CpuStream:
+        return _CpuStream()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def get_rng_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, *args: Any, **kwargs: Any) -> None:
+        pass  # the CPU generator's state is restored on its own
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _torch_with_cpu_cuda() -> types.ModuleType:
+    from .cpu import cpu_torch_proxy
+
+    proxy = cpu_torch_proxy()
+    proxy.cuda = _CudaOnCpu()
+    return proxy
+
+
+def enable_megatron_lm_cpu_mode() -> None:
+    """Let Megatron-LM's `pretrain(...)` run on CPU processes with gloo. Idempotent."""
+    from .cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    proxy = _torch_with_cpu_cuda()
+    for name in TRAINING_MODULES:
+        importlib.import_module(name).torch = proxy  # type: ignore[attr-defined]
+    fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+    fused_kernels.load = lambda args: None  # nvcc-built kernels that nothing on CPU calls
+    # Warms up CUDA JIT fusions on tensors made with device="cuda"; there is nothing to warm.
+    importlib.import_module("megatron.training.initialize")._warmup_jit_function = lambda: None
+
+
+def apply_cpu_settings(args) -> list[str]:
+    """Set the flags CPU runs need (CPU_SETTINGS) on Megatron-LM's parsed args; returns the
+    `> ...` log lines naming what changed. Raises ValueError for what the user must choose."""
+    if float(getattr(args, "clip_grad", 0.0) or 0.0) > 0.0:
+        raise ValueError(
+            f"--terapipe-cpu: Megatron-Core's gradient clipping asserts CUDA tensors "
+            f"(clip_grad_by_total_norm_fp32), and --clip-grad is {args.clip_grad}: pass "
+            "--clip-grad 0.0 to train on CPU without clipping")
+    changed = []
+    for name, value in CPU_SETTINGS.items():
+        if hasattr(args, name) and getattr(args, name) != value:
+            changed.append(f"> terapipe cpu: {name} {getattr(args, name)!r} -> {value!r}")
+            setattr(args, name, value)
+    return changed
