@@ -62,7 +62,9 @@ class _Replay:
             if operation == "RECV":
                 steps.append((_RECV, arrival[k][direction], cid, a, None))
             elif operation != "POST":  # a send, with the compute action it asks a transfer time for
-                to = k + 1 if direction == "F" else k - 1
+                # the next (F) or previous (B) stage; modulo: an interleaved schedule's last
+                # rank sends to the first rank's next model chunk (interleaved.py)
+                to = (k + 1 if direction == "F" else k - 1) % self.num_stages
                 steps.append((_SEND, arrival[to][direction], cid, Action(direction, a.cell), None))
             if a.recv_cell is not None:  # fused: then its receive
                 back = opposite(direction)
@@ -88,7 +90,14 @@ def timeline(schedule: Schedule, compute_time: Durations,
     """Every compute action's start and end when each stage runs its lowered list as soon as
     its messages allow (list scheduling). Raises ScheduleError on a deadlock. The lowering
     choices do not change the times (posts take none; fused calls replay as their parts)."""
-    return replay_timeline(lower(schedule, lowering), compute_time, transfer_time)
+    return replay_timeline(_lowered(schedule, lowering), compute_time, transfer_time)
+
+
+def _lowered(schedule: Schedule, lowering: Lowering) -> Lowered:
+    """The schedule's lowered lists: its own where it lays out its messages itself (the
+    interleaved schedule, interleaved.py), else `lower`'s."""
+    own = getattr(schedule, "lowered", None)
+    return own(lowering) if own is not None else lower(schedule, lowering)
 
 
 def replay_timeline(lowered: Lowered, compute_time: Durations,
@@ -136,7 +145,7 @@ def shared_timeline(schedule: Schedule, compute_time: Durations,
     """
     if cores <= 0:
         raise ValueError(f"cores must be positive, got {cores}")
-    replay = _Replay(lower(schedule, lowering))
+    replay = _Replay(_lowered(schedule, lowering))
     running: dict[int, list] = {}  # stage -> [step, start, remaining seconds of solo work]
     out: list[TimedAction] = []
     now = 0.0
