@@ -33,8 +33,6 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field, replace
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +43,7 @@ import torch  # noqa: E402
 
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
+from pipeline_runs import SpeedCase, plans_for, predict, profile_cost_model  # noqa: E402
 
 STAGES = 2
 
@@ -95,170 +94,7 @@ def parallel_capacity(processes: int = STAGES, tokens: int = 2048, hidden: int =
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. Speed
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class SpeedCase:
-    name: str
-    model: TinyGPT
-    num_microbatches: int
-    granularity: int
-    repeats: int
-    plans: dict = field(default_factory=dict)  # label -> TeraPipePlan (None: Megatron 1F1B)
-
-
-def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
-    """Every configuration of `case`, interleaved, `repeats` times: wall seconds per run, and
-    for TeraPipe runs this stage's busy seconds (the sum of its cells' spans, "busy:" + label)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_terapipe import forward_backward_terapipe
-    from harness import build_stage_model, forward_step, make_batches, run_megatron_1f1b
-
-    if device == "cpu":
-        from megatron_terapipe.megatron.cpu import enable_cpu_mode, pin_to_core
-
-        enable_cpu_mode()
-        pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
-    parallel_state.initialize_model_parallel(1, world_size)
-    config, model = build_stage_model(case.model, 1, world_size)
-    model.to(device)
-    seq = case.model.seq_length
-    batches = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
-               for b in make_batches(case.num_microbatches, 1, seq, case.model.vocab_size,
-                                     masked_rows=False)]
-    times: dict[str, list[float]] = {label: [] for label in case.plans}
-    times.update({"busy:" + label: [] for label, plan in case.plans.items() if plan is not None})
-
-    runs = []  # the TeraPipe calls' run records
-
-    def run(label: str) -> None:
-        plan = case.plans[label]
-        if plan is None:
-            run_megatron_1f1b(model, config, batches, seq, 1)
-        else:
-            forward_backward_terapipe(forward_step_func=forward_step, data_iterator=iter(batches),
-                                      model=[model], num_microbatches=case.num_microbatches,
-                                      seq_length=seq, micro_batch_size=1, plan=plan,
-                                      on_run=runs.append)
-
-    for label in case.plans:  # warm-up: allocator, kernels, gloo connections
-        run(label)
-        model.zero_grad(set_to_none=True)
-    labels = list(case.plans)
-    for round_ in range(case.repeats):
-        # Rotate the order every round, so each configuration follows each other one about
-        # equally often: in a fixed order, the DP and uniform rows measured the same plan up
-        # to 5% apart (the row right after Megatron's run the slower one).
-        shift = round_ % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            model.zero_grad(set_to_none=True)
-            dist.barrier()
-            start = time.perf_counter()
-            run(label)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            times[label].append(time.perf_counter() - start)
-            if case.plans[label] is not None:
-                times["busy:" + label].append(sum(e.end - e.start for e in runs[-1].events))
-    parallel_state.destroy_model_parallel()
-    return times
-
-
-def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
-                       cache: Optional[str]):
-    """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
-    first stage's embedding and the last stage's output layer and loss measured too."""
-    from megatron_terapipe.megatron.measure import measure_layer_times
-    from megatron_terapipe.megatron.measure_edges import measure_edge_times
-    from megatron_terapipe.planner import (EdgeTimeFit, ModelDims, ProfiledCostModel, fit_edge_times,
-                                           fit_layer_times)
-    from megatron_terapipe.planner.dims import Link
-    from megatron_terapipe.megatron.measure_edges import edge_points_for
-    from megatron_terapipe.planner.measurements import default_grid
-
-    dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)
-    measure = dict(dtype="float32", device=device, repeats=3)
-
-    def edges_match(edges: Optional[EdgeTimeFit]) -> bool:
-        return (edges is not None and edges.vocab_size == model.vocab_size
-                and edges.metadata.get("position_embedding_type") == model.position_embedding_type
-                and edges.metadata.get("max_sequence_length") == model.seq_length)
-
-    fit = None
-    if cache and os.path.exists(cache):
-        from megatron_terapipe.planner import LayerTimeFit
-
-        try:
-            fit = LayerTimeFit.load(cache)
-            if not fit.is_current_format:
-                print(f"  the cached profile has the older format version {fit.format_version}: "
-                      "measuring again")
-                fit = None
-        except ValueError as exc:
-            print(f"  ignoring the cached profile: {exc}")
-    if fit is None:
-        measurements = measure_layer_times(dims, seq_length=model.seq_length, batch_sizes=(1,),
-                                           granularity=granularity,
-                                           position_embedding_type=model.position_embedding_type,
-                                           **measure)
-        fit = fit_layer_times(measurements)
-        if cache:
-            fit.save(cache)
-    if not edges_match(fit.edges):  # a cached profile from before edges were measured
-        print("  measuring the embedding and the output layer + loss ...", flush=True)
-        points = edge_points_for(default_grid(model.seq_length, (1,), granularity))
-        edges = measure_edge_times(dims, points, position_embedding_type=model.position_embedding_type,
-                                   max_sequence_length=model.seq_length, **measure)
-        fit = fit.with_edges(fit_edge_times(edges))
-        if cache:
-            fit.save(cache)
-    # Stage-to-stage transfers stay on this host: loopback bandwidth, tiny latency.
-    link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
-    return ProfiledCostModel(fit, layers_per_stage=layers_per_stage, link=link, model=dims,
-                             dtype_bytes=4)
-
-
-def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int) -> tuple[dict, dict]:
-    """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
-    from megatron_terapipe.planner import best_uniform_slicing, place_wgrad_points, solve
-    from megatron_terapipe.planner.simulator import plan_time
-
-    seq = model.seq_length
-    best = None
-    for order in ("1f1b", "gpipe"):
-        plan = solve(cost, seq, 1, STAGES, granularity=granularity,
-                     num_microbatches=num_microbatches, order=order, batch_sizes="none")
-        if best is None or plan.predicted_time < best.predicted_time:
-            best = plan
-    uniform, _ = best_uniform_slicing(cost, seq, 1, STAGES, granularity=granularity,
-                                      num_microbatches=num_microbatches, order=best.order)
-    # The same weight-gradient mode as the DP plan (early W actions placed for its own
-    # slicing), so the two differ only in their slicing.
-    uniform = replace(uniform, defer_wgrad=best.defer_wgrad)
-    if uniform.defer_wgrad:
-        uniform, _ = place_wgrad_points(uniform, cost, num_microbatches, STAGES, 1)
-    uniform = replace(uniform, predicted_time=plan_time(uniform, cost, num_microbatches, STAGES, 1))
-    plans = {"megatron_1f1b": None, "terapipe_dp": best, "terapipe_uniform": uniform}
-    info = {"dp_slices": list(best.seq_slices), "dp_order": best.order,
-            "dp_defer_wgrad": best.defer_wgrad, "dp_wgrad_points": [list(p) for p in best.wgrad_points],
-            "uniform_slices": len(uniform.seq_slices), "uniform_defer_wgrad": uniform.defer_wgrad,
-            "uniform_wgrad_points": [list(p) for p in uniform.wgrad_points]}
-    return plans, info
-
-
-def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches: int,
-            cores: float) -> float:
-    """Simulated iteration time; Megatron's 1F1B is the 1f1b order with one slice."""
-    from megatron_terapipe.planner.simulator import plan_time
-
-    if plan is None:
-        plan = TeraPipePlan([model.seq_length], order="1f1b")
-    return plan_time(plan, cost, num_microbatches, STAGES, 1, cores)
-
+# 2. Speed: pipeline_runs.py (shared with bench_gpu_pipeline.py)
 
 # ---------------------------------------------------------------------------------------------
 # 3-4. Memory and planner
@@ -272,11 +108,18 @@ def memory_table(model: TinyGPT, plan: TeraPipePlan, num_microbatches: int) -> d
 
 
 def planner_times(repeats: int) -> list[dict]:
-    from bench_planner import CASES, time_solver
+    """The DP slicer's best-of-`repeats` time on bench_planner's first three cases."""
+    from bench_planner import CASES, _cost
+    from megatron_terapipe.planner import solve_slicing
 
     out = []
-    for seq, gran, rows, stages, target in CASES[:3]:
-        seconds = time_solver(seq, gran, rows, stages, repeats)
+    for model, layers, tp, seq, gran, rows, stages, target in CASES[:3]:
+        cost = _cost(model, layers, tp)
+        seconds = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            solve_slicing(cost, seq, rows, stages, granularity=gran)
+            seconds = min(seconds, time.perf_counter() - started)
         out.append({"seq": seq, "granularity": gran, "rows": rows, "stages": stages,
                     "seconds": seconds, "target": target})
     return out
@@ -344,14 +187,14 @@ def main() -> int:
             cost_models[key] = profile_cost_model(model, gran, model.num_layers // STAGES,
                                                   args.device, cache)
         cost = cost_models[key]
-        plans, info = plans_for(cost, model, M, gran)
+        plans, info = plans_for(cost, model, M, gran, STAGES)
         print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']} (deferred weight "
               f"gradients: {info['dp_defer_wgrad']}, early W {info['dp_wgrad_points']}); best "
               f"uniform {info['uniform_slices']} slices (deferred: {info['uniform_defer_wgrad']}, "
               f"early W {info['uniform_wgrad_points']}); running {repeats} interleaved repeats ...",
               flush=True)
         case = SpeedCase(name, model, M, gran, repeats, plans)
-        per_rank = spawn(STAGES, "bench_schedules:speed_worker", case, args.device, timeout=3600)
+        per_rank = spawn(STAGES, "pipeline_runs:speed_worker", case, args.device, timeout=3600)
         for label, plan in plans.items():
             runs = [max(r[label][i] for r in per_rank) for i in range(repeats)]
             busy = (None if plan is None else
@@ -364,8 +207,8 @@ def main() -> int:
                 "wgrad_points": None if plan is None else [list(p) for p in plan.wgrad_points],
                 "measured_s": statistics.median(runs), "runs_s": runs,
                 "stage_busy_s": busy,
-                "predicted_s": predict(cost, plan, model, M, capacity),
-                "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES)),
+                "predicted_s": predict(cost, plan, model, M, capacity, STAGES),
+                "predicted_dedicated_s": predict(cost, plan, model, M, float(STAGES), STAGES),
             })
     # Speedups pair each run with Megatron's run of the same interleaved round (machine noise
     # drifts slowly, so a round's runs share it), then take the median over rounds.
