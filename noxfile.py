@@ -66,7 +66,7 @@ def run_tests(session: nox.Session, line: str, tests: tuple[str, ...] = ()) -> N
     env = {}
     checkout = os.environ.get("MEGATRON_LM_" + line.replace(".", "_"))
     if checkout:
-        env["MEGATRON_LM_CHECKOUT"] = checkout
+        env["MEGATRON_LM_PATH"] = checkout
     session.run("python", "-m", "pytest", "-q", *tests, *session.posargs, env=env)
 
 

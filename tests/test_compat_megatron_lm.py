@@ -1,9 +1,9 @@
 """The launcher and the patch against Megatron-LM's own argument parser and pretrain_gpt.py.
 
 Megatron-LM's code is never part of this repository. The tests use, in this order:
-- a Megatron-LM work tree named by MEGATRON_LM_CHECKOUT, when its release matches the installed
+- a Megatron-LM work tree named by MEGATRON_LM_PATH, when its release matches the installed
   megatron-core line (core_v0.16.1 for 0.16.x, core_v0.19.0 for 0.19.x; noxfile.py passes
-  MEGATRON_LM_0_16 / MEGATRON_LM_0_19 on as MEGATRON_LM_CHECKOUT);
+  MEGATRON_LM_0_16 / MEGATRON_LM_0_19 on as MEGATRON_LM_PATH);
 - else the megatron.training that megatron-core 0.19's wheel ships (arguments only: the wheel
   has no pretrain_gpt.py);
 - else they skip.
@@ -41,16 +41,16 @@ def _checkout_line(checkout: str) -> tuple[int, int]:
 
 
 def _checkout() -> str:
-    """The MEGATRON_LM_CHECKOUT work tree for the installed line, or skip."""
-    checkout = os.environ.get("MEGATRON_LM_CHECKOUT")
+    """The MEGATRON_LM_PATH work tree for the installed line, or skip."""
+    checkout = os.environ.get("MEGATRON_LM_PATH")
     if not checkout:
-        pytest.skip("MEGATRON_LM_CHECKOUT is not set (a Megatron-LM work tree of the release "
+        pytest.skip("MEGATRON_LM_PATH is not set (a Megatron-LM work tree of the release "
                     "matching the installed megatron-core)")
     if not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
-        pytest.fail(f"MEGATRON_LM_CHECKOUT={checkout} is not a Megatron-LM work tree "
+        pytest.fail(f"MEGATRON_LM_PATH={checkout} is not a Megatron-LM work tree "
                     "(no pretrain_gpt.py)")
     if _checkout_line(checkout) != _installed_line():
-        pytest.skip(f"MEGATRON_LM_CHECKOUT is Megatron-LM {_checkout_line(checkout)}, the "
+        pytest.skip(f"MEGATRON_LM_PATH is Megatron-LM {_checkout_line(checkout)}, the "
                     f"installed megatron-core is {_installed_line()}")
     return checkout
 
@@ -64,12 +64,12 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 def test_launcher_hooks_on_the_megatron_lm_argument_parser():
     """Our flags join Megatron-LM's parser (argparse refuses colliding option strings), and
     validate_args, called as the release calls it, selects TeraPipe."""
-    if os.environ.get("MEGATRON_LM_CHECKOUT"):
+    if os.environ.get("MEGATRON_LM_PATH"):
         extra = ["--megatron-lm", _checkout()]
     elif importlib.util.find_spec("megatron.training") is not None:
         extra = []  # megatron-core 0.19's wheel ships megatron.training
     else:
-        pytest.skip("no megatron.training: set MEGATRON_LM_CHECKOUT to a Megatron-LM work tree")
+        pytest.skip("no megatron.training: set MEGATRON_LM_PATH to a Megatron-LM work tree")
     out = _run([CHECK, "--args-only", *extra])
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "parse_args took the TeraPipe flags, validate_args selected TeraPipe" in out.stdout
