@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU measurements, in the few long commands a lent device allows (results under $OUT).
+#
+# Prepare on the developer machine, in the repository root (ignored folders, never committed):
+#   echo /.whl/ >> .git/info/exclude; echo /.mlm/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     megatron-core==0.16.1 pybind11
+#   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
+#     gpt_builders.py model_provider.py megatron/training megatron/legacy | tar -x -C .mlm
+# Then on the device (carry [".whl", ".mlm"]), one part per call:
+#   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
+#   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
+#   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+
+stage() {
+  local model="--bf16 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --num-layers 4"
+  python3 benchmarks/bench_stage.py --device cuda $model --out "$OUT/stage_cuda.json" 2>&1 | tee "$OUT/stage.log"
+  python3 benchmarks/bench_stage.py --device cuda $model --slices 1,8,16 --defer-wgrad off \
+    --out "$OUT/stage_cuda_nodefer.json" 2>&1 | tee -a "$OUT/stage.log"
+}
+
+pipeline() {
+  python3 benchmarks/bench_gpu_pipeline.py --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
+}
+
+megatron_lm() {
+  local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
+    --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
+    --micro-batch-size 1 --global-batch-size 4 --train-iters 20 --lr 1e-4 --log-interval 1
+    --eval-iters 0 --bf16 --transformer-impl local --attention-dropout 0 --hidden-dropout 0)
+  for schedule in terapipe 1f1b; do
+    (cd .mlm && PYTHONPATH=$PWD:$PYTHONPATH torchrun --nproc-per-node 1 \
+      -m megatron_terapipe.megatron.launch pretrain_gpt.py "${args[@]}" \
+      --pipeline-schedule "$schedule") 2>&1 | tee "$OUT/megatron_lm_$schedule.log" | grep -E "iteration +[0-9]+/|Error"
+  done
+}
+
+case "${1:-}" in
+  stage) stage ;;
+  pipeline) pipeline ;;
+  megatron-lm) megatron_lm ;;
+  *) echo "usage: $0 stage|pipeline|megatron-lm" >&2; exit 2 ;;
+esac
