@@ -148,29 +148,8 @@ def chart(results: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="small model, fewer repeats (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7)")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    quick = args.quick
-    repeats = args.repeats or (2 if quick else 7)
-
-    started = time.perf_counter()
-    # Stages run one thread each: profile the layer with one thread too.
-    torch.set_num_threads(1)
-    capacity = (parallel_capacity(hidden=256 if quick else 512, tokens=512 if quick else 2048)
-                if args.device == "cpu" else float(STAGES))
-    machine = {"device": args.device, "cpu": platform.processor() or platform.machine(),
-               "cores": os.cpu_count(), "parallel_capacity": capacity,
-               "torch": torch.__version__, "python": platform.python_version()}
-    print(f"machine: {machine['cores']} cores ({machine['cpu']}), device {args.device}; two "
-          f"single-thread processes get {capacity:.2f} cores' worth of compute "
-          f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
-
+def speed_rows_for(args, repeats: int, quick: bool, capacity: float) -> list[dict]:
+    """Measured and simulated rows of the three speed cases, with speedups per round."""
     base = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512,
                    num_attention_heads=8, vocab_size=1024, seq_length=512 if quick else 2048)
     long = TinyGPT(num_layers=STAGES, hidden_size=256, num_attention_heads=4, vocab_size=1024,
@@ -218,25 +197,10 @@ def main() -> int:
             m / t for m, t in zip(mega[r["case"]], r["runs_s"]))
         r["fidelity_error"] = r["predicted_s"] / r["measured_s"] - 1.0
 
-    print("memory: 8 microbatches ...", flush=True)
-    mem_model = TinyGPT(num_layers=2 * STAGES, hidden_size=base.hidden_size, num_attention_heads=8,
-                        vocab_size=1024, seq_length=min(base.seq_length, 1024))
-    mem_plan = TeraPipePlan.uniform(mem_model.seq_length, 8, multiple_of=64)
-    memory = memory_table(mem_model, mem_plan, 8)
-    print("planner ...", flush=True)
-    planner = planner_times(repeats=3)
+    return speed_rows
 
-    results = {"machine": machine, "speed": speed_rows, "memory_peak_bytes": memory,
-               "memory_setup": {"seq_length": mem_model.seq_length, "slices": list(mem_plan.seq_slices),
-                                "num_microbatches": 8, "hidden": mem_model.hidden_size},
-               "planner": planner, "wall_seconds": time.perf_counter() - started}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    try:
-        chart(results, os.path.join(args.out, "schedules.png"))
-    except ImportError:
-        print("(no matplotlib: skipped the chart; pip install matplotlib)")
 
+def print_report(speed_rows: list[dict], memory: dict, mem_model: TinyGPT, planner: list[dict]) -> None:
     print()
     print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions; "
           "+We: with early W actions; measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
@@ -259,6 +223,53 @@ def main() -> int:
     print(f"  1f1b / gpipe (worst stage): {ratio:.2f}")
     print("planner solve times: " + ", ".join(
         f"seq {r['seq']}/g{r['granularity']}: {r['seconds']:.3f} s (target {r['target']:.0f} s)" for r in planner))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--quick", action="store_true", help="small model, fewer repeats (a smoke run)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    quick = args.quick
+    repeats = args.repeats or (2 if quick else 7)
+
+    started = time.perf_counter()
+    # Stages run one thread each: profile the layer with one thread too.
+    torch.set_num_threads(1)
+    capacity = (parallel_capacity(hidden=256 if quick else 512, tokens=512 if quick else 2048)
+                if args.device == "cpu" else float(STAGES))
+    machine = {"device": args.device, "cpu": platform.processor() or platform.machine(),
+               "cores": os.cpu_count(), "parallel_capacity": capacity,
+               "torch": torch.__version__, "python": platform.python_version()}
+    print(f"machine: {machine['cores']} cores ({machine['cpu']}), device {args.device}; two "
+          f"single-thread processes get {capacity:.2f} cores' worth of compute "
+          f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
+
+    speed_rows = speed_rows_for(args, repeats, quick, capacity)
+
+    print("memory: 8 microbatches ...", flush=True)
+    mem_model = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512, num_attention_heads=8,
+                        vocab_size=1024, seq_length=512 if quick else 1024)
+    mem_plan = TeraPipePlan.uniform(mem_model.seq_length, 8, multiple_of=64)
+    memory = memory_table(mem_model, mem_plan, 8)
+    print("planner ...", flush=True)
+    planner = planner_times(repeats=3)
+
+    results = {"machine": machine, "speed": speed_rows, "memory_peak_bytes": memory,
+               "memory_setup": {"seq_length": mem_model.seq_length, "slices": list(mem_plan.seq_slices),
+                                "num_microbatches": 8, "hidden": mem_model.hidden_size},
+               "planner": planner, "wall_seconds": time.perf_counter() - started}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    try:
+        chart(results, os.path.join(args.out, "schedules.png"))
+    except ImportError:
+        print("(no matplotlib: skipped the chart; pip install matplotlib)")
+
+    print_report(speed_rows, memory, mem_model, planner)
     dp1 = next(r for r in speed_rows if r["config"] == "terapipe_dp" and r["num_microbatches"] == 1)
     print(f"wrote {args.out}/results.json and schedules.png in {results['wall_seconds'] / 60:.1f} min")
     print(f"headline: TeraPipe DP vs Megatron 1F1B, 1 microbatch, {dp1['case']}: "
