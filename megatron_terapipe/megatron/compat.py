@@ -16,26 +16,27 @@ What moved between 0.16 and 0.19, and how each function here absorbs it: docs/me
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
 import re
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: megatron-core lines the test matrix runs (noxfile.py), with the Python each one needs.
 TESTED_LINES = {(0, 16): "3.10", (0, 19): "3.12"}
 SUPPORTED = "megatron-core 0.16.x (Python 3.10 or newer) or 0.19.x (Python 3.12 or newer)"
 ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 
-#: TransformerConfig fields the project reads (tests/test_compat.py checks each one exists on
-#: the installed megatron-core, and that the sources read no other).
+#: TransformerConfig fields the project reads or sets (tests/test_compat.py checks each one
+#: exists on the installed megatron-core, and that megatron/ and runtime/ touch no other).
 CONFIG_FIELDS_READ = (
     "attention_dropout", "autocast_dtype", "barrier_with_L1_time", "calculate_per_token_loss",
     "context_parallel_size", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
     "enable_autocast", "finalize_model_grads_func", "grad_scale_func", "grad_sync_func",
     "hidden_size", "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers",
-    "no_sync_func", "normalization", "num_moe_experts", "pipeline_dtype", "sequence_parallel",
-    "tensor_model_parallel_size", "timers", "variable_seq_lengths",
+    "no_sync_func", "normalization", "num_layers", "num_moe_experts", "pipeline_dtype",
+    "sequence_parallel", "tensor_model_parallel_size", "timers", "variable_seq_lengths",
     "virtual_pipeline_model_parallel_size")
 
 
@@ -67,8 +68,7 @@ def version_text(version: Optional[tuple[int, int, int]] = None) -> str:
 
 
 def is_tested(version: Optional[tuple[int, int, int]] = None) -> bool:
-    version = version or megatron_core_version()
-    return (version[0], version[1]) in TESTED_LINES
+    return (version or megatron_core_version())[:2] in TESTED_LINES
 
 
 def untested_message(touch: str, version: tuple[int, int, int]) -> str:
@@ -95,9 +95,7 @@ def moved(touch: str, detail: str) -> UnsupportedMegatronError:
         f"{SUPPORTED}); install a tested megatron-core")
 
 
-# ---------------------------------------------------------------------------------------------
-# Schedules: the getter TeraPipe replaces and the helpers its executor shares with Megatron's
-# ---------------------------------------------------------------------------------------------
+# --- Schedules: the getter TeraPipe replaces, helpers shared with Megatron's schedules ---------
 SCHEDULE_GETTER = "get_forward_backward_func"
 #: Modules that bind the getter by name; megatron.training.* only inside Megatron-LM.
 SCHEDULE_GETTER_MODULES = ("megatron.core.pipeline_parallel.schedules",
@@ -110,11 +108,8 @@ def schedule_getter_modules() -> list:
     require_tested("replacing get_forward_backward_func")
     import megatron.core.pipeline_parallel  # noqa: F401  (imports .schedules too)
 
-    modules = []
-    for name in SCHEDULE_GETTER_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and hasattr(module, SCHEDULE_GETTER):
-            modules.append(module)
+    modules = [sys.modules[name] for name in SCHEDULE_GETTER_MODULES
+               if hasattr(sys.modules.get(name), SCHEDULE_GETTER)]
     if len(modules) < 2:
         raise moved("replacing get_forward_backward_func",
                     "megatron.core.pipeline_parallel(.schedules) has no get_forward_backward_func")
@@ -145,18 +140,13 @@ def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, con
 @functools.lru_cache(maxsize=None)
 def _set_current_microbatch_impl():
     require_tested("set_current_microbatch")
-    try:  # 0.19: its home; 0.16 has no such function there
-        from megatron.core.transformer.cuda_graphs import set_current_microbatch
-        return set_current_microbatch
-    except ImportError:
-        pass
-    from megatron.core.pipeline_parallel import schedules
-
-    helper = getattr(schedules, "set_current_microbatch", None)
-    if helper is None:
-        raise moved("set_current_microbatch", "neither transformer.cuda_graphs nor "
-                    "pipeline_parallel.schedules defines set_current_microbatch")
-    return helper
+    for home in ("megatron.core.transformer.cuda_graphs",  # 0.19
+                 "megatron.core.pipeline_parallel.schedules"):  # 0.16
+        helper = getattr(importlib.import_module(home), "set_current_microbatch", None)
+        if helper is not None:
+            return helper
+    raise moved("set_current_microbatch", "neither transformer.cuda_graphs nor "
+                "pipeline_parallel.schedules defines it")
 
 
 def set_current_microbatch(model, microbatch: int) -> None:
@@ -185,14 +175,12 @@ def default_pg_collection():
 
 def make_p2p_communicator(pp_group, config):
     """Megatron's P2PCommunicator(pp_group=, config=) (same constructor on both lines)."""
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.pipeline_parallel import p2p_communication
 
-    return P2PCommunicator(pp_group=pp_group, config=config)
+    return p2p_communication.P2PCommunicator(pp_group=pp_group, config=config)
 
 
-# ---------------------------------------------------------------------------------------------
-# Layers: spec slots, the parallel linears' private forward, rotary embeddings
-# ---------------------------------------------------------------------------------------------
+# --- Layers: spec slots, the parallel linears' private forward, rotary embeddings --------------
 def layer_submodules(spec) -> Any:
     """The `submodules` of a layer spec: a ModuleSpec, or (0.19) a partial with submodules=."""
     if isinstance(spec, functools.partial) and "submodules" in spec.keywords:
@@ -207,9 +195,9 @@ def layer_submodules(spec) -> Any:
 
 def local_spec_torch_norm() -> type:
     """The norm Megatron's local spec uses without apex (`WrappedTorchNorm`)."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer import torch_norm
 
-    return WrappedTorchNorm
+    return torch_norm.WrappedTorchNorm
 
 
 #: Keywords 0.19 adds to `_forward_impl` calls, with the value under which deferring the
@@ -236,6 +224,26 @@ def linear_call_is_deferrable(extra_kwargs: dict) -> bool:
                for k, v in extra_kwargs.items())
 
 
+def vocab_parallel_embedding_class() -> type:
+    """VocabParallelEmbedding; deferral replaces its forward's F.embedding lookups of `weight`
+    (a forward that looks the table up otherwise just does not defer)."""
+    require_tested("deferring embedding gradients (VocabParallelEmbedding)")
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    return VocabParallelEmbedding
+
+
+def fused_wgrad_accumulate() -> Optional[Callable]:
+    """Megatron's gradient_accumulation_fusion kernel, apex's wgrad_gemm_accum_fp32(input,
+    grad_output, main_grad), from tensor_parallel.layers' private import; None without apex."""
+    require_tested("the fused weight-gradient kernel (tensor_parallel.layers)")
+    from megatron.core.tensor_parallel import layers
+
+    if not getattr(layers, "_grad_accum_fusion_available", False):
+        return None
+    return layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
+
+
 def rotary_embedding_classes() -> tuple[type, Optional[type]]:
     """(RotaryEmbedding, MultimodalRotaryEmbedding or None); RotaryEmbedding.forward must take
     the `offset` keyword the RoPE pre-hook sets."""
@@ -259,9 +267,7 @@ def gpt_model_class() -> type:
     return GPTModel
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU mode
-# ---------------------------------------------------------------------------------------------
+# --- CPU mode ----------------------------------------------------------------------------------
 #: Modules whose module-level `torch` CPU mode replaces: they create tensors with device="cuda"
 #: or ask CUDA for streams on paths a CPU training step takes.
 CPU_MODE_MODULES = ("megatron.core.pipeline_parallel.schedules",
@@ -275,8 +281,6 @@ CPU_MODE_MODULES = ("megatron.core.pipeline_parallel.schedules",
 
 def cpu_mode_modules() -> list:
     """The imported CPU_MODE_MODULES, each checked to use a module-level `torch`."""
-    import importlib
-
     require_tested("CPU mode")
     modules = []
     for name in CPU_MODE_MODULES:
@@ -325,28 +329,22 @@ def restore_rng_tracker(saved: tuple) -> None:
             pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Megatron-LM (megatron.training: a checkout's, or the one 0.19's wheel ships)
-# ---------------------------------------------------------------------------------------------
+# --- Megatron-LM (megatron.training: a checkout's, or the one 0.19's wheel ships) --------------
 #: (module, function, kind) the launcher wraps: 'parse' gets TeraPipe's flags added, 'validate'
 #: sets TeraPipe up after Megatron-LM validated. 0.16's initialize_megatron calls the names it
 #: imported into megatron.training.initialize; 0.19's parse_and_validate_args calls the
 #: arguments module's globals and imports yaml_arguments.validate_yaml when it runs.
-MEGATRON_LM_ARGUMENT_HOOKS = (
-    ("megatron.training.arguments", "parse_args", "parse"),
-    ("megatron.training.arguments", "validate_args", "validate"),
-    ("megatron.training.initialize", "parse_args", "parse"),
-    ("megatron.training.initialize", "validate_args", "validate"),
-    ("megatron.training.initialize", "validate_yaml", "validate"),
-    ("megatron.training.yaml_arguments", "validate_yaml", "validate"),
-)
+MEGATRON_LM_ARGUMENT_HOOKS = tuple(
+    (f"megatron.training.{module}", function, kind) for module, function, kind in (
+        ("arguments", "parse_args", "parse"), ("arguments", "validate_args", "validate"),
+        ("initialize", "parse_args", "parse"), ("initialize", "validate_args", "validate"),
+        ("initialize", "validate_yaml", "validate"),
+        ("yaml_arguments", "validate_yaml", "validate")))
 
 
 def megatron_lm_argument_hooks() -> list[tuple[Any, str, str]]:
     """(module, function name, kind) for each hook point present in the importable
     megatron.training. ImportError when megatron.training.arguments cannot be imported."""
-    import importlib
-
     require_tested("hooking Megatron-LM's parse_args/validate_args")
     found = []
     for name, function, kind in MEGATRON_LM_ARGUMENT_HOOKS:
@@ -359,9 +357,33 @@ def megatron_lm_argument_hooks() -> list[tuple[Any, str, str]]:
         if callable(getattr(module, function, None)):
             found.append((module, function, kind))
     if not any(f == "parse_args" for _, f, _ in found):
-        raise moved("hooking Megatron-LM's arguments", "megatron.training.arguments.parse_args "
-                    "is gone")
+        raise moved("hooking Megatron-LM's arguments", "arguments.parse_args is gone")
     return found
+
+
+#: Megatron-LM modules whose `torch` sees the CPU as one CUDA device under --terapipe-cpu
+#: (lm_cpu.py), per line: 0.19 split megatron.training.utils into a package and wraps models
+#: in DDP (in a side CUDA stream) in megatron.training.models.dist_utils.
+MEGATRON_LM_CPU_MODULES = {
+    (0, 16): ("megatron.core.rerun_state_machine", "megatron.training.initialize",
+              "megatron.training.training", "megatron.training.utils"),
+    (0, 19): ("megatron.core.rerun_state_machine", "megatron.training.initialize",
+              "megatron.training.training", "megatron.training.utils.common_utils",
+              "megatron.training.models.dist_utils"),
+}
+
+
+def megatron_lm_cpu_modules() -> tuple[list, Any]:
+    """The imported MEGATRON_LM_CPU_MODULES of this line, and megatron.legacy.fused_kernels
+    (built with nvcc at start-up by 0.16's initialize_megatron; None where it is gone)."""
+    require_tested("Megatron-LM on CPU (--terapipe-cpu)")
+    names = MEGATRON_LM_CPU_MODULES.get(megatron_core_version()[:2],
+                                        MEGATRON_LM_CPU_MODULES[max(MEGATRON_LM_CPU_MODULES)])
+    try:
+        fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
+    except ImportError:
+        fused_kernels = None
+    return [importlib.import_module(name) for name in names], fused_kernels
 
 
 def megatron_lm_global_args() -> Optional[Any]:

@@ -28,13 +28,10 @@ from typing import Any
 
 import torch
 
-# Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as CUDA.
-TRAINING_MODULES = (
-    "megatron.core.rerun_state_machine",
-    "megatron.training.initialize",
-    "megatron.training.training",
-    "megatron.training.utils",
-)
+from . import compat
+
+# The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as
+# CUDA differ per line: compat.MEGATRON_LM_CPU_MODULES.
 
 # args attribute -> value on CPU (what the flag in the module docstring sets).
 CPU_SETTINGS = {
@@ -115,12 +112,14 @@ def enable_megatron_lm_cpu_mode() -> None:
 
     enable_cpu_mode()
     proxy = _torch_with_cpu_cuda()
-    for name in TRAINING_MODULES:
-        importlib.import_module(name).torch = proxy  # type: ignore[attr-defined]
-    fused_kernels = importlib.import_module("megatron.legacy.fused_kernels")
-    fused_kernels.load = lambda args: None  # nvcc-built kernels that nothing on CPU calls
+    modules, fused_kernels = compat.megatron_lm_cpu_modules()
+    for module in modules:
+        module.torch = proxy  # type: ignore[attr-defined]
+    if fused_kernels is not None:  # 0.16 builds them with nvcc; nothing on CPU calls them
+        fused_kernels.load = lambda args: None
     # Warms up CUDA JIT fusions on tensors made with device="cuda"; there is nothing to warm.
-    importlib.import_module("megatron.training.initialize")._warmup_jit_function = lambda: None
+    initialize = importlib.import_module("megatron.training.initialize")
+    initialize._warmup_jit_function = lambda *a, **k: None  # 0.19 passes tp_size=
 
 
 def apply_cpu_settings(args) -> list[str]:
