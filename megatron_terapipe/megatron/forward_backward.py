@@ -147,7 +147,7 @@ def _stage_model(model: torch.nn.Module, forward_step_func: Callable,
 
 def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
     """The plan attached by `configure` (a plan, or a provider with plan_for(seq, mbs))."""
-    from .install import default_plan_source
+    from .selection import default_plan_source
 
     source = getattr(config, "terapipe_plan", None)
     if source is None:
@@ -167,7 +167,7 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
               micro_batch_size: int, num_microbatches: int, tp_size: int, cp_size: int,
               decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
     """Everything that would make the run wrong or hang, raised before any communication."""
-    from .install import check_config
+    from .selection import check_config
 
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
