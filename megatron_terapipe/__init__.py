@@ -33,7 +33,7 @@ from .planner import (
 from .megatron.measure import measure_layer_times
 from .megatron.spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "Action",

@@ -1,4 +1,5 @@
-"""Imports go one way: schedule (data) <- runtime (torch only) <- megatron (the glue).
+"""Imports go one way: plan and schedule (data) <- planner (numpy) and runtime (torch only) <-
+megatron (the glue).
 
 Every import counts, function-level ones included."""
 
@@ -12,12 +13,13 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def imported_modules(folder: str) -> dict[str, set[str]]:
-    """Absolute names of the modules each file under `folder` imports (relative ones resolved)."""
+    """Absolute names of the modules each file under `folder` imports (relative ones resolved;
+    `from . import x` counts as importing the module x too)."""
     out = {}
     for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
         if not name.endswith(".py"):
             continue
-        package = ["megatron_terapipe"] + folder.split("/")
+        package = ["megatron_terapipe"] + ([folder] if folder else [])
         tree = ast.parse(open(os.path.join(PACKAGE, folder, name)).read())
         found = set()
         for node in ast.walk(tree):
@@ -25,8 +27,10 @@ def imported_modules(folder: str) -> dict[str, set[str]]:
                 found |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
                 base = package[:len(package) - node.level + 1] if node.level else []
-                found.add(".".join(base + ([node.module] if node.module else [])))
-        out[f"{folder}/{name}"] = found
+                module = ".".join(base + ([node.module] if node.module else []))
+                found.add(module)
+                found |= {f"{module}.{alias.name}" for alias in node.names}
+        out[f"{folder}/{name}".lstrip("/")] = found
     return out
 
 
@@ -45,9 +49,16 @@ def test_the_schedule_is_data():
         assert not outside, f"{path} imports {outside}"
 
 
-def test_no_import_circles_in_the_schedule_and_the_runtime():
+def test_the_planner_is_numpy_only():
+    for path, modules in imported_modules("planner").items():
+        outside = {m for m in modules if m.split(".")[0] in ("torch", "megatron")
+                   or m.startswith(("megatron_terapipe.runtime", "megatron_terapipe.megatron"))}
+        assert not outside, f"{path} imports {outside}"
+
+
+def test_no_import_circles():
     graph = {}
-    for folder in ("schedule", "runtime"):
+    for folder in ("", "schedule", "planner", "runtime", "megatron"):
         for path, modules in imported_modules(folder).items():
             name = "megatron_terapipe." + path[:-len(".py")].replace("/", ".")
             graph[name.removesuffix(".__init__")] = modules

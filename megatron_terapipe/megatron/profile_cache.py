@@ -36,7 +36,7 @@ def profile_cache_key(args, seq_length: int, micro_batch_size: int) -> dict:
         from megatron.core import __version__ as mcore_version
     except Exception:  # pragma: no cover
         mcore_version = "unknown"
-    from .. import __version__
+    from ..version import __version__
 
     return {
         "model": model_dims_from_args(args).to_dict() | {"num_layers": None},
