@@ -6,15 +6,17 @@ stage and on the last, the cost model's edge time (embedding; output layer and l
 one-stage pipeline), and a result reaches the neighbouring stage after the cell's transfer time
 (sends overlap with compute).
 
-Memory on a stage, walked in that stage's action order:
-- a cell's activations are held from the start of its forward to the end of its backward
-  (in a forward-only run, until the end of its forward);
-- a cell's K/V are held from the start of its forward until the end of the backward of its
-  sequence's first token slice (the executor keeps one K/V buffer per sequence and layer, and
-  that backward is the last to read it). Forward-only: until the forward of the sequence's
-  last token slice has run;
-- a sequence's K/V gradient buffer (as large as its K/V) appears when the backward of its last
-  slice starts and goes with its K/V.
+Memory on a stage: its actions walked in order with a StageMemory (memory_walk.py): a cell's
+activations from its forward to its backward, a sequence's K/V buffers (the whole sequence)
+from its first slice's forward to that slice's backward, their gradients from the sequence's
+first backward, what deferred weight gradients keep until the W action; Megatron's schedules
+(`megatron=True`, the interleaved schedule) keep a whole microbatch from forward to backward.
+The default StageMemory is the cost model's (`CostModelMemory`); a measured one
+(`FittedMemory`) predicts the runtime's bytes.
+
+Megatron's interleaved schedule (schedule/interleaved.py) runs ChunkCells: each takes its
+model chunk's share of the stage's layer time, and the edges only on the first chunk of the
+first stage (embedding) and the last chunk of the last stage (output layer and loss).
 """
 
 from __future__ import annotations
@@ -23,17 +25,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..plan import TeraPipePlan
-from ..schedule import Action, Cell, Schedule, TimedAction, build_schedule, timeline
+from ..schedule import Action, Cell, ChunkCell, Schedule, TimedAction, build_schedule, timeline
 from .cost_model import CostModel
+from .memory import CostModelMemory, StageMemory
+from .memory_walk import MemoryPoint, walk_stage
 
-
-@dataclass(frozen=True)
-class MemoryPoint:
-    """Live bytes on one stage right after an allocation or a release."""
-
-    time: float
-    activation_bytes: float
-    kv_bytes: float
+__all__ = ["MemoryPoint", "SimulationResult", "plan_time", "simulate", "simulate_plan"]
 
 
 @dataclass(frozen=True)
@@ -66,10 +63,12 @@ class SimulationResult:
         return 1.0 - sum(self.busy) / (self.num_stages * self.iteration_time)
 
     def summary(self) -> str:
+        """Iteration time, bubble, and each stage's peak of activations + K/V."""
         gib = 1024 ** 3
+        peaks = " ".join(f"{p / gib:.2f}" for p in self.peak_memory_bytes[:12])
+        more = " ..." if self.num_stages > 12 else ""
         return (f"iteration {self.iteration_time * 1e3:.3f} ms, bubble "
-                f"{100 * self.bubble_fraction:.1f}%, peak memory per stage "
-                f"{min(self.peak_memory_bytes) / gib:.2f}-{max(self.peak_memory_bytes) / gib:.2f} GiB")
+                f"{100 * self.bubble_fraction:.1f}%, peak memory per stage (GiB) {peaks}{more}")
 
 
 class _CellCosts:
@@ -105,6 +104,8 @@ class _CellCosts:
 
     def compute(self, stage: int, action: Action) -> float:
         c = action.cell
+        if isinstance(c, ChunkCell):
+            return self._chunk(stage, action)
         m = self.cost_model
         first, last = stage == 0, stage == self.num_stages - 1
         if action.kind == "W":
@@ -131,6 +132,19 @@ class _CellCosts:
             layers = max(0.0, layers - saving)
         return layers
 
+    def _chunk(self, stage: int, action: Action) -> float:
+        """A model chunk's share of the stage's layers, and the edges where they run."""
+        c, m, kind = action.cell, self.cost_model, action.kind
+        fn = m.forward_time if kind == "F" else m.backward_time
+        layers = self._get((kind, c.rows, c.tokens, 0), fn, c.rows, c.tokens, 0) / c.num_chunks
+        first = stage == 0 and c.chunk == 0
+        last = stage == self.num_stages - 1 and c.chunk == c.num_chunks - 1
+        if first or last:
+            edge_fn = m.edge_forward_time if kind == "F" else m.edge_backward_time
+            layers += self._get(("E" + kind, c.rows, c.tokens, first, last), edge_fn,
+                                c.rows, c.tokens, first, last)
+        return layers
+
     def _wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
         return self._get(("WG", rows, tokens, context, first, last), self.cost_model.wgrad_time,
                          rows, tokens, context, first, last)
@@ -147,26 +161,13 @@ class _CellCosts:
         c = action.cell
         return self._get(("X", c.rows, c.tokens), self.cost_model.transfer_time, c.rows, c.tokens)
 
-    def activation(self, action: Action) -> float:
-        c = action.cell
-        return self._get(("A", c.rows, c.tokens, c.context), self.cost_model.activation_bytes,
-                         c.rows, c.tokens, c.context)
-
-    def wgrad_hold(self, action: Action) -> float:
-        c = action.cell
-        return self._get(("WH", c.rows, c.tokens), self.cost_model.wgrad_hold_bytes, c.rows, c.tokens)
-
-    def kv(self, action: Action) -> float:
-        c = action.cell
-        return self._get(("KV", c.rows, c.tokens), self.cost_model.kv_bytes, c.rows, c.tokens)
-
 
 def simulate_plan(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
-                  num_stages: int, micro_batch_size: int,
-                  cores: Optional[float] = None) -> SimulationResult:
+                  num_stages: int, micro_batch_size: int, cores: Optional[float] = None,
+                  memory: Optional[StageMemory] = None) -> SimulationResult:
     """`simulate` of `plan`'s schedule for one run's shape."""
     schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
-    return simulate(schedule, cost_model, cores=cores)
+    return simulate(schedule, cost_model, cores=cores, memory=memory)
 
 
 def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
@@ -177,13 +178,15 @@ def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,
-             timed: Optional[list[TimedAction]] = None,
-             cores: Optional[float] = None) -> SimulationResult:
+             timed: Optional[list[TimedAction]] = None, cores: Optional[float] = None,
+             memory: Optional[StageMemory] = None, megatron: bool = False) -> SimulationResult:
     """Time `schedule` under `cost_model` and track memory per stage.
 
     `timed` may pass a timeline already computed for this schedule and cost model. `cores`:
     the stages share this many processors (e.g. a CPU run whose processes share cores); None
-    means every stage has its own device.
+    means every stage has its own device. `memory`: what the stages keep (default: the cost
+    model's `CostModelMemory`). `megatron`: the cells are whole microbatches through
+    Megatron's own layers (its 1F1B schedule): memory per microbatch, not per TeraPipe cell.
     """
     costs = _CellCosts(cost_model, schedule)
     if timed is None and cores is not None and cores < schedule.num_stages:
@@ -192,6 +195,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
         timed = shared_timeline(schedule, costs.compute, costs.transfer, cores)
     if timed is None:
         timed = timeline(schedule, costs.compute, costs.transfer)
+    memory = memory if memory is not None else CostModelMemory(cost_model)
     K = schedule.num_stages
     per_stage: list[list[TimedAction]] = [[] for _ in range(K)]
     for ta in timed:
@@ -201,73 +205,11 @@ def simulate(schedule: Schedule, cost_model: CostModel,
         iteration = max(ta.end for ta in timed) - start
     else:
         iteration = 0.0
-    busy = []
-    peaks_act, peaks_kv, peaks_total, memory = [], [], [], []
-    for k in range(K):
-        actions = per_stage[k]  # already in the stage's own order
-        busy.append(sum(ta.end - ta.start for ta in actions))
-        points, peak_a, peak_kv, peak_t = _stage_memory(actions, costs, schedule.forward_only)
-        peaks_act.append(peak_a)
-        peaks_kv.append(peak_kv)
-        peaks_total.append(peak_t)
-        memory.append(tuple(points))
+    busy = [sum(ta.end - ta.start for ta in actions) for actions in per_stage]
+    peaks = [walk_stage(per_stage[k], k, schedule, memory, megatron) for k in range(K)]
     return SimulationResult(schedule=schedule, timeline=tuple(timed), iteration_time=iteration,
-                            busy=tuple(busy), peak_activation_bytes=tuple(peaks_act),
-                            peak_kv_bytes=tuple(peaks_kv), peak_memory_bytes=tuple(peaks_total),
-                            memory=tuple(memory))
-
-
-def _stage_memory(actions: list[TimedAction], costs: _CellCosts, forward_only: bool):
-    """Walk one stage's actions in order; return memory points and the three peaks."""
-    act = kv = 0.0
-    peak_a = peak_kv = peak_t = 0.0
-    points: list[MemoryPoint] = []
-    # keys are (microbatch, batch slice, token slice): cheaper to hash than Cell
-    kv_of: dict[tuple[int, int, int], float] = {}  # K/V bytes of cells whose K/V are live
-    grads_of: dict[tuple[int, int], float] = {}  # sequence -> K/V gradient buffer bytes
-    slices_seen: dict[tuple[int, int], list[int]] = {}  # sequence -> token slices run forward
-
-    def record(time: float) -> None:
-        nonlocal peak_a, peak_kv, peak_t
-        peak_a, peak_kv, peak_t = max(peak_a, act), max(peak_kv, kv), max(peak_t, act + kv)
-        points.append(MemoryPoint(time, act, kv))
-
-    held: dict[tuple[int, int], float] = {}  # sequence -> bytes kept for its W action
-
-    for ta in actions:
-        a, c = ta.action, ta.action.cell
-        seq = (c.microbatch, c.batch_slice)
-        key = (c.microbatch, c.batch_slice, c.token_slice)
-        if a.kind == "W":
-            act -= held.pop(seq, 0.0)
-            record(ta.end)
-            continue
-        if a.kind == "F":
-            act += costs.activation(a)
-            kv_of[key] = costs.kv(a)
-            kv += kv_of[key]
-            slices_seen.setdefault(seq, []).append(c.token_slice)
-            record(ta.start)
-            if forward_only:
-                act -= costs.activation(a)
-                if c.is_last_token_slice:
-                    kv -= sum(kv_of.pop(seq + (t,), 0.0) for t in slices_seen.pop(seq, []))
-                record(ta.end)
-        else:
-            if c.is_last_token_slice:
-                # The sequence's first backward allocates its K/V gradient buffer (whole sequence).
-                grads_of[seq] = sum(kv_of.get(seq + (t,), 0.0) for t in slices_seen.get(seq, []))
-                kv += grads_of[seq]
-                record(ta.start)
-            act -= costs.activation(a)
-            if costs.defer_wgrad:  # linear inputs and output gradients wait for the W action
-                hold = costs.wgrad_hold(a)
-                act += hold
-                held[seq] = held.get(seq, 0.0) + hold
-            if c.token_slice == 0:
-                # The executor keeps one K/V buffer per sequence and layer; it goes with the
-                # backward of the sequence's first slice, the last one that reads it.
-                kv -= sum(kv_of.pop(seq + (t,), 0.0) for t in slices_seen.pop(seq, []))
-                kv -= grads_of.pop(seq, 0.0)
-            record(ta.end)
-    return points, peak_a, peak_kv, peak_t
+                            busy=tuple(busy),
+                            peak_activation_bytes=tuple(p.activation for p in peaks),
+                            peak_kv_bytes=tuple(p.kv for p in peaks),
+                            peak_memory_bytes=tuple(p.total for p in peaks),
+                            memory=tuple(p.points for p in peaks))

@@ -1,0 +1,150 @@
+"""Live bytes on one stage over an iteration: its actions walked in order with a StageMemory
+(memory.py says what each action allocates and frees, as the runtime does).
+
+TeraPipe cells:
+- F: the cell's activations; the forward of a sequence's first token slice also allocates the
+  sequence's K/V buffers (the whole sequence, every layer of the stage). Forward-only: the
+  activations go at the end of the forward, the K/V after the sequence's last slice.
+- B: the sequence's first backward (its last slice's) allocates the K/V gradient buffers, layer
+  by layer while it frees the cell's activations (StageMemory.kv_grad_rise); the cell's
+  activations go (with deferred weight gradients, what the W action needs stays); the
+  backward of the first slice frees the sequence's K/V and their gradients.
+- W: frees what the sequence's backwards left for it.
+Megatron's own schedules (`megatron=True`, and every ChunkCell of the interleaved schedule):
+a whole microbatch keeps `microbatch_bytes` from its forward until its backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..schedule import Cell, ChunkCell, Schedule, TimedAction
+from .memory import StageMemory
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """Live bytes on one stage right after an allocation or a release."""
+
+    time: float
+    activation_bytes: float
+    kv_bytes: float
+
+
+@dataclass(frozen=True)
+class StagePeaks:
+    points: tuple[MemoryPoint, ...]
+    activation: float  # peak of activations (and what waits for W actions)
+    kv: float  # peak of K/V and their gradients
+    total: float  # peak of the two together
+
+
+class _Walk:
+    """One stage's running totals and the StageMemory's answers for its cells."""
+
+    def __init__(self, memory: StageMemory, schedule: Schedule, stage: int, megatron: bool):
+        self.memory, self.schedule, self.stage = memory, schedule, stage
+        self.megatron = megatron
+        self.seq_lengths = [sum(ts) for ts in schedule.plan.token_slices]
+        self.act = self.kv = 0.0
+        self.peak_a = self.peak_kv = self.peak_t = 0.0
+        self.points: list[MemoryPoint] = []
+        self.held: dict[tuple[int, int], float] = {}  # sequence -> bytes waiting for its W
+        self._cache: dict[tuple, float] = {}
+
+    def record(self, time: float) -> None:
+        self.peak_a = max(self.peak_a, self.act)
+        self.peak_kv = max(self.peak_kv, self.kv)
+        self.peak_t = max(self.peak_t, self.act + self.kv)
+        self.points.append(MemoryPoint(time, self.act, self.kv))
+
+    def _where(self, cell: Cell) -> tuple[bool, bool, Optional[float]]:
+        """(first, last, layers) of the cell on this stage (a model chunk has its share)."""
+        K = self.schedule.num_stages
+        if isinstance(cell, ChunkCell):
+            layers = getattr(self.memory, "layers_per_stage", 1) / cell.num_chunks
+            return (self.stage == 0 and cell.chunk == 0,
+                    self.stage == K - 1 and cell.chunk == cell.num_chunks - 1, layers)
+        return self.stage == 0, self.stage == K - 1, None
+
+    def _bytes(self, what: str, cell: Cell) -> float:
+        key = (what, cell.rows, cell.tokens, cell.context, cell.batch_slice, type(cell),
+               getattr(cell, "chunk", 0))
+        value = self._cache.get(key)
+        if value is None:
+            first, last, layers = self._where(cell)
+            m, seq = self.memory, self.seq_lengths[cell.batch_slice]
+            value = {
+                "cell": lambda: m.cell_bytes(cell.rows, cell.tokens, cell.context, first, last, layers),
+                "kv": lambda: m.kv_buffer_bytes(cell.rows, seq, layers),
+                "kv_grad": lambda: m.kv_grad_bytes(cell.rows, seq, layers),
+                "hold": lambda: m.wgrad_hold_bytes(cell.rows, cell.tokens, first, last, layers),
+                "whole": lambda: m.microbatch_bytes(cell.rows, cell.tokens, first, last, layers),
+                "rise": lambda: m.kv_grad_rise(cell.rows, cell.tokens, cell.context, seq, first,
+                                               last, self.schedule.defer_wgrad),
+            }[what]()
+            if not value >= 0:
+                raise ValueError(f"memory model {m.describe()} gave {value} bytes for {what} of "
+                                 f"cell {cell}; sizes must be non-negative")
+            self._cache[key] = value
+        return value
+
+    def whole(self, ta: TimedAction) -> None:
+        """Megatron's schedules: a microbatch's activations from its forward to its backward."""
+        size = self._bytes("whole", ta.action.cell)
+        if ta.action.kind == "F":
+            self.act += size
+            self.record(ta.start)
+            if self.schedule.forward_only:
+                self.act -= size
+                self.record(ta.end)
+        elif ta.action.kind == "B":
+            self.act -= size
+            self.record(ta.end)
+
+    def terapipe(self, ta: TimedAction) -> None:
+        a, c = ta.action, ta.action.cell
+        seq = c.sequence_key
+        if a.kind == "W":
+            self.act -= self.held.pop(seq, 0.0)
+            self.record(ta.end)
+        elif a.kind == "F":
+            self.act += self._bytes("cell", c)
+            if c.is_first_token_slice:
+                self.kv += self._bytes("kv", c)
+            self.record(ta.start)
+            if self.schedule.forward_only:
+                self.act -= self._bytes("cell", c)
+                if c.is_last_token_slice:
+                    self.kv -= self._bytes("kv", c)
+                self.record(ta.end)
+        else:
+            if c.is_last_token_slice:
+                # The K/V gradient buffers appear layer by layer as this backward frees the
+                # cell's activations from the top: the point where the two together peak.
+                grads, rise = self._bytes("kv_grad", c), self._bytes("rise", c)
+                self.kv += grads
+                self.act -= grads - rise
+                self.record(ta.start)
+                self.act += grads - rise
+            self.act -= self._bytes("cell", c)
+            if self.schedule.defer_wgrad:
+                hold = self._bytes("hold", c)
+                self.act += hold
+                self.held[seq] = self.held.get(seq, 0.0) + hold
+            if c.is_first_token_slice:
+                self.kv -= self._bytes("kv", c) + self._bytes("kv_grad", c)
+            self.record(ta.end)
+
+
+def walk_stage(timed: list[TimedAction], stage: int, schedule: Schedule, memory: StageMemory,
+               megatron: bool = False) -> StagePeaks:
+    """Walk one stage's timed actions (in its own order) and return its memory over time."""
+    walk = _Walk(memory, schedule, stage, megatron)
+    for ta in timed:
+        if megatron or isinstance(ta.action.cell, ChunkCell):
+            walk.whole(ta)
+        else:
+            walk.terapipe(ta)
+    return StagePeaks(tuple(walk.points), walk.peak_a, walk.peak_kv, walk.peak_t)
