@@ -24,7 +24,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -32,8 +31,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# pretrain_gpt's forward_step and three-value loss, as the tests use them.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import megatron_terapipe as mt  # noqa: E402
+from harness import forward_step  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -151,22 +153,6 @@ def make_batch(args) -> dict[str, torch.Tensor]:
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(b, s),
              "position_ids": torch.arange(s).expand(b, s), "attention_mask": None}
     return {k: (v.contiguous().to(args.device) if v is not None else None) for k, v in batch.items()}
-
-
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """pretrain_gpt's three-value loss: summed masked loss, token count, report."""
-    losses = output.float().view(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1).float()])}
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
-                   labels=batch["labels"])
-    return output, partial(loss_func, batch["loss_mask"])
 
 
 def iteration(schedule: Callable, model: torch.nn.Module, batch: dict, args, **extra) -> None:
