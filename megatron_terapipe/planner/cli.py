@@ -17,8 +17,11 @@ from .analytic import AnalyticCostModel
 from .cost_model import CostModel
 from .dims import Hardware, ModelDims
 from .presets import HARDWARE_PRESETS, MODEL_PRESETS
+from .cli_memory import add_memory_args, memory_from_args, schedule_lines
+from .memory import MemoryBudget, MemoryBudgetError
+from .memory_search import search_within_budget
 from .report import comparison_lines, slices_text
-from .search import SearchResult, SearchSpace, pipeline_link, search, stages_cross_nodes
+from .search import SearchResult, SearchSpace, pipeline_link, stages_cross_nodes
 from .slicer import resolve_batch_sizes
 
 GiB = 1024 ** 3
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the simulator-guided hill climb on the fastest plan's slices")
     s.add_argument("--batch-sizes", default="divisors",
                    help="rows per batch slice: divisors (default), all, none, or a list like 1,2,4")
+    add_memory_args(p)
     o = p.add_argument_group("output")
     o.add_argument("--trace", metavar="PATH.json", help="write a Chrome trace of the chosen plan")
     o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of the chosen plan")
@@ -148,7 +152,7 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
 
 
 def _report(args, model: ModelDims, cost: CostModel, hardware: Hardware,
-            result: SearchResult) -> list[str]:
+            result: SearchResult, budget: MemoryBudget) -> list[str]:
     K, tp = args.pipeline_stages, args.tensor_parallel_size
     chosen = result.chosen
     wgrad = "deferred to W actions" if chosen.plan.defer_wgrad else "in every backward cell"
@@ -160,14 +164,17 @@ def _report(args, model: ModelDims, cost: CostModel, hardware: Hardware,
         f"seq {args.seq_length}, micro batch {args.micro_batch_size}, {args.num_microbatches} "
         f"microbatch(es), order {args.order}, granularity {args.granularity}",
         f"cost model: {cost.describe()}",
-        f"chosen plan ({chosen.label}; the fastest simulated, or fewer cells within 0.5% of it):",
+        f"memory: {budget.describe()}",
+        f"chosen plan ({chosen.label}; the fastest simulated{' that fits' if budget.budget_bytes else ''}"
+        ", or fewer cells within 0.5% of it):",
         *slices_text(chosen.plan),
         f"  weight gradients: {wgrad}",
-        *comparison_lines(result),
+        *comparison_lines(result, budget),
     ]
-    if not args.profile and max(chosen.result.peak_memory_bytes) > hardware.memory_bytes:
-        lines.append(f"warning: peak activations exceed the {hardware.memory_bytes / GiB:.0f} GiB "
-                     f"of one {args.hardware} GPU before weights and optimizer state")
+    if (not args.profile and budget.budget_bytes is None
+            and max(budget.totals(chosen.result.peak_memory_bytes)) > hardware.memory_bytes):
+        lines.append(f"warning: the predicted peak exceeds the {hardware.memory_bytes / GiB:.0f} "
+                     f"GiB of one {args.hardware} GPU: give --memory-budget to plan within it")
     lines.append(f"planner: {result.slicing.solve_seconds:.2f} s, {result.slicing.dp_evaluations} "
                  f"capped DPs; objective {result.slicing.objective * 1e3:.2f} ms")
     return lines
@@ -201,17 +208,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--batch-sizes/--micro-batch-size: {exc}")
     hardware = HARDWARE_PRESETS[args.hardware]
     cost = _cost_model(args, model, hardware, parser)
+    memory, budget = memory_from_args(args, model, cost, parser)
     space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,
                         args.num_microbatches, args.order, args.granularity,
                         batch_sizes=batch_sizes,
                         defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
-                        refine=not args.no_refine)
-    result = search(cost, space)
-    for line in _report(args, model, cost, hardware, result):
+                        refine=not args.no_refine, memory=memory)
+    try:
+        result = search_within_budget(cost, space, budget)
+    except MemoryBudgetError as exc:
+        result = None
+        print(f"{args.order}: {exc}")
+    if result is not None:
+        for line in _report(args, model, cost, hardware, result, budget):
+            print(line)
+    lines, any_fits = schedule_lines(cost, space, budget, model.num_layers // args.pipeline_stages)
+    for line in lines:
         print(line)
-    for line in _write_outputs(args, result):
-        print(line)
-    return 0
+    if result is not None:
+        for line in _write_outputs(args, result):
+            print(line)
+    return 0 if any_fits else 1
 
 
 if __name__ == "__main__":  # python -m megatron_terapipe.planner.cli

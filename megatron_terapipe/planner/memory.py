@@ -44,8 +44,12 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * _UNITS[unit]
 
 
-def format_gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+def format_size(nbytes: float) -> str:
+    """'70.00 GiB', '512.0 MiB', '3.0 KiB', '12 B'."""
+    for unit, size, digits in (("GiB", GiB, 2), ("MiB", 2 ** 20, 1), ("KiB", 2 ** 10, 1)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.{digits}f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 class StageMemory(ABC):
@@ -201,13 +205,14 @@ def model_state_bytes(model: ModelDims, layers_per_stage: int, num_stages: int,
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """A per-GPU memory budget and what each stage holds besides activations and K/V."""
+    """A per-GPU memory budget (None: no limit) and what each stage holds besides
+    activations and K/V (weights, gradients, optimizer state)."""
 
-    budget_bytes: float
-    model_state: tuple[float, ...]  # per stage: weights, gradients, optimizer state
+    budget_bytes: Optional[float]
+    model_state: tuple[float, ...] = (0.0,)
 
     def __post_init__(self) -> None:
-        if not self.budget_bytes > 0:
+        if self.budget_bytes is not None and not self.budget_bytes > 0:
             raise ValueError(f"the memory budget must be positive, got {self.budget_bytes}")
 
     def state(self, stage: int) -> float:
@@ -218,14 +223,14 @@ class MemoryBudget:
         return tuple(p + self.state(k) for k, p in enumerate(peaks))
 
     def fits(self, peaks: tuple[float, ...]) -> bool:
-        return max(self.totals(peaks)) <= self.budget_bytes
+        return self.budget_bytes is None or max(self.totals(peaks)) <= self.budget_bytes
 
     def describe(self) -> str:
-        states = sorted(set(round(s / GiB, 2) for s in self.model_state))
-        state = (f"{states[0]:.2f}" if len(states) == 1
-                 else f"{states[0]:.2f}-{states[-1]:.2f}")
-        return (f"budget {format_gib(self.budget_bytes)} per GPU, of which weights, gradients "
-                f"and optimizer state take {state} GiB")
+        low, high = min(self.model_state), max(self.model_state)
+        state = format_size(low) + ("" if high == low else f" to {format_size(high)}")
+        limit = ("no memory budget" if self.budget_bytes is None
+                 else f"budget {format_size(self.budget_bytes)} per GPU")
+        return f"{limit}; weights, gradients and optimizer state {state} per stage"
 
 
 class MemoryBudgetError(ValueError):

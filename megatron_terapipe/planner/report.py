@@ -1,11 +1,14 @@
-"""Plans as text: compact slice lists, a to-scale picture of one microbatch's cells, and the
-comparison table terapipe-plan prints."""
+"""Plans as text: compact slice lists, a to-scale picture of one microbatch's cells, the
+comparison table of the plans the search timed, and the table of schedules (Megatron's and
+TeraPipe's) with the auto choice, as terapipe-plan prints them."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..plan import TeraPipePlan
+from .memory import MemoryBudget
+from .schedules import AutoChoice, ScheduleOption, ScheduleTable
 from .search import SearchResult
 
 GiB = 1024 ** 3
@@ -47,19 +50,52 @@ def memory_text(peaks: Sequence[float]) -> str:
     return f"{head} ... {tail}"
 
 
-def comparison_lines(result: SearchResult) -> list[str]:
+def comparison_lines(result: SearchResult, budget: Optional[MemoryBudget] = None) -> list[str]:
     """The table of the plans the search timed: iteration, bubble, peak memory, speedup over
-    the baseline (no token slicing), then the chosen plan's peak memory per stage."""
+    the baseline (no token slicing), then the chosen plan's peak memory per stage. With a
+    budget, plans whose peak (model state included) exceeds it say so."""
     baseline = result.baseline.time
     lines = [f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}"]
     for row in result.rows:
         r = row.result
+        over = budget is not None and not budget.fits(r.peak_memory_bytes)
         lines.append(f"{row.label:24} {r.iteration_time * 1e3:>9.2f} ms "
                      f"{100 * r.bubble_fraction:>6.1f}% {max(r.peak_memory_bytes) / GiB:>15.2f} "
-                     f"{baseline / r.iteration_time:>7.2f}x")
+                     f"{baseline / r.iteration_time:>7.2f}x" + ("  does not fit" if over else ""))
     lines.append("peak GiB per stage (activations + K/V), chosen plan: "
                  + memory_text(result.chosen.result.peak_memory_bytes))
     return lines
+
+
+def schedule_table_lines(table: ScheduleTable) -> list[str]:
+    """One row per schedule, best first: predicted iteration, speedup over Megatron's 1F1B,
+    peak GiB per stage (activations + K/V + weights, gradients and optimizer state), the plan
+    in brief, and "does not fit" where it does not."""
+    base = next((o.time for o in table.options if o.name == "Megatron 1F1B" and o.runnable), None)
+    lines = [f"schedules, best first (peak per stage: activations + K/V + model state; "
+             f"{table.budget.describe()}):",
+             f"  {'':30} {'iteration':>12} {'vs 1F1B':>8}  peak GiB per stage"]
+    return lines + ["  " + _schedule_row(o, base) for o in table.options]
+
+
+def _schedule_row(o: ScheduleOption, base: Optional[float]) -> str:
+    if not o.runnable:
+        return f"{o.name:30} {'-':>12} {'-':>8}  {o.note}"
+    speedup = f"{base / o.time:>7.2f}x" if base else f"{'-':>8}"
+    note = f"  {o.note}" if o.note else ""
+    return f"{o.name:30} {o.time * 1e3:>9.2f} ms {speedup}  {memory_text(o.totals)}{note}"
+
+
+def auto_text(choice: AutoChoice) -> str:
+    """What --pipeline-schedule auto would run, the runner-up and the predicted margin."""
+    text = f"auto: {choice.chosen.name}"
+    if choice.runner_up is not None and choice.margin is not None:
+        runner = choice.runner_up.name + ("" if choice.runner_up.fits else ", which does not fit")
+        if choice.margin >= 0:
+            text += f", predicted {100 * choice.margin:.1f}% faster than the runner-up {runner}"
+        else:
+            text += f"; the runner-up {runner} is predicted {100 * -choice.margin:.1f}% faster"
+    return text + f" ({choice.reason})"
 
 
 def slice_picture(plan: TeraPipePlan, width: int = 60) -> list[str]:

@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from ..plan import TeraPipePlan
 from .cost_model import CostModel
 from .dims import Hardware, Link
+from .memory import StageMemory
 from .refine import fewer_cells, place_wgrad_points
 from .refine import refine as hill_climb
 from .simulator import SimulationResult, simulate_plan
@@ -68,6 +69,7 @@ class SearchSpace:
     include_transfer: bool = True  # in the DP's objective
     defer_wgrad: Optional[bool] = None  # None: the simulator decides (DEFER_MIN_GAIN)
     refine: bool = True
+    memory: Optional[StageMemory] = None  # what stages keep (default: the cost model's)
 
     @property
     def unit(self) -> int:
@@ -76,7 +78,7 @@ class SearchSpace:
 
     def simulate(self, plan: TeraPipePlan, cost_model: CostModel) -> SimulationResult:
         return simulate_plan(plan, cost_model, self.num_microbatches, self.num_stages,
-                             self.micro_batch_size)
+                             self.micro_batch_size, memory=self.memory)
 
 
 @dataclass(frozen=True)

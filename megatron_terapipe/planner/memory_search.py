@@ -1,0 +1,123 @@
+"""Plans that fit a memory budget: the plan search (search.py) with every candidate's
+predicted peak per stage (activations and K/V by the space's StageMemory, plus the model
+state) held against a per-GPU budget.
+
+1. The unconstrained search; if its plan fits, it stands.
+2. Otherwise, plans that keep less alive: near-equal token slicings from 1 slice up (a 1f1b
+   stage holds about one microbatch plus a few cells, so smaller cells hold less), each with
+   the rows in one batch slice or cut into smaller ones, in the space's weight-gradient mode
+   (both modes when it is automatic: deferring holds more). The fastest that fits wins.
+3. Refinement (hill climb, fewer cells) polishes it; a step counts only if it still fits.
+If nothing fits, MemoryBudgetError names the smallest peak found and what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from ..plan import TeraPipePlan
+from .cost_model import CostModel
+from .memory import MemoryBudget, MemoryBudgetError, format_size
+from .refine import fewer_cells
+from .refine import refine as hill_climb
+from .search import Candidate, SearchResult, SearchSpace, search
+
+MAX_CANDIDATES = 120  # simulations of step 2
+
+
+def fits(candidate: Candidate, budget: MemoryBudget) -> bool:
+    return budget.fits(candidate.result.peak_memory_bytes)
+
+
+def peak_total(candidate: Candidate, budget: MemoryBudget) -> float:
+    """The candidate's largest predicted peak over the stages, model state included."""
+    return max(budget.totals(candidate.result.peak_memory_bytes))
+
+
+def _slice_counts(space: SearchSpace) -> list[int]:
+    """1, 2, 4, ... token slices up to the most the slicing unit allows."""
+    most = space.seq_length // space.unit
+    counts, n = [], 1
+    while n < most:
+        counts.append(n)
+        n *= 2
+    return counts + [most]
+
+
+def _row_splits(space: SearchSpace) -> list[Optional[tuple[int, ...]]]:
+    """All rows in one batch slice, or equal batch slices of each smaller divisor."""
+    if space.batch_sizes == "none":
+        return [None]
+    rows = space.micro_batch_size
+    return [None] + [tuple([d] * (rows // d)) for d in range(rows - 1, 0, -1) if rows % d == 0]
+
+
+def leaner_candidates(cost_model: CostModel, space: SearchSpace) -> list[Candidate]:
+    """Step 2's plans, timed (at most MAX_CANDIDATES, fewest cells first)."""
+    modes = (False, True) if space.defer_wgrad is None else (bool(space.defer_wgrad),)
+    out: list[Candidate] = []
+    for n in _slice_counts(space):
+        for rows in _row_splits(space):
+            for mode in modes:
+                if len(out) >= MAX_CANDIDATES:
+                    return out
+                plan = replace(TeraPipePlan.uniform(space.seq_length, n, space.order,
+                                                    space.unit, rows), defer_wgrad=mode)
+                name = f"uniform x{n}" + (f", batch slices of {rows[0]}" if rows else "")
+                out.append(Candidate(name, plan, space.simulate(plan, cost_model)))
+    return out
+
+
+def _polished(cost_model: CostModel, space: SearchSpace, start: Candidate,
+              budget: MemoryBudget) -> list[Candidate]:
+    """Hill climb and fewer cells from `start`, each step kept only if it still fits."""
+    shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
+    steps, current = [], start
+    climbed, _ = hill_climb(current.plan, cost_model, *shape, space.unit)
+    for name, plan in (("refined " + start.name, climbed), ("fewer cells", None)):
+        if plan is None:
+            plan, _ = fewer_cells(current.plan, cost_model, *shape, space.unit)
+            name = f"fewer cells x{len(plan.seq_slices)}"
+        if plan.token_slices == current.plan.token_slices:
+            continue
+        candidate = Candidate(name, plan, space.simulate(plan, cost_model))
+        if fits(candidate, budget) and candidate.time <= current.time * 1.005:
+            steps.append(candidate)
+            current = candidate
+    return steps
+
+
+def search_within_budget(cost_model: CostModel, space: SearchSpace,
+                         budget: MemoryBudget) -> SearchResult:
+    """The search's plan if it fits `budget`, else the fastest plan of steps 2-3 that does.
+    Raises MemoryBudgetError when none does."""
+    base = search(cost_model, space)
+    if budget.budget_bytes is None or fits(base.chosen, budget):
+        return base
+    timed = leaner_candidates(cost_model, space)
+    fitting = [c for c in timed if fits(c, budget)]
+    if not fitting:
+        leanest = min(timed + [base.chosen], key=lambda c: peak_total(c, budget))
+        error = MemoryBudgetError(no_fit_message(space, budget, leanest))
+        error.leanest = leanest  # type: ignore[attr-defined]
+        raise error
+    best = min(fitting, key=lambda c: c.time)
+    steps = (best, *(_polished(cost_model, space, best, budget) if space.refine else ()))
+    chosen = steps[-1]
+    plan = replace(chosen.plan, order=space.order, predicted_time=chosen.time)
+    return SearchResult(plan, chosen, base.starts, base.best_start, (base.chosen, *steps),
+                        base.baseline, base.slicing)
+
+
+def no_fit_message(space: SearchSpace, budget: MemoryBudget, leanest: Candidate) -> str:
+    totals = budget.totals(leanest.result.peak_memory_bytes)
+    stage = max(range(len(totals)), key=lambda k: totals[k])
+    fixes = "more memory, more pipeline stages, a smaller micro batch"
+    if space.order != "1f1b":
+        fixes += ", order 1f1b (it keeps about one microbatch per stage)"
+    return (f"no {space.order} plan fits the memory budget of {format_size(budget.budget_bytes)} "
+            f"per GPU: the leanest ({leanest.label}) peaks at {format_size(totals[stage])} on "
+            f"stage {stage} ({format_size(leanest.result.peak_memory_bytes[stage])} of "
+            f"activations and K/V, {format_size(budget.state(stage))} of weights, gradients and "
+            f"optimizer state); give {fixes}, or activation recomputation")

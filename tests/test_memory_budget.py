@@ -1,0 +1,81 @@
+"""The plan search under a memory budget (planner/memory_search.py): the plan it returns fits,
+it is the fastest fitting plan among those it could return, and no fit is a clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
+from megatron_terapipe.planner.memory import (GiB, MemoryBudget, MemoryBudgetError,
+                                              ModelStateConfig, model_state_bytes)
+from megatron_terapipe.planner.memory_search import leaner_candidates, search_within_budget
+from megatron_terapipe.planner.search import SearchSpace, search
+
+
+def cost_model():
+    """Per-cell overhead makes few slices fast; activations of 1 byte per row and token."""
+    return FunctionCostModel(lambda b, l, c: 1e-3 * b * (l + 0.5 * c) / 64 + 2e-3,
+                             activation=lambda b, l, c: b * l * 1.0 + 0 * c,
+                             kv=lambda b, l: 0.25 * b * l)
+
+
+SPACE = SearchSpace(seq_length=512, micro_batch_size=4, num_stages=4, num_microbatches=4,
+                    order="1f1b", granularity=32, defer_wgrad=False)
+
+
+def test_unconstrained_plan_stands_when_it_fits():
+    free = search(cost_model(), SPACE)
+    peak = max(free.chosen.result.peak_memory_bytes)
+    within = search_within_budget(cost_model(), SPACE, MemoryBudget(peak * 1.01))
+    assert within.plan == free.plan
+
+
+@pytest.mark.parametrize("share", [0.9, 0.5, 0.1])
+def test_tighter_budgets_are_honoured_at_the_fastest_fitting_plan(share):
+    """Budgets between the leanest plan's peak and the unconstrained plan's: the plan fits
+    and no candidate that fits is faster."""
+    cost = cost_model()
+    free = max(search(cost, SPACE).chosen.result.peak_memory_bytes)
+    candidates = leaner_candidates(cost, SPACE)
+    leanest = min(max(c.result.peak_memory_bytes) for c in candidates)
+    assert leanest < 0.8 * free  # there is room to trade speed for memory
+    budget = MemoryBudget(leanest + share * (free - leanest))
+    found = search_within_budget(cost, SPACE, budget)
+    assert budget.fits(found.chosen.result.peak_memory_bytes)
+    fitting = [c for c in candidates if budget.fits(c.result.peak_memory_bytes)]
+    assert found.chosen.time <= min(c.time for c in fitting) + 1e-12
+    assert found.plan.predicted_time == pytest.approx(found.chosen.time)
+
+
+def test_model_state_counts_against_the_budget():
+    cost = cost_model()
+    free = search(cost, SPACE)
+    peak = max(free.chosen.result.peak_memory_bytes)
+    assert search_within_budget(cost, SPACE, MemoryBudget(peak * 1.01, (0.0,))).plan == free.plan
+    shifted = search_within_budget(cost, SPACE, MemoryBudget(peak * 1.01, (0.2 * peak,)))
+    assert shifted.plan != free.plan
+    assert max(shifted.chosen.result.peak_memory_bytes) <= 0.81 * peak
+
+
+def test_no_fit_names_the_budget_and_the_fixes():
+    with pytest.raises(MemoryBudgetError, match=r"no gpipe plan fits the memory budget of 1 B "
+                                                r"per GPU: the leanest .* peaks at 10.0 KiB on "
+                                                r"stage 0.*order 1f1b"):
+        search_within_budget(cost_model(), SearchSpace(512, 4, 4, 4, "gpipe", 32, defer_wgrad=False),
+                             MemoryBudget(1.0))
+
+
+def test_gpt3_13b_on_a100s_within_40_gib():
+    """A budget between the 1f1b plan's peak and the unconstrained gpipe plan's: gpipe has no
+    plan that fits; 1f1b does, within Megatron's own accounting of the model state."""
+    model = model_preset("gpt3-13b")
+    cost = AnalyticCostModel(model, hardware_preset("a100"), layers_per_stage=5)
+    state = model_state_bytes(model, 5, 8, ModelStateConfig(data_parallel=8, distributed_optimizer=True))
+    budget = MemoryBudget(20 * GiB, state)
+    space = SearchSpace(2048, 1, 8, 8, "1f1b", 16)
+    found = search_within_budget(cost, space, budget)
+    assert max(budget.totals(found.chosen.result.peak_memory_bytes)) <= 20 * GiB
+    with pytest.raises(MemoryBudgetError):
+        search_within_budget(cost, SearchSpace(2048, 1, 8, 8, "gpipe", 16), budget)
+    assert np.isfinite(found.plan.predicted_time)
