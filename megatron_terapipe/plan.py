@@ -37,8 +37,13 @@ class TeraPipePlan:
     order: "1f1b" (warm-up, then one forward / one backward) or "gpipe" (all forwards, then all
         backwards), the order of the TeraPipe paper.
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
-    defer_wgrad: compute a sequence's weight gradients in one W action after its last backward
-        cell, instead of a thin GEMM in every cell's backward (see megatron_terapipe.runtime.wgrad).
+    defer_wgrad: compute a sequence's parameter gradients in one W action after its last
+        backward cell, instead of per cell: thin GEMMs and one accumulation per parameter in
+        every cell's backward (see megatron_terapipe.runtime.wgrad). The default: it is exact,
+        and per iteration each parameter then accumulates once per sequence, however many token
+        slices there are. False computes them in every backward cell (less memory held until
+        the W action). Layers that cannot defer (Transformer Engine's) compute theirs at once
+        either way.
     wgrad_points: with defer_wgrad, per pipeline stage, the token slices after whose backward
         that stage already computes the weight gradients deferred so far (an extra W action).
         A stage that would wait for its next output gradient there does useful work instead,
@@ -50,7 +55,7 @@ class TeraPipePlan:
     batch_slices: Optional[Sequence[int]] = None
     order: str = "1f1b"
     predicted_time: Optional[float] = None
-    defer_wgrad: bool = False
+    defer_wgrad: bool = True
     wgrad_points: Sequence[Sequence[int]] = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
@@ -228,7 +233,7 @@ class TeraPipePlan:
     def from_dict(cls, data: dict) -> "TeraPipePlan":
         return cls(seq_slices=data["seq_slices"], batch_slices=data.get("batch_slices"),
                    order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"),
-                   defer_wgrad=bool(data.get("defer_wgrad", False)),
+                   defer_wgrad=bool(data.get("defer_wgrad", True)),
                    wgrad_points=data.get("wgrad_points") or ())
 
     def to_json(self) -> str:

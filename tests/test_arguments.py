@@ -159,8 +159,10 @@ def test_defer_wgrad_flag():
 
     on, report_on = plan("--terapipe-defer-wgrad", "on")
     off, report_off = plan("--terapipe-defer-wgrad", "off")
-    auto, _ = plan()
+    auto, _ = plan("--terapipe-defer-wgrad", "auto")
+    default, _ = plan()
     assert on.defer_wgrad and not off.defer_wgrad
+    assert default == on  # deferral is the default
     assert on.token_slices == off.token_slices == auto.token_slices  # the flag only adds W
     # auto: deferred exactly when the simulation finds it at least 1% faster
     assert auto.defer_wgrad == (report_on.iteration_time < 0.99 * report_off.iteration_time)

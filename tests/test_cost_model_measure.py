@@ -39,8 +39,9 @@ def test_measure_fit_save_and_plan(tmp_path):
     assert all(t > 0 for t in times)
     assert sorted(set(data["measurements"]["context"]))[0] == 0 and max(data["measurements"]["context"]) > 0
     # context-free cells also ran with deferred weight gradients: the backward without them and
-    # the W action computing them, with all four linear layers (QKV, projection, FC1, FC2) deferring
-    assert meta["wgrad_deferring_linear_layers"] == 4
+    # the W action computing them, with every parameter deferring: the four linear layers' (QKV,
+    # projection, FC1, FC2) weights and biases, the two norms' weights and biases
+    assert meta["wgrad_deferring_parameters"] == 12
     m = data["measurements"]
     for c, w, bd in zip(m["context"], m["wgrad"], m["deferred_backward"]):
         assert (w is None and bd is None) if c else (w > 0 and bd > 0)

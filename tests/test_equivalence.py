@@ -22,6 +22,10 @@ for gradients, rtol 1e-6 / atol 1e-6 for losses; measured worst: 8.7e-7 max-norm
 1.1e-7 beyond rtol (the per-token-loss case, whose gradients are the largest), losses 1.3e-7
 relative. bf16 cases BF16 = max_normalised 5e-2, rtol 1e-2 / atol 5e-3, losses rtol 5e-4 /
 atol 1e-3; measured 1.6e-2, 1.5e-3 and 3.9e-5.
+
+The cases without "w_" compute every gradient in the backward cells (defer_wgrad=False); the
+"w_" cases run the default plan, whose W actions compute every parameter's gradient once per
+sequence (linear weights and biases, norms, embedding tables).
 """
 
 import dataclasses
@@ -33,18 +37,25 @@ from megatron_terapipe import TeraPipePlan
 from harness import (BF16, FP32, Case, TinyGPT, check_case, check_gradients, check_losses,
                      max_relative_error, spawn)
 
-UNEVEN = TeraPipePlan(seq_slices=[5, 7, 4])
+
+
+def Plan(*args, **kwargs) -> TeraPipePlan:
+    """A plan whose gradients are all computed in the backward cells."""
+    return TeraPipePlan(*args, defer_wgrad=False, **kwargs)
+
+
+UNEVEN = Plan(seq_slices=[5, 7, 4])
 
 CASES_2 = [
     Case("pp2_1f1b_uneven_more_mb", UNEVEN, num_microbatches=3),
-    Case("pp2_gpipe_uneven_more_mb", TeraPipePlan([5, 7, 4], order="gpipe"), num_microbatches=3),
-    Case("pp2_1f1b_one_slice_fewer_mb", TeraPipePlan([16]), num_microbatches=1),
-    Case("pp2_gpipe_learned_abs", TeraPipePlan([3, 13], order="gpipe"), num_microbatches=1,
+    Case("pp2_gpipe_uneven_more_mb", Plan([5, 7, 4], order="gpipe"), num_microbatches=3),
+    Case("pp2_1f1b_one_slice_fewer_mb", Plan([16]), num_microbatches=1),
+    Case("pp2_gpipe_learned_abs", Plan([3, 13], order="gpipe"), num_microbatches=1,
          model=TinyGPT(position_embedding_type="learned_absolute")),
     Case("pp2_1f1b_learned_abs", UNEVEN, model=TinyGPT(position_embedding_type="learned_absolute")),
-    Case("pp2_1f1b_batch_slices_own_tokens", TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2]),
+    Case("pp2_1f1b_batch_slices_own_tokens", Plan([[8, 8], [4, 4, 8]], batch_slices=[1, 2]),
          micro_batch_size=3, num_microbatches=2),
-    Case("pp2_gpipe_batch_slices", TeraPipePlan([8, 8], batch_slices=[2, 1], order="gpipe"),
+    Case("pp2_gpipe_batch_slices", Plan([8, 8], batch_slices=[2, 1], order="gpipe"),
          micro_batch_size=3, num_microbatches=4),
     Case("pp2_dataset_causal_mask", UNEVEN, with_mask=True),
     Case("pp2_legacy_two_tuple_loss", UNEVEN, legacy_loss=True),
@@ -53,12 +64,12 @@ CASES_2 = [
     Case("pp2_tied_embeddings_ddp", UNEVEN, model=TinyGPT(untie=False), ddp=True),
     Case("pp2_selective_recompute", UNEVEN,
          model=TinyGPT(recompute_granularity="selective", recompute_modules=("core_attn",))),
-    Case("pp2_full_recompute", TeraPipePlan([5, 7, 4], order="gpipe"),
+    Case("pp2_full_recompute", Plan([5, 7, 4], order="gpipe"),
          model=TinyGPT(recompute_granularity="full")),
     Case("pp2_forward_only", UNEVEN, forward_only=True),
     # Megatron's own P2PCommunicator (the CUDA path) with its fused send/receive calls.
     Case("pp2_megatron_p2p_1f1b", UNEVEN, transport="megatron", num_microbatches=4),
-    Case("pp2_megatron_p2p_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), transport="megatron"),
+    Case("pp2_megatron_p2p_gpipe", Plan([5, 7, 4], order="gpipe"), transport="megatron"),
     # bf16 through Megatron's Float16Module: both sides round differently once slices change
     # the summation order, so the bound is bf16's (8 mantissa bits), not fp32's.
     Case("pp2_bf16_float16module", UNEVEN, model=TinyGPT(bf16=True, params_dtype=torch.bfloat16),
@@ -71,24 +82,24 @@ CASES_2 = [
 
 CASES_4 = [
     Case("pp4_1f1b_more_mb", UNEVEN, pp=4, num_microbatches=5),
-    Case("pp4_gpipe_fewer_mb", TeraPipePlan([8, 4, 4], order="gpipe"), pp=4, num_microbatches=2),
-    Case("pp4_1f1b_batch_slices", TeraPipePlan([4, 12], batch_slices=[1, 1]), pp=4,
+    Case("pp4_gpipe_fewer_mb", Plan([8, 4, 4], order="gpipe"), pp=4, num_microbatches=2),
+    Case("pp4_1f1b_batch_slices", Plan([4, 12], batch_slices=[1, 1]), pp=4,
          num_microbatches=3),
-    Case("pp4_megatron_p2p_1f1b", TeraPipePlan([8, 8]), pp=4, num_microbatches=5,
+    Case("pp4_megatron_p2p_1f1b", Plan([8, 8]), pp=4, num_microbatches=5,
          transport="megatron"),
-    Case("tp2_pp2_1f1b", TeraPipePlan([6, 6, 4]), tp=2, pp=2),
-    Case("tp2_pp2_gpipe_rope_gqa", TeraPipePlan([2, 14], order="gpipe"), tp=2, pp=2,
+    Case("tp2_pp2_1f1b", Plan([6, 6, 4]), tp=2, pp=2),
+    Case("tp2_pp2_gpipe_rope_gqa", Plan([2, 14], order="gpipe"), tp=2, pp=2,
          model=TinyGPT(num_query_groups=2)),
     # Sequence parallelism: slices are multiples of TP, stage transfers carry tokens / TP.
-    Case("tp2_pp2_sequence_parallel", TeraPipePlan([6, 6, 4]), tp=2, pp=2, ddp=True,
+    Case("tp2_pp2_sequence_parallel", Plan([6, 6, 4]), tp=2, pp=2, ddp=True,
          model=TinyGPT(sequence_parallel=True)),
-    Case("tp2_pp2_sequence_parallel_gpipe_learned_abs", TeraPipePlan([2, 10, 4], order="gpipe"),
+    Case("tp2_pp2_sequence_parallel_gpipe_learned_abs", Plan([2, 10, 4], order="gpipe"),
          tp=2, pp=2, ddp=True,
          model=TinyGPT(sequence_parallel=True, position_embedding_type="learned_absolute")),
     Case("dp2_pp2_ddp_1f1b", UNEVEN, pp=2, ddp=True, num_microbatches=2),
-    Case("dp2_pp2_ddp_gpipe", TeraPipePlan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
+    Case("dp2_pp2_ddp_gpipe", Plan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
          num_microbatches=3),
-    Case("pp4_gpipe_deallocate_outputs", TeraPipePlan([8, 4, 4], order="gpipe"), pp=4,
+    Case("pp4_gpipe_deallocate_outputs", Plan([8, 4, 4], order="gpipe"), pp=4,
          num_microbatches=2, deallocate_outputs=True),
 ]
 
@@ -118,6 +129,15 @@ DEFERRED_2 = [
     Case("w_pp2_megatron_p2p", DEFERRED, transport="megatron", num_microbatches=4),
     Case("w_pp2_bf16_float16module", DEFERRED,
          model=TinyGPT(bf16=True, params_dtype=torch.bfloat16), tolerance=BF16),
+    # Each parameter kind's deferred path: learned positions (torch Embedding), RMSNorm, the
+    # legacy mean loss, and a tied embedding on one stage (the lookup's and the output layer's
+    # gradients of one parameter, one of them in DDP's main_grad, the other through its hook).
+    Case("w_pp2_gpipe_learned_abs", TeraPipePlan([3, 13], order="gpipe"), num_microbatches=1,
+         model=TinyGPT(position_embedding_type="learned_absolute")),
+    Case("w_pp2_rmsnorm", DEFERRED, model=TinyGPT(normalization="RMSNorm")),
+    Case("w_pp2_legacy_two_tuple_loss", DEFERRED, legacy_loss=True),
+    Case("w_dp2_tied_embeddings_one_stage_ddp_overlap", DEFERRED, pp=1, ddp=True,
+         overlap_grad_reduce=True, model=TinyGPT(untie=False, num_layers=2)),
 ]
 
 DEFERRED_4 = [
@@ -133,6 +153,9 @@ DEFERRED_4 = [
          ddp=True, model=TinyGPT(sequence_parallel=True)),
     Case("w_dp2_pp2_ddp_overlap", DEFERRED, pp=2, ddp=True, overlap_grad_reduce=True,
          num_microbatches=2),
+    Case("w_tp2_pp2_sequence_parallel_gpipe_learned_abs",
+         TeraPipePlan([2, 10, 4], order="gpipe"), tp=2, pp=2, ddp=True,
+         model=TinyGPT(sequence_parallel=True, position_embedding_type="learned_absolute")),
     Case("w_dp2_pp2_ddp_overlap_early_w",
          TeraPipePlan([5, 7, 4], defer_wgrad=True, wgrad_points=[[2, 1], [1]]), pp=2, ddp=True,
          overlap_grad_reduce=True, num_microbatches=2),

@@ -75,7 +75,7 @@ def test_launcher_runs_the_unmodified_script_with_terapipe(tmp_path):
     spans = [e for e in measured if e["ph"] == "X"]
     cells = [e for e in spans if e["cat"] in ("forward", "backward")]
     assert len(cells) == 2 * 2 * 4 * 4  # stages x (F, B) x slices x microbatches
-    # the plan's weight-gradient mode (auto: the simulator's choice) decides the W actions
+    # the plan's weight-gradient mode (deferred by default) decides the W actions
     deferred = ">   weight gradients .......... deferred" in stdout
     weight_grads = [e for e in spans if e["cat"] == "weight-grad"]
     assert len(weight_grads) == (2 * 4 if deferred else 0)  # stages x sequences

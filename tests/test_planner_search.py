@@ -39,7 +39,7 @@ def test_rows_list_refinements_first_and_the_plain_baseline_last():
     result = search(cost, SearchSpace(2048, 8, 8, 1, "gpipe", granularity=8))
     rows = result.rows
     assert rows[-1] is result.baseline
-    assert result.baseline.plan == TeraPipePlan([2048], order="gpipe")  # no W: Megatron's own
+    assert result.baseline.plan == TeraPipePlan([2048], order="gpipe", defer_wgrad=False)  # Megatron's
     assert [r.name for r in rows[len(result.steps):len(result.steps) + 2]] == [
         "TeraPipe DP", f"uniform x{len(result.starts[1].plan.seq_slices)}"]
     assert list(rows[:len(result.steps)]) == list(reversed(result.steps))
@@ -78,7 +78,7 @@ def test_deferral_is_chosen_against_the_fastest_plain_plan():
     one of them is that much faster than its own plain version."""
     assert deferral_pays(100.0, 100.0 * (1 - DEFER_MIN_GAIN) - 1e-9)
     assert not deferral_pays(100.0, 100.0 * (1 - DEFER_MIN_GAIN))
-    space = TableSpace(32, 1, 1, granularity=8)
+    space = TableSpace(32, 1, 1, granularity=8, defer_wgrad=None)  # auto: the rule below
     halves, quarters = TeraPipePlan([16, 16]), TeraPipePlan([8, 8, 8, 8])
     alone = choose_deferral(None, space, [("halves", halves)])
     assert [c.plan.defer_wgrad for c in alone] == [True]  # 98.5 is 1.5% under its own 100
@@ -87,6 +87,9 @@ def test_deferral_is_chosen_against_the_fastest_plain_plan():
     assert min(both, key=lambda c: c.time).name == "quarters"
     fixed = choose_deferral(None, TableSpace(32, 1, 1, defer_wgrad=True), [("halves", halves)])
     assert fixed[0].plan.defer_wgrad and fixed[0].time == 98.5
+    # the default space defers whatever the simulator says
+    default = choose_deferral(None, TableSpace(32, 1, 1), [("halves", halves), ("quarters", quarters)])
+    assert [c.plan.defer_wgrad for c in default] == [True, True]
 
 
 @pytest.mark.parametrize("ranks_per_stage,stages,per_node,crosses", [

@@ -47,10 +47,10 @@ def test_plan_round_trips_through_json():
     assert again == plan and again.token_slices == ((8, 8), (4, 12))
 
 
-plans = st.builds(
+plans = st.builds(  # forward and backward cells only (no W actions)
     lambda slices, batch, order: TeraPipePlan(
         seq_slices=slices if batch is None else [slices] * len(batch),
-        batch_slices=batch, order=order),
+        batch_slices=batch, order=order, defer_wgrad=False),
     st.lists(st.integers(1, 5), min_size=1, max_size=4),
     st.one_of(st.none(), st.lists(st.integers(1, 2), min_size=1, max_size=3)),
     st.sampled_from(["1f1b", "gpipe"]),
@@ -102,7 +102,7 @@ def _replace(schedule: Schedule, stage: int, actions) -> Schedule:
 
 
 def test_validate_rejects_broken_orders():
-    good = build_schedule(TeraPipePlan([4, 4], order="gpipe"), 1, 2, 1)
+    good = build_schedule(TeraPipePlan([4, 4], order="gpipe", defer_wgrad=False), 1, 2, 1)
     validate(good)
     f0, f1, b1, b0 = good.stages[1]
     with pytest.raises(ScheduleError, match="reverse token order"):
@@ -121,7 +121,7 @@ def test_validate_rejects_broken_orders():
 
 
 def test_timeline_adds_transfer_delays():
-    schedule = build_schedule(TeraPipePlan([4, 4], order="gpipe"), 1, 2, 1)
+    schedule = build_schedule(TeraPipePlan([4, 4], order="gpipe", defer_wgrad=False), 1, 2, 1)
     spans = timeline(schedule, lambda k, a: 1.0, lambda k, a: 0.5)
     # two cells, two stages: F F on stage 0, then stage 1 starts after 1 + 0.5
     starts = {(s.stage, str(s.action)): s.start for s in spans}

@@ -107,7 +107,7 @@ def test_forward_only_activations_are_transient():
 
 
 def test_idle_and_busy_add_up():
-    plan = TeraPipePlan([96, 64, 64, 32], batch_slices=[2, 1], order="1f1b")
+    plan = TeraPipePlan([96, 64, 64, 32], batch_slices=[2, 1], order="1f1b", defer_wgrad=False)
     cost = FunctionCostModel(lambda b, l, c: 1e-3 * b * (l + 0.1 * c) + 1e-3)
     result = simulate(build_schedule(plan, 3, 4, 3), cost)
     for busy, idle in zip(result.busy, result.idle):

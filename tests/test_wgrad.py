@@ -33,7 +33,7 @@ def test_one_w_per_sequence_right_after_its_first_slice_backward():
 
 
 def test_no_w_without_deferral_or_backward():
-    plan = TeraPipePlan([4, 4])
+    plan = TeraPipePlan([4, 4], defer_wgrad=False)
     assert not any(a.kind == "W" for s in build_schedule(plan, 2, 2, 1).stages for a in s)
     fwd = build_schedule(deferred(plan), 2, 2, 1, forward_only=True)
     assert not fwd.defer_wgrad
@@ -60,7 +60,7 @@ def test_validate_rejects_misplaced_w():
         validate(_edited(schedule, 0, lambda a: a + [w]))
     with pytest.raises(ScheduleError, match="expected one per sequence"):
         validate(_edited(schedule, 0, lambda a: [x for x in a if x.kind != "W"]))
-    plain = build_schedule(TeraPipePlan([4, 4]), 1, 2, 1)
+    plain = build_schedule(TeraPipePlan([4, 4], defer_wgrad=False), 1, 2, 1)
     with pytest.raises(ScheduleError, match="defer_wgrad=False"):
         validate(_edited(plain, 1, lambda a: a + [Action("W", w.cell)]))
 
@@ -68,7 +68,10 @@ def test_validate_rejects_misplaced_w():
 def test_plan_round_trips_defer_wgrad():
     plan = deferred(TeraPipePlan([4, 4]))
     assert TeraPipePlan.from_dict(plan.to_dict()) == plan
-    assert TeraPipePlan.from_dict(TeraPipePlan([4, 4]).to_dict()).defer_wgrad is False
+    plain = TeraPipePlan([4, 4], defer_wgrad=False)
+    assert TeraPipePlan.from_dict(plain.to_dict()).defer_wgrad is False
+    assert TeraPipePlan([4, 4]).defer_wgrad is True  # the default, also of a dict without it
+    assert TeraPipePlan.from_dict({"seq_slices": [4, 4]}).defer_wgrad is True
     assert "wgrad=deferred" in plan.describe()
     early = TeraPipePlan([4, 4, 4], defer_wgrad=True, wgrad_points=[[2, 1], []])
     assert early.wgrad_points == ((1, 2),)  # sorted, trailing empty stages dropped
@@ -92,7 +95,7 @@ def test_early_w_actions_follow_their_slices_backward_per_stage():
 
 def test_bad_wgrad_points_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="needs defer_wgrad=True"):
-        TeraPipePlan([4, 4], wgrad_points=[[1]])
+        TeraPipePlan([4, 4], defer_wgrad=False, wgrad_points=[[1]])
     with pytest.raises(ValueError, match="between 1 and 1"):
         TeraPipePlan([4, 4], defer_wgrad=True, wgrad_points=[[0]])
     with pytest.raises(ValueError, match="between 1 and 1"):
@@ -112,7 +115,7 @@ def _function_model(wgrad_share: float) -> FunctionCostModel:
 
 
 def test_simulator_moves_weight_gradient_time_from_backward_cells_to_w():
-    plan = TeraPipePlan([8, 8, 16])
+    plan = TeraPipePlan([8, 8, 16], defer_wgrad=False)
     cost = _function_model(0.5)
     plain = simulate(build_schedule(plan, 2, 2, 1), cost)
     moved = simulate(build_schedule(deferred(plan), 2, 2, 1), cost)
@@ -183,7 +186,7 @@ def test_refine_keeps_the_early_w_actions_that_still_fit():
 
 
 def test_no_early_w_without_deferral():
-    plan = TeraPipePlan([8, 8, 8, 8])
+    plan = TeraPipePlan([8, 8, 8, 8], defer_wgrad=False)
     assert place_wgrad_points(plan, _slow_last_stage(), 1, 2, 1)[0] == plan
 
 
@@ -199,7 +202,7 @@ def test_analytic_wgrad_share_is_the_linear_layers_half_of_backward():
 
 def test_solve_lets_the_simulator_choose_deferral():
     cost = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("a100"), layers_per_stage=5)
-    chosen = solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1)
+    chosen = solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1, defer_wgrad=None)
     forced = {d: solve(cost, 2048, 1, 4, granularity=128, num_microbatches=1, defer_wgrad=d)
               for d in (False, True)}
     assert forced[True].defer_wgrad and not forced[False].defer_wgrad
@@ -212,10 +215,10 @@ def test_solve_does_not_defer_for_a_negligible_gain():
     """A sliver of weight-gradient time: deferring gains under 1%, not worth its memory."""
     cost = FunctionCostModel(forward=lambda b, l, c: 1e-3 * b * l,
                              wgrad=lambda b, l, c, first, last: 1e-6 * b * l)
-    chosen = solve(cost, 64, 1, 2, granularity=8)
-    deferred = solve(cost, 64, 1, 2, granularity=8, defer_wgrad=True)
+    chosen = solve(cost, 64, 1, 2, granularity=8, defer_wgrad=None)
+    deferred = solve(cost, 64, 1, 2, granularity=8)  # the default
     assert deferred.predicted_time < chosen.predicted_time  # a real gain, but a tiny one
-    assert not chosen.defer_wgrad
+    assert not chosen.defer_wgrad and deferred.defer_wgrad
 
 
 def test_hooked_layers_run_megatrons_code_outside_terapipe():

@@ -20,6 +20,8 @@ def check_all() -> list[tuple[str, Optional[str]]]:
     checks = [("schedule getter", compat.schedule_getter_modules),
               ("set_current_microbatch", compat._set_current_microbatch_impl),
               ("parallel linears' _forward_impl", compat.parallel_linear_classes),
+              ("VocabParallelEmbedding", compat.vocab_parallel_embedding_class),
+              ("fused weight-gradient kernel", compat.fused_wgrad_accumulate),
               ("RoPE offset", compat.rotary_embedding_classes),
               ("GPTModel.__init__", compat.gpt_model_class),
               ("CPU mode modules", compat.cpu_mode_modules),

@@ -40,10 +40,13 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     slices.add_argument("--terapipe-num-slices", type=int, default=None, metavar="N",
                         help="cut each sequence into N near-equal slices (multiples of "
                              "--terapipe-granularity)")
-    group.add_argument("--terapipe-defer-wgrad", choices=("auto", "on", "off"), default="auto",
-                       help="compute each sequence's weight gradients in one W action after its "
-                            "last backward cell instead of in every cell (auto: when the cost "
-                            "model's simulation finds it at least 1%% faster)")
+    group.add_argument("--terapipe-defer-wgrad", choices=("auto", "on", "off"), default="on",
+                       help="compute each sequence's parameter gradients in one W action after "
+                            "its last backward cell instead of in every cell (on, the default: "
+                            "exact, and one accumulation per parameter and sequence however "
+                            "many slices; off: in every cell, less memory held until the W "
+                            "action; auto: when the cost model's simulation finds it at least "
+                            "1%% faster)")
     group.add_argument("--terapipe-cost-model", default="analytic",
                        metavar="{analytic,profile,PATH}",
                        help="cost model of the DP slicer (used when no slices are given) and of "
@@ -158,7 +161,7 @@ def dtype_bytes(args) -> int:
 
 def defer_wgrad(args) -> Optional[bool]:
     """--terapipe-defer-wgrad as the planner takes it: None for auto."""
-    return {"on": True, "off": False}.get(getattr(args, "terapipe_defer_wgrad", "auto"))
+    return {"on": True, "off": False}.get(getattr(args, "terapipe_defer_wgrad", "on"))
 
 
 def slices_given(args) -> bool:

@@ -97,9 +97,9 @@ class _SliceLayer:
             # Gradients stay: in an iteration every cell after the first adds into them, which
             # costs more than writing fresh ones.
             return middle - start, end - middle, 0.0
-        if store.deferred != self.deferrable:  # every local linear layer must have deferred
-            raise RuntimeError(f"weight-gradient deferral did not run in the measured layer: "
-                               f"{store.deferred} of {self.deferrable} linear layers deferred")
+        if store.deferred != self.deferrable:  # every deferrable parameter must have deferred
+            raise RuntimeError(f"gradient deferral did not run in the measured layer: "
+                               f"{store.deferred} of {self.deferrable} parameters deferred")
         store.flush(cell.sequence_key)
         sync()
         return middle - start, end - middle, time.perf_counter() - end
@@ -146,7 +146,7 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
 
     measured_model = model if V is None else replace(model, vocab_size=int(V))
     metadata = {"model": measured_model.to_dict(), "model_name": model.name,
-                "wgrad_deferring_linear_layers": layer.deferrable,
+                "wgrad_deferring_parameters": layer.deferrable,
                 **env.metadata(repeats, warmup, statistic)}
     edge_measurements = None
     if edges and V is not None and cells:

@@ -27,6 +27,9 @@ class PlanReport:
     baseline_time: Optional[float] = None  # 1F1B without token slices
     baseline_bubble: Optional[float] = None
     notes: list[str] = field(default_factory=list)
+    peak_bytes: Optional[tuple[float, ...]] = None  # per stage, model state included
+    budget_bytes: Optional[float] = None  # --terapipe-memory-budget
+    model_state: tuple[float, ...] = ()  # per stage: weights, gradients, optimizer state
 
     def lines(self, plan: TeraPipePlan) -> list[str]:
         out = [f"> terapipe plan for seq_length {self.seq_length}, micro_batch_size "
@@ -43,6 +46,10 @@ class PlanReport:
         if plan.wgrad_points:
             wgrad += f"; {plan.early_w_text()}"
         out.append(">   weight gradients .......... " + wgrad)
+        if plan.defer_wgrad:  # the rule, and how to change it
+            out.append(">     (the default: exact, one accumulation per parameter and sequence;")
+            out.append(">     Transformer Engine layers keep theirs in the backward cells;")
+            out.append(">     --terapipe-defer-wgrad off: all there, less memory held)")
         out.append(f">   slices from ............... {self.source}")
         out.append(f">   cost model ................ {self.cost_model}")
         out.extend(self._prediction_lines())
@@ -62,4 +69,19 @@ class PlanReport:
             if self.baseline_bubble is not None:
                 line += f" (1F1B without token slices: {100 * self.baseline_bubble:.1f}%)"
             out.append(line)
+        return out + self._memory_lines()
+
+    def _memory_lines(self) -> list[str]:
+        """Predicted peak per stage (GiB, model state included) and the budget."""
+        if self.peak_bytes is None:
+            return []
+        gib = 1024 ** 3
+        state = max(self.model_state, default=0.0)
+        line = (">   predicted peak (GiB) ...... " + " ".join(f"{p / gib:.2f}" for p in self.peak_bytes[:8])
+                + (" ..." if len(self.peak_bytes) > 8 else "")
+                + f" per stage (with up to {state / gib:.2f} of weights, gradients, optimizer state)")
+        out = [line]
+        if self.budget_bytes is not None:
+            out.append(f">   memory budget ............. {self.budget_bytes / gib:.2f} GiB per GPU: "
+                       f"fits (largest peak {max(self.peak_bytes) / gib:.2f})")
         return out

@@ -1,6 +1,7 @@
 """Plans from the flags, in one process: explicit slices (--terapipe-slices), uniform slices
-(--terapipe-num-slices), or the planner's search on the flags' cost model; each with the
-simulator's prediction for the start-up report. ArgsPlanProvider (plan_provider.py) adds the
+(--terapipe-num-slices), or the planner's search on the flags' cost model (within
+--terapipe-memory-budget when given); each with the simulator's prediction for the start-up
+report. ArgsPlanProvider (plan_provider.py) adds the
 collectives that give every rank rank 0's plan."""
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from typing import Callable, Optional
 from ..plan import TeraPipePlan
 from ..planner.cost_model import CostModel
 from ..planner.fits import LayerTimeFit
-from ..planner.search import SearchSpace, choose_deferral, search
+from ..planner.memory import MemoryBudget, MemoryBudgetError, format_size
+from ..planner.memory_search import search_within_budget
+from ..planner.search import SearchResult, SearchSpace, choose_deferral
 from ..planner.trace import write_chrome_trace
 from .cost_from_args import analytic_cost_model, profiled_cost_model, profiled_cost_model_from_file
 from .flags import (defer_wgrad, granularity, num_microbatches, pp_size, slice_multiple,
                     slice_unit, slices_given)
+from .memory_args import budget_from_args, stage_memory_from_args
 from .plan_report import PlanReport
 from .profile_cache import profile_cache_path
 from .validation import TeraPipeArgumentError
@@ -58,7 +62,7 @@ def search_space_from_args(args, seq_length: int, micro_batch_size: int) -> Sear
                        num_microbatches(args, micro_batch_size),
                        order=getattr(args, "terapipe_order", "1f1b"),
                        granularity=granularity(args), multiple_of=slice_multiple(args),
-                       defer_wgrad=defer_wgrad(args))
+                       defer_wgrad=defer_wgrad(args), memory=stage_memory_from_args(args))
 
 
 @dataclass
@@ -76,18 +80,19 @@ def plan_run(args, seq_length: int, micro_batch_size: int,
     """The plan the flags select for this shape, and the simulator's view of it."""
     cost = cost or (lambda: cost_model_from_args(args, seq_length, micro_batch_size))
     space = search_space_from_args(args, seq_length, micro_batch_size)
+    budget = budget_from_args(args)
     fixed = _fixed_plan(args, seq_length)
     model, notes, searched = None, [], None
     if fixed is None:
         model, notes = cost()
-        searched = search(model, space)
+        searched = _search(model, space, budget)
         source = f"DP slicer (granularity {granularity(args)}), simulator-checked"
         plan = searched.plan
     else:
         source, plan = fixed
     plan.validate(seq_length, micro_batch_size, multiple_of=slice_multiple(args))
-    if space.defer_wgrad:
-        plan = replace(plan, defer_wgrad=True)
+    if space.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
+        plan = replace(plan, defer_wgrad=space.defer_wgrad)
     report = PlanReport(seq_length, micro_batch_size, space.num_microbatches, space.num_stages,
                         source, "none", notes=notes)
     try:
@@ -100,13 +105,38 @@ def plan_run(args, seq_length: int, micro_batch_size: int,
         else:
             chosen = choose_deferral(model, space, [(source, plan)])[0]
             plan, result = chosen.plan, chosen.result
-        base = space.simulate(TeraPipePlan(seq_slices=[seq_length], order="1f1b"), model)
+        base = space.simulate(TeraPipePlan([seq_length], order="1f1b", defer_wgrad=False), model)
         report.iteration_time, report.bubble = result.iteration_time, result.bubble_fraction
         report.baseline_time, report.baseline_bubble = base.iteration_time, base.bubble_fraction
+        report.peak_bytes = budget.totals(result.peak_memory_bytes)
+        report.budget_bytes, report.model_state = budget.budget_bytes, budget.model_state
     except Exception as exc:  # noqa: BLE001 - a prediction is informative only; the plan stands
         report.notes.append(f"no prediction ({type(exc).__name__}: {exc})")
         model = None
+    _check_fixed_plan_fits(source, report, budget)
     return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, model, space)
+
+
+def _search(model: CostModel, space: SearchSpace, budget: MemoryBudget) -> SearchResult:
+    """The planner's search, within the memory budget when one is given."""
+    try:
+        return search_within_budget(model, space, budget)
+    except MemoryBudgetError as exc:
+        raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
+
+
+def _check_fixed_plan_fits(source: str, report: PlanReport, budget: MemoryBudget) -> None:
+    """Slices the flags fix must fit the budget too (when a prediction could be made)."""
+    if budget.budget_bytes is None or report.peak_bytes is None:
+        return
+    worst = max(range(len(report.peak_bytes)), key=lambda k: report.peak_bytes[k])
+    if report.peak_bytes[worst] > budget.budget_bytes:
+        raise TeraPipeArgumentError(
+            f"{source}: the plan's predicted peak on stage {worst}, "
+            f"{format_size(report.peak_bytes[worst])} (weights, gradients and optimizer state "
+            f"included), exceeds --terapipe-memory-budget {format_size(budget.budget_bytes)}: "
+            "cut the sequence into more slices, use --terapipe-order 1f1b, or let the planner "
+            "choose (drop the fixed slices)")
 
 
 def _fixed_plan(args, seq_length: int) -> Optional[tuple[str, TeraPipePlan]]:

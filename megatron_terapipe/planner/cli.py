@@ -68,10 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("slicer")
     s.add_argument("--granularity", type=_positive_int, default=8,
                    help="token slices are multiples of this many tokens (default 8)")
-    s.add_argument("--defer-wgrad", choices=("auto", "on", "off"), default="auto",
-                   help="compute weight gradients in one W action per sequence after its last "
-                        "backward cell (auto: when the simulator finds it at least 1%% faster, "
-                        "for the memory it holds)")
+    s.add_argument("--defer-wgrad", choices=("auto", "on", "off"), default="on",
+                   help="compute parameter gradients in one W action per sequence after its "
+                        "last backward cell (on, the default: exact, and one accumulation per "
+                        "parameter and sequence however many slices; off: in every backward "
+                        "cell, less memory held; auto: when the simulator finds it at least "
+                        "1%% faster)")
     s.add_argument("--no-refine", action="store_true",
                    help="skip the simulator-guided hill climb on the fastest plan's slices")
     s.add_argument("--batch-sizes", default="divisors",

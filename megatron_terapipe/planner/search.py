@@ -2,10 +2,12 @@
 
 1. Candidates: the DP's plan (`solve_slicing`, exact for its objective), the best uniform
    slicing, and no token slicing. The objective only approximates the timeline, so
-2. the simulator times each, with weight gradients in every backward and deferred to W actions.
-   The fastest of each mode stands for it (ties keep the earlier candidate: the DP's), and the
+2. the simulator times each in the space's weight-gradient mode: deferred to W actions by
+   default (exact, and one accumulation per parameter and sequence however many token slices),
+   in every backward when the caller says so, or with `defer_wgrad=None` in both, where the
+   fastest of each mode stands for it (ties keep the earlier candidate: the DP's) and the
    deferred one wins only when at least DEFER_MIN_GAIN faster than the plain one, because
-   deferring holds every linear layer's input and output gradient until the W action.
+   deferring holds what the gradients need until the W action.
 3. With `refine`, the winner is then polished against the simulated timeline: a hill climb on
    its slices (`refine.refine`), a uniform slicing into fewer cells if timed within 0.5%
    (`refine.fewer_cells`: per-cell work the cost model leaves out favours fewer cells), and
@@ -67,7 +69,7 @@ class SearchSpace:
     multiple_of: int = 1  # ... and of this (TP size under sequence parallelism)
     batch_sizes: BatchSizes = "divisors"
     include_transfer: bool = True  # in the DP's objective
-    defer_wgrad: Optional[bool] = None  # None: the simulator decides (DEFER_MIN_GAIN)
+    defer_wgrad: Optional[bool] = True  # False: in every backward; None: the simulator decides
     refine: bool = True
     memory: Optional[StageMemory] = None  # what stages keep (default: the cost model's)
 
@@ -149,7 +151,7 @@ def search(cost_model: CostModel, space: SearchSpace) -> SearchResult:
                                       space.num_stages, space.granularity,
                                       space.num_microbatches, space.order, space.multiple_of,
                                       space.include_transfer)
-    whole = TeraPipePlan([space.seq_length], order=space.order)
+    whole = TeraPipePlan([space.seq_length], order=space.order, defer_wgrad=False)
     starts = choose_deferral(cost_model, space, [
         ("TeraPipe DP", slicing.plan), (f"uniform x{len(uniform.seq_slices)}", uniform),
         ("no token slicing", whole)])
@@ -204,11 +206,12 @@ def solve(cost_model: CostModel, seq_length: int, micro_batch_size: int, num_sta
           granularity: int = 8, num_microbatches: int = 1, order: str = "1f1b",
           multiple_of: int = 1, batch_sizes: BatchSizes = "divisors",
           include_transfer: bool = True, simulate: bool = True,
-          defer_wgrad: Optional[bool] = None, refine: bool = True) -> TeraPipePlan:
+          defer_wgrad: Optional[bool] = True, refine: bool = True) -> TeraPipePlan:
     """The plan `search` chooses, its predicted_time the simulator's iteration time: never
     slower than the best uniform slicing or no token slicing under the simulator (within the
-    0.5% that fewer cells may cost). defer_wgrad: None lets the simulator decide, True or False
-    fixes it. With simulate=False: the DP's plan alone, its objective as predicted_time."""
+    0.5% that fewer cells may cost). defer_wgrad: True (the default) or False fixes it, None
+    lets the simulator decide. With simulate=False: the DP's plan alone, its objective as
+    predicted_time."""
     space = SearchSpace(seq_length, micro_batch_size, num_stages, num_microbatches, order,
                         granularity, multiple_of, batch_sizes, include_transfer, defer_wgrad,
                         refine)

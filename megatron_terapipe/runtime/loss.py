@@ -5,13 +5,14 @@
 use the loss normalised by the whole microbatch (its token count, or for mean losses its
 share of the microbatch's tokens), and the caller gets one merged report per microbatch.
 The 1f1b schedule forwards a whole microbatch before its first backward, so the totals are
-known by then.
+known by then. Token counts and weights stay tensors on the loss's device: reading one on the
+host would wait for the device once per cell.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -23,7 +24,9 @@ from .batching import CellData, slice_tensor
 class _CellLoss:
     loss: torch.Tensor
     per_token: bool  # (loss sum, tokens, report) form; else a mean over the cell's tokens
-    weight: float  # mean losses: the cell's share of the microbatch's loss-masked tokens
+    # Mean losses: the cell's share of the microbatch's loss-masked tokens (a float64 tensor
+    # when counted from a loss mask, else a float).
+    weight: Union[float, torch.Tensor]
 
 
 class LossBook:
@@ -35,8 +38,8 @@ class LossBook:
         self.keep_for_backward = keep_for_backward
         self.cells: dict[Cell, _CellLoss] = {}
         self.tokens: dict[int, torch.Tensor] = {}  # per microbatch
-        self.weights: dict[int, float] = {}  # per microbatch, mean losses
-        self.reports: dict[int, list[tuple[Any, float]]] = {}
+        self.weights: dict[int, Union[float, torch.Tensor]] = {}  # per microbatch, mean losses
+        self.reports: dict[int, list[tuple[Any, Any]]] = {}
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
         self.results: list[Any] = []  # what the schedule returns: one entry per microbatch
 
@@ -83,30 +86,38 @@ class LossBook:
             if not per_token_loss:
                 loss = loss / torch.clamp(self.tokens[m], min=1) / self.num_microbatches
         else:
-            loss = loss * (entry.weight / max(self.weights[m], 1e-30)) / self.num_microbatches
+            loss = loss * _share(entry.weight, self.weights[m], loss) / self.num_microbatches
         return grad_scale_func(loss) if grad_scale_func is not None else loss
 
-    def _token_weight(self, cell: Cell) -> float:
+    def _token_weight(self, cell: Cell) -> Union[float, torch.Tensor]:
         batch = self.data.batch_if_read(cell.microbatch)
         if isinstance(batch, dict) and isinstance(batch.get("loss_mask"), torch.Tensor):
             mask = slice_tensor(batch["loss_mask"], cell, self.data.seq_length,
                                 self.data.micro_batch_size)
-            return float(mask.float().sum())
+            # float64, as the host's float the counts used to be read into: same sums, same shares
+            return mask.float().sum().to(torch.float64)
         return float(cell.rows * cell.tokens)
 
     def _merge_reports(self, m: int, per_token: bool) -> Any:
         reports = self.reports.pop(m)
         total_weight = self.weights.get(m, 1.0) if not per_token else 1.0
 
-        def scale(weight: float) -> float:
-            return 1.0 if per_token else weight / max(total_weight, 1e-30)
-
-        def combine(values: list[tuple[Any, float]]):
+        def combine(values: list[tuple[Any, Any]]):
             first = values[0][0]
             if isinstance(first, dict):
                 return {k: combine([(v[k], w) for v, w in values]) for k in first}
             if isinstance(first, (torch.Tensor, int, float)):
-                return sum(v * scale(w) for v, w in values)
+                return sum(v if per_token else v * _share(w, total_weight, v) for v, w in values)
             return [v for v, _ in values]
 
         return combine(reports)
+
+
+def _share(weight: Union[float, torch.Tensor], total: Union[float, torch.Tensor], like: Any) -> Any:
+    """weight / total (at least 1e-30), in float64, then in `like`'s dtype when `like` is a
+    tensor: the same rounding as the float the scale used to be on the host."""
+    if not isinstance(weight, torch.Tensor) and not isinstance(total, torch.Tensor):
+        return weight / max(total, 1e-30)
+    total = total if isinstance(total, torch.Tensor) else torch.tensor(total, dtype=torch.float64)
+    share = weight / torch.clamp(total, min=1e-30)
+    return share.to(like.dtype) if isinstance(like, torch.Tensor) else share

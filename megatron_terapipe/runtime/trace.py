@@ -38,7 +38,7 @@ class RunRecord:
     events: list[CellEvent] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
-    deferred_wgrads: int = 0  # weight-gradient pieces the linear layers left to W actions
+    deferred_wgrads: int = 0  # parameter gradients the backward cells left to W actions
     receives: int = 0  # activations and gradients this stage received (torch transport)
     receives_posted_early: int = 0  # of which the receive was posted before it was needed
     outputs_deallocated: int = 0  # sent outputs whose data was freed (deallocate_outputs)

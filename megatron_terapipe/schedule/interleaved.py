@@ -148,6 +148,6 @@ def build_interleaved_schedule(seq_length: int, num_microbatches: int, num_stage
               for kind, m, c in rank_order(k, num_stages, num_microbatches, num_chunks, group,
                                            forward_only))
         for k in range(num_stages))
-    plan = TeraPipePlan([seq_length], order="1f1b")
+    plan = TeraPipePlan([seq_length], order="1f1b", defer_wgrad=False)  # no W actions
     return InterleavedSchedule(plan, num_microbatches, micro_batch_size, forward_only, stages,
                                num_chunks=num_chunks, group_size=group)

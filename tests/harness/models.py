@@ -27,6 +27,7 @@ class TinyGPT:
     recompute_granularity: Optional[str] = None
     recompute_modules: Optional[tuple[str, ...]] = None
     calculate_per_token_loss: bool = False
+    normalization: str = "LayerNorm"
     seed: int = 1234
 
     def config(self, tp: int = 1, pp: int = 1):
@@ -48,7 +49,7 @@ class TinyGPT:
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             sequence_parallel=self.sequence_parallel and tp > 1,  # the TP=1 baseline has none
             calculate_per_token_loss=self.calculate_per_token_loss,
-            **extra)
+            normalization=self.normalization, **extra)
 
     def build(self, config, spec, pre_process: bool = True, post_process: bool = True):
         from megatron.core.models.gpt import GPTModel
