@@ -13,7 +13,7 @@ import math
 import os
 from typing import Callable, Optional
 
-SCHEDULES = ("1f1b", "terapipe")
+SCHEDULES = ("1f1b", "terapipe", "auto")
 ORDERS = ("1f1b", "gpipe")
 COST_MODELS = ("analytic", "profile")
 HARDWARE_CHOICES = ("auto", "v100", "a100", "h100")
@@ -31,7 +31,9 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group(title="terapipe")
     group.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
                        help="1f1b: Megatron's own schedule (interleaved with virtual stages); "
-                            "terapipe: token-slice pipelining (TeraPipe)")
+                            "terapipe: token-slice pipelining (TeraPipe); auto: the schedule the "
+                            "planner predicts fastest within --terapipe-memory-budget (Megatron's "
+                            "1F1B, its interleaved 1F1B, or TeraPipe), chosen at start-up")
     group.add_argument("--terapipe-order", choices=ORDERS, default="1f1b",
                        help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
     slices = group.add_mutually_exclusive_group()
@@ -66,10 +68,25 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; needs --clip-grad 0.0; see megatron/lm_cpu.py)")
+    _add_memory_args(group)
     group.add_argument("--terapipe-trace", default=None, metavar="PATH",
                        help="write Chrome traces: the simulated plan to PATH's "
                             "'.simulated.json' sibling, the measured second iteration to PATH")
     return parser
+
+
+def _add_memory_args(group) -> None:
+    group.add_argument("--terapipe-memory-budget", default=None, metavar="SIZE",
+                       help="memory per GPU the plan must fit (e.g. 70GiB, 80GB): activations, "
+                            "K/V, weights, gradients and optimizer state, as predicted per stage")
+    group.add_argument("--terapipe-model-state-memory", default=None, metavar="SIZE",
+                       help="weights, gradients and optimizer state per GPU (default: Megatron's "
+                            "accounting: 18 bytes per parameter in 16-bit training, 6 + 12/DP "
+                            "with --use-distributed-optimizer)")
+    group.add_argument("--terapipe-memory-profile", default=None, metavar="PATH",
+                       help="memory profile JSON measured on the device (python -m "
+                            "megatron_terapipe.megatron.measure_memory) for the predicted peaks "
+                            "(default: the cost model's activation estimate)")
 
 
 def combine_extra_args(*providers: Optional[Callable]) -> Callable:
@@ -91,6 +108,20 @@ def combine_extra_args(*providers: Optional[Callable]) -> Callable:
 
 def terapipe_selected(args) -> bool:
     return getattr(args, "pipeline_schedule", "1f1b") == "terapipe"
+
+
+def auto_selected(args) -> bool:
+    """--pipeline-schedule auto, not yet resolved (auto_schedule.resolve_auto_schedule)."""
+    return getattr(args, "pipeline_schedule", "1f1b") == "auto"
+
+
+def size_flag(args, name: str):
+    """The bytes a size flag (--terapipe-memory-budget, ...) gives, or None when unset.
+    Raises ValueError for a malformed size."""
+    from ..planner.memory import parse_bytes
+
+    text = getattr(args, name, None)
+    return None if text in (None, "") else parse_bytes(str(text))
 
 
 def int_or_none(value) -> Optional[int]:

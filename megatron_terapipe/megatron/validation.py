@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 
 from .flags import (COST_MODELS, DEFAULT_GRANULARITY, DEFAULT_PROFILE_POINTS, HARDWARE_CHOICES,
-                    ORDERS, int_or_none, slice_unit, terapipe_selected, tp_size)
+                    ORDERS, auto_selected, int_or_none, size_flag, slice_unit, terapipe_selected,
+                    tp_size)
 
 
 class TeraPipeArgumentError(ValueError):
@@ -25,13 +26,18 @@ def validate_terapipe_args(args) -> None:
     """
     slices = getattr(args, "terapipe_slices", None)
     num_slices = getattr(args, "terapipe_num_slices", None)
-    if not terapipe_selected(args):
-        if slices or num_slices is not None:
-            flag = "--terapipe-slices" if slices else "--terapipe-num-slices"
-            _fail(f"{flag} needs --pipeline-schedule terapipe (the schedule is "
-                  f"{getattr(args, 'pipeline_schedule', '1f1b')}): add --pipeline-schedule terapipe "
-                  f"or drop {flag}")
+    if not terapipe_selected(args) and not auto_selected(args):
+        given = [flag for flag, value in (("--terapipe-slices", slices),
+                                          ("--terapipe-num-slices", num_slices),
+                                          ("--terapipe-memory-budget", _memory_flag(args)))
+                 if value not in (None, [], ())]
+        if given:
+            _fail(f"{given[0]} needs --pipeline-schedule terapipe or auto (the schedule is "
+                  f"{getattr(args, 'pipeline_schedule', '1f1b')}): add --pipeline-schedule "
+                  f"terapipe or auto, or drop {given[0]}")
         return
+    if auto_selected(args):
+        _check_auto(args)
     if getattr(args, "terapipe_order", "1f1b") not in ORDERS:
         _fail(f"--terapipe-order must be one of {', '.join(ORDERS)}, got {args.terapipe_order!r}")
     if slices and num_slices is not None:
@@ -48,7 +54,40 @@ def validate_terapipe_args(args) -> None:
     else:
         _check_slice_unit(args, num_slices, seq, int(granularity))
     _check_planner_flags(args)
+    _check_memory_flags(args)
     _check_megatron_features(args, seq)
+
+
+def _memory_flag(args):
+    return getattr(args, "terapipe_memory_budget", None)
+
+
+def _check_memory_flags(args) -> None:
+    for name in ("terapipe_memory_budget", "terapipe_model_state_memory"):
+        flag = "--" + name.replace("_", "-")
+        try:
+            value = size_flag(args, name)
+        except ValueError as exc:
+            _fail(f"{flag}: {exc}")
+        if value is not None and (value < 0 or (value == 0 and name == "terapipe_memory_budget")):
+            _fail(f"{flag} must be a positive size such as 70GiB, got {getattr(args, name)!r}")
+    profile = getattr(args, "terapipe_memory_profile", None)
+    if profile and not os.path.isfile(profile):
+        _fail(f"--terapipe-memory-profile {profile}: no such file; measure one with python -m "
+              "megatron_terapipe.megatron.measure_memory, or drop the flag to use the cost "
+              "model's estimate")
+
+
+def _check_auto(args) -> None:
+    """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself."""
+    if (getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None):
+        _fail("--pipeline-schedule auto chooses the virtual pipeline stages itself: drop "
+              "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
+              "or keep them with --pipeline-schedule 1f1b")
+    if getattr(args, "terapipe_slices", None) or getattr(args, "terapipe_num_slices", None):
+        _fail("--pipeline-schedule auto plans the token slices itself: drop --terapipe-slices / "
+              "--terapipe-num-slices, or use --pipeline-schedule terapipe")
 
 
 def _check_explicit_slices(args, slices, seq: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from .flags import terapipe_selected
+from .flags import auto_selected, terapipe_selected
 from .plan_provider import ArgsPlanProvider
 from .validation import validate_terapipe_args
 
@@ -26,6 +26,7 @@ def _log_rank0(args, message: str) -> None:
 def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[ArgsPlanProvider]:
     """Validate the flags, then route `get_forward_backward_func` accordingly and install hooks.
 
+    --pipeline-schedule auto: first choose the schedule (auto_schedule.py), then as below.
     --pipeline-schedule terapipe: select an ArgsPlanProvider (plans at the first iteration of
     each shape), build GPT models with slice-aware attention, run Megatron-LM's forward_step
     per cell with the cell's shape in the global args, and install(). Otherwise Megatron's own
@@ -34,6 +35,10 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     from . import install as integration
 
     validate_terapipe_args(args)
+    if auto_selected(args):  # writes the chosen schedule into args, and logs why
+        from .auto_schedule import resolve_auto_schedule
+
+        resolve_auto_schedule(args, log=lambda line: _log_rank0(args, line))
     if not terapipe_selected(args):
         integration.deselect()
         integration.set_schedule_wrapper(None)

@@ -226,8 +226,8 @@ class MemoryBudget:
         return self.budget_bytes is None or max(self.totals(peaks)) <= self.budget_bytes
 
     def describe(self) -> str:
-        low, high = min(self.model_state), max(self.model_state)
-        state = format_size(low) + ("" if high == low else f" to {format_size(high)}")
+        low, high = format_size(min(self.model_state)), format_size(max(self.model_state))
+        state = low if high == low else f"{low} to {high}"
         limit = ("no memory budget" if self.budget_bytes is None
                  else f"budget {format_size(self.budget_bytes)} per GPU")
         return f"{limit}; weights, gradients and optimizer state {state} per stage"

@@ -136,7 +136,8 @@ def _terapipe_option(cost_model: CostModel, space: SearchSpace, budget: MemoryBu
     except MemoryBudgetError as exc:  # the leanest plan found, marked as not fitting
         chosen = exc.leanest  # type: ignore[attr-defined]
     plan = chosen.plan
-    note = f"{len(plan.seq_slices)} slices" + (
+    n = len(plan.seq_slices)
+    note = f"{n} slice{'s' if n > 1 else ''}" + (
         f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
         " +W" if plan.defer_wgrad else "")
     return _option(name, TERAPIPE, order, 1, chosen.result, budget, plan, note)

@@ -1,0 +1,140 @@
+"""--pipeline-schedule auto and --terapipe-memory-budget in Megatron-LM runs: validation that
+names the flag, the choice written into the flags and logged in Megatron's style, plans
+within the budget at the first iteration, and fixed slices held against the budget."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_terapipe.megatron.auto_schedule import (apply_choice, resolve_auto_schedule,
+                                                      schedule_table_from_args)
+from megatron_terapipe.megatron.memory_args import budget_from_args, model_state_from_args
+from megatron_terapipe.megatron.planning import (cost_model_from_args, plan_and_report,
+                                                 search_space_from_args)
+from megatron_terapipe.megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.wiring import setup_from_args
+from megatron_terapipe.planner.memory import GiB
+from megatron_terapipe.planner.memory_search import leaner_candidates
+from megatron_terapipe.planner.schedules import AutoChoice, ScheduleOption
+from test_arguments import parse
+
+# A GPT with 8 layers on 2 stages, vocabulary known, on the analytic model of an A100.
+AUTO = ["--pipeline-schedule", "auto", "--terapipe-hardware", "a100"]
+SHAPE = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=2048,
+             micro_batch_size=1, global_batch_size=8, vocab_size=50304, bf16=True)
+
+
+@pytest.mark.parametrize("argv,megatron,flag", [
+    (["--terapipe-memory-budget", "lots"], {}, "--terapipe-memory-budget"),
+    (["--terapipe-memory-budget", "0GiB"], {}, "--terapipe-memory-budget"),
+    (["--terapipe-model-state-memory", "7 parsecs"], {}, "--terapipe-model-state-memory"),
+    (["--terapipe-memory-profile", "/nonexistent.json"], {}, "--terapipe-memory-profile"),
+    ([], dict(num_virtual_stages_per_pipeline_rank=2), "--num-virtual-stages-per-pipeline-rank"),
+    (["--terapipe-num-slices", "4"], {}, "--terapipe-num-slices"),
+])
+def test_bad_auto_and_memory_flags_name_the_flag(argv, megatron, flag):
+    with pytest.raises(TeraPipeArgumentError) as info:
+        validate_terapipe_args(parse(AUTO + argv, **{**SHAPE, **megatron}))
+    assert flag in str(info.value)
+
+
+def test_memory_budget_needs_terapipe_or_auto():
+    with pytest.raises(TeraPipeArgumentError, match="needs --pipeline-schedule terapipe or auto"):
+        validate_terapipe_args(parse(["--terapipe-memory-budget", "70GiB"], **SHAPE))
+
+
+def test_model_state_is_megatrons_accounting_unless_given():
+    plain = model_state_from_args(parse(AUTO, **SHAPE))
+    sharded = model_state_from_args(parse(AUTO, **SHAPE, use_distributed_optimizer=True,
+                                          world_size=16))  # DP 8
+    assert sharded[1] == pytest.approx(plain[1] * (6 + 12 / 8) / 18)
+    # both hold a vocab x hidden table (embedding; output layer), the last also the final norm
+    assert len(plain) == 2 and plain[1] - plain[0] == pytest.approx(18 * 2 * 1024)
+    given = budget_from_args(parse(AUTO + ["--terapipe-model-state-memory", "3GiB",
+                                           "--terapipe-memory-budget", "70GiB"], **SHAPE))
+    assert given.model_state == (3 * GiB, 3 * GiB) and given.budget_bytes == 70 * GiB
+
+
+def test_auto_writes_the_tables_choice_into_the_flags_and_logs_it():
+    args = parse(AUTO, **SHAPE)
+    table, _ = schedule_table_from_args(args)
+    expected = table.auto()
+    lines: list[str] = []
+    choice = resolve_auto_schedule(args, log=lines.append)
+    assert choice.chosen.name == expected.chosen.name
+    assert args.pipeline_schedule == ("terapipe" if choice.chosen.family == "terapipe" else "1f1b")
+    assert lines[0].startswith("> terapipe auto: schedules for seq_length 2048, micro_batch_size 1, "
+                               "8 microbatches, 2 pipeline stages")
+    rows = lines[1:-1]
+    assert len(rows) == len(table.options) and all(r.startswith(">   ") for r in rows)
+    assert any("Megatron interleaved, 2 chunks" in r for r in rows)  # 4 layers per stage
+    assert lines[-1].startswith(f"> terapipe auto: running {choice.chosen.name}")
+    assert choice.runner_up.name in lines[-1] and "%" in lines[-1]
+
+
+def option(name, family, order="1f1b", chunks=1):
+    return ScheduleOption(name, family, order, chunks, SimpleNamespace(iteration_time=1.0), (1.0,), True)
+
+
+def test_apply_choice_sets_what_each_schedule_needs():
+    args = parse(AUTO, **SHAPE)
+    apply_choice(args, AutoChoice(option("TeraPipe gpipe", "terapipe", "gpipe"), None, None, ""))
+    assert (args.pipeline_schedule, args.terapipe_order) == ("terapipe", "gpipe")
+    args = parse(AUTO, **SHAPE)
+    apply_choice(args, AutoChoice(option("Megatron interleaved, 4 chunks", "megatron", chunks=4),
+                                  None, None, ""))
+    assert args.pipeline_schedule == "1f1b"
+    assert args.virtual_pipeline_model_parallel_size == 4 == args.num_virtual_stages_per_pipeline_rank
+    args = parse(AUTO, **SHAPE)
+    apply_choice(args, AutoChoice(option("Megatron 1F1B", "megatron"), None, None, ""))
+    assert args.pipeline_schedule == "1f1b" and args.virtual_pipeline_model_parallel_size is None
+
+
+def test_auto_refuses_a_budget_nothing_fits_and_an_unmeasured_profile(tmp_path):
+    with pytest.raises(TeraPipeArgumentError, match="--terapipe-memory-budget: no pipeline schedule fits"):
+        resolve_auto_schedule(parse(AUTO + ["--terapipe-memory-budget", "1GiB"], **SHAPE),
+                              log=lambda line: None)
+    args = parse(AUTO + ["--terapipe-cost-model", "profile", "--terapipe-cache-dir", str(tmp_path)],
+                 **SHAPE)
+    with pytest.raises(TeraPipeArgumentError, match="run once with --pipeline-schedule terapipe"):
+        resolve_auto_schedule(args, log=lambda line: None)
+
+
+def test_setup_from_args_runs_the_choice():
+    from megatron_terapipe.megatron import install as integration
+
+    try:
+        args = parse(AUTO, **SHAPE)
+        provider = setup_from_args(args)
+        assert args.pipeline_schedule in ("terapipe", "1f1b")
+        assert (provider is not None) == (args.pipeline_schedule == "terapipe") == integration.selected()
+    finally:
+        integration.deselect()
+        integration.use_slice_attention_in_gpt_models(False)
+
+
+def test_plans_at_the_first_iteration_fit_the_budget():
+    """A budget between the unconstrained plan's peak and the leanest candidate's (4 stages,
+    2 rows per microbatch: batch slices hold less): the plan fits it; fixed slices that do not
+    are refused, naming the flag."""
+    shape = dict(SHAPE, num_layers=16, pipeline_model_parallel_size=4, world_size=4,
+                 micro_batch_size=2, global_batch_size=16)
+    terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
+    args = parse(terapipe, **shape)
+    _, free = plan_and_report(args, 2048, 2)
+    cost, _ = cost_model_from_args(args, 2048, 2)
+    state = budget_from_args(args)
+    leanest = min(max(state.totals(c.result.peak_memory_bytes))
+                  for c in leaner_candidates(cost, search_space_from_args(args, 2048, 2)))
+    assert leanest < 0.95 * max(free.peak_bytes)
+    budget = (max(free.peak_bytes) + leanest) / 2
+    argv = terapipe + ["--terapipe-memory-budget", str(int(budget))]
+    plan, report = plan_and_report(parse(argv, **shape), 2048, 2)
+    assert max(report.peak_bytes) <= budget < max(free.peak_bytes)
+    lines = report.lines(plan)
+    assert any(line.startswith(">   predicted peak (GiB)") for line in lines)
+    assert any(line.startswith(">   memory budget") and "fits" in line for line in lines)
+    with pytest.raises(TeraPipeArgumentError, match="exceeds --terapipe-memory-budget"):
+        plan_and_report(parse(argv + ["--terapipe-num-slices", "1"], **shape), 2048, 2)
