@@ -1,0 +1,104 @@
+"""The predicted peak memory per stage against the measured one, on CPU pipelines of 2 and 4
+stages: a memory profile of the model is measured (megatron/measure_memory.py), the simulator
+predicts each plan's peak per stage with it, and real runs measure the peak of what each stage
+keeps for backward (saved tensors, K/V gradient buffers, deferred pieces). Every stage of every
+case must be within 10%. Then a budget that the best unconstrained plan exceeds: the plan the
+search returns within it must measure at most the budget on every stage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from harness import TinyGPT, spawn
+from harness.memory_runs import MemoryRun
+from megatron_terapipe.plan import TeraPipePlan
+from megatron_terapipe.planner import FunctionCostModel, simulate
+from megatron_terapipe.planner.memory import MemoryBudget
+from megatron_terapipe.planner.memory_fit import FittedMemory
+from megatron_terapipe.planner.memory_search import search_within_budget
+from megatron_terapipe.planner.search import SearchSpace, search
+from megatron_terapipe.schedule import build_schedule
+
+pytestmark = pytest.mark.slow
+TOLERANCE = 0.10
+SEQ = 128
+
+
+def model(stages: int) -> TinyGPT:
+    return TinyGPT(num_layers=2 * stages, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                   seq_length=SEQ)
+
+
+def plan(slices: int, order: str, defer: bool, batch_slices=None) -> TeraPipePlan:
+    return replace(TeraPipePlan.uniform(SEQ, slices, order=order, multiple_of=8,
+                                        batch_slices=batch_slices), defer_wgrad=defer)
+
+
+def grid(stages: int) -> list[MemoryRun]:
+    """Orders, slice counts, batch slices, 1-8 microbatches, both weight-gradient modes, and
+    Megatron's 1F1B."""
+    runs = [MemoryRun("megatron_1f1b M4", None, 4, 1)]
+    for order in ("1f1b", "gpipe"):
+        for n, M, defer in [(1, 1, False), (4, 4, False), (8, 8, True), (16, 2, True)]:
+            runs.append(MemoryRun(f"{order} n{n} M{M} W{defer:d}", plan(n, order, defer), M, 1))
+        runs.append(MemoryRun(f"{order} n4 b1x2 M2", plan(4, order, False, [1, 1]), 2, 2))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def profile() -> FittedMemory:
+    import json
+    import tempfile
+
+    data = spawn(1, "harness.memory_runs:measure_memory_profile", model(1), 8, timeout=900)[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(data, fh)
+    return FittedMemory.load(fh.name, layers_per_stage=2)
+
+
+def time_model() -> FunctionCostModel:
+    """Any times will do for memory; these make several slices worth their overhead."""
+    return FunctionCostModel(lambda b, l, c: 1e-4 * b * (l + 0.5 * c) + 2e-3)
+
+
+def predicted(run: MemoryRun, stages: int, memory: FittedMemory) -> tuple[float, ...]:
+    p = run.plan or TeraPipePlan([SEQ], order="1f1b", defer_wgrad=False)
+    schedule = build_schedule(p, run.num_microbatches, stages, run.micro_batch_size)
+    return simulate(schedule, time_model(), memory=memory, megatron=run.plan is None).peak_memory_bytes
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_predicted_peaks_within_10_percent(stages, profile):
+    runs = grid(stages)
+    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", model(stages), runs,
+                     timeout=1200)
+    errors = []
+    for run in runs:
+        for k, guess in enumerate(predicted(run, stages, profile)):
+            actual = measured[k][run.name]
+            error = guess / actual - 1.0
+            if abs(error) > TOLERANCE:
+                errors.append(f"{run.name} stage {k}: predicted {guess:.0f} B, measured "
+                              f"{actual:.0f} B ({100 * error:+.1f}%)")
+    assert not errors, "\n".join(errors)
+
+
+def test_the_plan_within_a_budget_measures_within_it(profile):
+    stages = 2
+    space = SearchSpace(SEQ, 2, stages, 4, "1f1b", 8, memory=profile, defer_wgrad=None)
+    cost = time_model()
+    free = search(cost, space)
+    free_peak = max(free.chosen.result.peak_memory_bytes)
+    budget = MemoryBudget(0.85 * free_peak)
+    within = search_within_budget(cost, space, budget)
+    assert max(within.chosen.result.peak_memory_bytes) <= budget.budget_bytes
+    runs = [MemoryRun("free", free.plan, 4, 2), MemoryRun("within", within.plan, 4, 2)]
+    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", model(stages), runs,
+                     timeout=1200)
+    assert max(m["free"] for m in measured) > budget.budget_bytes  # the budget binds
+    assert all(m["within"] <= budget.budget_bytes for m in measured), (
+        f"measured {[m['within'] for m in measured]} against a budget of {budget.budget_bytes:.0f}")
+    assert np.isfinite(within.plan.predicted_time)
