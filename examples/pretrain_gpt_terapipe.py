@@ -222,8 +222,8 @@ def compare_schedules(args, model, common: dict, data, report, plan, device) -> 
         return time.perf_counter() - start
 
     n = args.compare_iters
-    log(f"> timing {n} more iterations of each schedule on the same model "
-        "(forward + backward, interleaved)")
+    log(f"> timing {n} more iteration{'s' if n > 1 else ''} of each schedule on the same model "
+        f"(forward + backward, interleaved{'; medians' if n > 1 else ''})")
     for name in schedules:
         timed(name)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in schedules}
