@@ -4,6 +4,7 @@
     nox -s tests-0.16                # megatron-core 0.16.x, Python 3.11, the CPU build of torch
     nox -s tests-0.19                # megatron-core 0.19.x, Python 3.12 (torch's CUDA build)
     nox -s equivalence-0.19          # 0.19: the equivalence, launcher and compatibility tests
+                                     # (what .ci/run runs after the README's 0.16 command)
     nox -s tests-0.19 -- -k launch   # arguments after -- go to pytest
 
 Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
