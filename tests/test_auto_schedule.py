@@ -126,16 +126,13 @@ def test_cli_budget_marks_rows_and_exits_1_when_nothing_fits(capsys):
     assert "auto: no schedule fits the memory budget" in out
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--memory-budget", "seventy"], "--memory-budget"),
-    (["--memory-budget", "0"], "--memory-budget"),
-    (["--model-state-memory", "2 parsecs"], "--model-state-memory"),
-    (["--memory-profile", "/nonexistent/memory.json"], "--memory-profile"),
-    (["--data-parallel-size", "0"], "--data-parallel-size"),
-])
-def test_bad_memory_flags_are_named(argv, flag, capsys):
+@pytest.mark.parametrize("flag,value", [
+    ("--memory-budget", "seventy"), ("--memory-budget", "0"),
+    ("--model-state-memory", "2 parsecs"), ("--memory-profile", "/nonexistent/memory.json"),
+    ("--data-parallel-size", "0")])
+def test_bad_memory_flags_are_named(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(BASE + argv)
+        main(BASE + [flag, value])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 

@@ -86,6 +86,18 @@ def test_predicted_peaks_within_10_percent(stages, profile):
     assert not errors, "\n".join(errors)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+def test_interleaved_peaks_within_10_percent(stages, profile):
+    """Megatron's interleaved 1F1B, 2 chunks of one layer per stage, 4 microbatches."""
+    from megatron_terapipe.schedule import build_interleaved_schedule
+
+    measured = spawn(stages, "harness.memory_runs:measure_interleaved_peak", model(stages), 2, 4,
+                     timeout=1200)
+    schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
+    for k, guess in enumerate(simulate(schedule, time_model(), memory=profile).peak_memory_bytes):
+        assert guess == pytest.approx(measured[k], rel=TOLERANCE), f"stage {k}"
+
+
 def test_the_plan_within_a_budget_measures_within_it(profile):
     stages = 2
     space = SearchSpace(SEQ, 2, stages, 4, "1f1b", 8, memory=profile, defer_wgrad=None)

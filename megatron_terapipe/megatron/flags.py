@@ -30,10 +30,9 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         return parser
     group = parser.add_argument_group(title="terapipe")
     group.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
-                       help="1f1b: Megatron's own schedule (interleaved with virtual stages); "
-                            "terapipe: token-slice pipelining (TeraPipe); auto: the schedule the "
-                            "planner predicts fastest within --terapipe-memory-budget (Megatron's "
-                            "1F1B, its interleaved 1F1B, or TeraPipe), chosen at start-up")
+                       help="1f1b: Megatron's own (interleaved with virtual stages); terapipe: "
+                            "token-slice pipelining; auto: the one predicted fastest within "
+                            "--terapipe-memory-budget, chosen at start-up")
     group.add_argument("--terapipe-order", choices=ORDERS, default="1f1b",
                        help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
     slices = group.add_mutually_exclusive_group()
@@ -76,17 +75,12 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _add_memory_args(group) -> None:
-    group.add_argument("--terapipe-memory-budget", default=None, metavar="SIZE",
-                       help="memory per GPU the plan must fit (e.g. 70GiB, 80GB): activations, "
-                            "K/V, weights, gradients and optimizer state, as predicted per stage")
-    group.add_argument("--terapipe-model-state-memory", default=None, metavar="SIZE",
-                       help="weights, gradients and optimizer state per GPU (default: Megatron's "
-                            "accounting: 18 bytes per parameter in 16-bit training, 6 + 12/DP "
-                            "with --use-distributed-optimizer)")
-    group.add_argument("--terapipe-memory-profile", default=None, metavar="PATH",
-                       help="memory profile JSON measured on the device (python -m "
-                            "megatron_terapipe.megatron.measure_memory) for the predicted peaks "
-                            "(default: the cost model's activation estimate)")
+    from ..planner.cli_memory import MEMORY_HELP
+
+    for flag, metavar, key in (("--terapipe-memory-budget", "SIZE", "budget"),
+                               ("--terapipe-model-state-memory", "SIZE", "model_state"),
+                               ("--terapipe-memory-profile", "PATH", "profile")):
+        group.add_argument(flag, default=None, metavar=metavar, help=MEMORY_HELP[key])
 
 
 def combine_extra_args(*providers: Optional[Callable]) -> Callable:

@@ -210,12 +210,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megatron_terapipe.megatron.measure_memory",
                                 description="Measure what a stage keeps for backward and save a "
                                             "memory profile for terapipe-plan --memory-profile.")
-    p.add_argument("--hidden-size", type=int, required=True)
-    p.add_argument("--num-attention-heads", type=int, required=True)
-    p.add_argument("--ffn-hidden-size", type=int)
-    p.add_argument("--num-query-groups", type=int)
-    p.add_argument("--seq-length", type=int, required=True)
-    p.add_argument("--vocab-size", type=int, required=True)
+    for flag in ("--hidden-size", "--num-attention-heads", "--seq-length", "--vocab-size"):
+        p.add_argument(flag, type=int, required=True)
+    for flag in ("--ffn-hidden-size", "--num-query-groups"):
+        p.add_argument(flag, type=int)
     p.add_argument("--granularity", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--position-embedding-type", default="learned_absolute",
@@ -227,11 +225,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
+    dims = {name: getattr(args, name) for name in ("hidden_size", "num_attention_heads",
+                                                   "ffn_hidden_size", "num_query_groups",
+                                                   "vocab_size")}
     try:
-        model = ModelDims(num_layers=1, hidden_size=args.hidden_size,
-                          num_attention_heads=args.num_attention_heads,
-                          ffn_hidden_size=args.ffn_hidden_size,
-                          num_query_groups=args.num_query_groups, vocab_size=args.vocab_size)
+        model = ModelDims(num_layers=1, **dims)
     except ValueError as exc:
         p.error(str(exc))
     measured = measure_memory(model, args.seq_length, granularity=args.granularity,

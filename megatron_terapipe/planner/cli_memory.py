@@ -22,23 +22,30 @@ def _size(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+#: The memory options' help, shared by terapipe-plan and the Megatron-LM flags.
+MEMORY_HELP = {
+    "budget": "memory per GPU the plan must fit, e.g. 70GiB or 80GB: only plans whose predicted "
+              "peak on every stage (activations, K/V, weights, gradients and optimizer state) "
+              "fits",
+    "model_state": "weights, gradients and optimizer state per GPU (default: Megatron's "
+                   "accounting for the model: 18 bytes per parameter in 16-bit training, "
+                   "6 + 12/DP with the distributed optimizer)",
+    "profile": "memory profile JSON measured on the device (python -m "
+               "megatron_terapipe.megatron.measure_memory) instead of the cost model's "
+               "activation estimate",
+}
+
+
 def add_memory_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory (per GPU)")
-    g.add_argument("--memory-budget", type=_size, metavar="SIZE",
-                   help="only plans whose predicted peak on every stage (activations, K/V, "
-                        "weights, gradients and optimizer state) fits, e.g. 70GiB or 80GB")
+    g.add_argument("--memory-budget", type=_size, metavar="SIZE", help=MEMORY_HELP["budget"])
     g.add_argument("--model-state-memory", type=_size, metavar="SIZE",
-                   help="weights, gradients and optimizer state per GPU (default: Megatron's "
-                        "accounting for the model, 18 bytes per parameter in 16-bit training, "
-                        "6 + 12/DP with --distributed-optimizer)")
+                   help=MEMORY_HELP["model_state"])
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="data-parallel size, for the distributed optimizer's share (default 1)")
     g.add_argument("--distributed-optimizer", action="store_true",
                    help="the optimizer state is sharded over the data-parallel ranks")
-    g.add_argument("--memory-profile", metavar="PATH",
-                   help="memory profile JSON measured on the device (python -m "
-                        "megatron_terapipe.megatron.measure_memory) instead of the cost "
-                        "model's activation estimate")
+    g.add_argument("--memory-profile", metavar="PATH", help=MEMORY_HELP["profile"])
 
 
 def memory_from_args(args, model: ModelDims, cost: CostModel,

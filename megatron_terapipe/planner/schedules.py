@@ -131,13 +131,14 @@ def _option(name, family, order, chunks, result, budget, plan, note) -> Schedule
 def _terapipe_option(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                      order: str) -> ScheduleOption:
     name = f"TeraPipe {order}"
+    lean = ""
     try:
         chosen = search_within_budget(cost_model, replace(space, order=order), budget).chosen
     except MemoryBudgetError as exc:  # the leanest plan found, marked as not fitting
-        chosen = exc.leanest  # type: ignore[attr-defined]
+        chosen, lean = exc.leanest, "leanest: "  # type: ignore[attr-defined]
     plan = chosen.plan
     n = len(plan.seq_slices)
-    note = f"{n} slice{'s' if n > 1 else ''}" + (
+    note = f"{lean}{n} slice{'s' if n > 1 else ''}" + (
         f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
         " +W" if plan.defer_wgrad else "")
     return _option(name, TERAPIPE, order, 1, chosen.result, budget, plan, note)

@@ -58,6 +58,32 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
     return peaks
 
 
+def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chunks: int,
+                             num_microbatches: int) -> int:
+    """This stage's peak bytes in one iteration of Megatron's interleaved 1F1B (`chunks`
+    model chunks per stage, micro batch 1)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_with_interleaving)
+
+    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
+
+    from .schedule_runs import interleaved_model
+
+    enable_cpu_mode()
+    _, model = interleaved_model(model_cfg, world_size, chunks)
+    batches = make_batches(num_microbatches, 1, model_cfg.seq_length, model_cfg.vocab_size, seed=3)
+    params = tuple(p for m in model for p in m.parameters())
+    with RuntimeMemoryMeter(exclude=params) as meter:
+        forward_backward_pipelining_with_interleaving(
+            forward_step_func=forward_step, data_iterator=[iter(batches) for _ in model],
+            model=model, num_microbatches=num_microbatches, seq_length=model_cfg.seq_length,
+            micro_batch_size=1)
+    parallel_state.destroy_model_parallel()
+    return meter.peak_bytes
+
+
 def measure_memory_profile(rank: int, world_size: int, model_cfg: TinyGPT, granularity: int = 8):
     """The FittedMemory of `model_cfg`'s layers (one process), as the planner would use it."""
     from megatron_terapipe.megatron.measure_memory import measure_memory
