@@ -225,12 +225,18 @@ class MemoryBudget:
     def fits(self, peaks: tuple[float, ...]) -> bool:
         return self.budget_bytes is None or max(self.totals(peaks)) <= self.budget_bytes
 
-    def describe(self) -> str:
+    def limit_text(self) -> str:
+        return ("no memory budget" if self.budget_bytes is None
+                else f"budget {format_size(self.budget_bytes)} per GPU")
+
+    def state_text(self) -> str:
+        """The model state per stage: one size, or the range over the stages."""
         low, high = format_size(min(self.model_state)), format_size(max(self.model_state))
-        state = low if high == low else f"{low} to {high}"
-        limit = ("no memory budget" if self.budget_bytes is None
-                 else f"budget {format_size(self.budget_bytes)} per GPU")
-        return f"{limit}; weights, gradients and optimizer state {state} per stage"
+        return low if high == low else f"{low} to {high}"
+
+    def describe(self) -> str:
+        return (f"{self.limit_text()}; weights, gradients and optimizer state "
+                f"{self.state_text()} per stage")
 
 
 class MemoryBudgetError(ValueError):

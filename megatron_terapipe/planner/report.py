@@ -72,8 +72,9 @@ def schedule_table_lines(table: ScheduleTable) -> list[str]:
     peak GiB per stage (activations + K/V + weights, gradients and optimizer state), the plan
     in brief, and "does not fit" where it does not."""
     base = next((o.time for o in table.options if o.name == "Megatron 1F1B" and o.runnable), None)
-    lines = [f"schedules, best first (peak per stage: activations + K/V + model state; "
-             f"{table.budget.describe()}):",
+    budget = table.budget
+    lines = [f"schedules, best first ({budget.limit_text()}; peaks count activations, K/V and "
+             f"{budget.state_text()} of weights, gradients and optimizer state):",
              f"  {'':30} {'iteration':>12} {'vs 1F1B':>8}  peak GiB per stage"]
     return lines + ["  " + _schedule_row(o, base) for o in table.options]
 
@@ -92,10 +93,15 @@ def auto_text(choice: AutoChoice) -> str:
     if choice.runner_up is not None and choice.margin is not None:
         runner = choice.runner_up.name + ("" if choice.runner_up.fits else ", which does not fit")
         if choice.margin >= 0:
-            text += f", predicted {100 * choice.margin:.1f}% faster than the runner-up {runner}"
+            text += f", predicted {_faster(choice.margin)} than the runner-up {runner}"
         else:
             text += f"; the runner-up {runner} is predicted {100 * -choice.margin:.1f}% faster"
     return text + f" ({choice.reason})"
+
+
+def _faster(margin: float) -> str:
+    """'3.3% faster', or '9.79x as fast' from twice as fast on."""
+    return f"{100 * margin:.1f}% faster" if margin < 1.0 else f"{1.0 + margin:.2f}x as fast"
 
 
 def slice_picture(plan: TeraPipePlan, width: int = 60) -> list[str]:
