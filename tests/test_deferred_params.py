@@ -11,7 +11,7 @@ from megatron_terapipe.runtime.context import running_cell
 from megatron_terapipe.runtime.deferral import hand_over
 from megatron_terapipe.runtime.deferred_embedding import defer_embedding
 from megatron_terapipe.runtime.deferred_linear import BiasGradPiece, deferred_bias
-from megatron_terapipe.runtime.deferred_norm import defer_norm
+from megatron_terapipe.runtime.deferred_norm import NormPiece, defer_norm
 from megatron_terapipe.runtime.kv_cache import KVCache
 from megatron_terapipe.runtime.wgrad import WeightGradPiece, WeightGradStore, deliver
 from megatron_terapipe.schedule import Cell
@@ -77,8 +77,12 @@ def test_rms_norm_w_matches_the_unsliced_gradient():
     norm.zero_grad(set_to_none=True)
     sliced_x = x.clone().requires_grad_()
     _sliced(lambda c: norm(sliced_x[c.token_start:c.token_end]), grad)
-    # torch's RMSNorm is composite on CPU; the deferring one runs the fused kernels
+    # torch's RMSNorm is composite on CPU; the deferring one runs the fused forward kernel
     torch.testing.assert_close(norm.weight.grad, expected["weight"], rtol=1e-6, atol=1e-6)
+    # the W's own gradient has the weight's shape (autograd would quietly sum a [b, h] one)
+    piece = NormPiece(x, grad, None, torch.ones(16, 2, 1), (8,), None)
+    (_, dw), = NormPiece.gradients(norm.weight, [piece, piece])
+    assert dw.shape == norm.weight.shape
     torch.testing.assert_close(sliced_x.grad, xs.grad, rtol=1e-6, atol=1e-6)
 
 

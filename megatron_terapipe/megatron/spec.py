@@ -67,7 +67,9 @@ class TorchNorm:
 
     Megatron's local norm refuses sequence parallelism because only TE/apex norms mark their
     parameters for the tensor-parallel all-reduce of their gradients. This one marks them, so
-    the local spec runs sequence-parallel wherever the collectives exist (gloo included).
+    the local spec runs sequence-parallel wherever the collectives exist (gloo included). Being
+    torch's own LayerNorm / RMSNorm, it defers its weight and bias gradients to the W actions
+    (runtime/deferred_norm.py, hooked with the linear layers by install_wgrad_deferral).
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .deferral import anchor, hand_over
-from .wgrad import DeferredPiece, Gradient, WeightGradPiece
+from .wgrad import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype
 
 # As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
 # autocast state, so its GEMMs see the dtypes the forward saw.
@@ -93,8 +93,8 @@ class BiasGradPiece(DeferredPiece):
         if len(pieces) == 1:
             return [(param, pieces[0].grad_output)]
         stacked = torch.stack([p.grad_output for p in pieces])
-        acc = torch.promote_types(stacked.dtype, torch.float32)
-        return [(param, stacked.sum(dim=0, dtype=acc).to(param.dtype))]
+        total = stacked.sum(dim=0, dtype=accumulation_dtype(stacked.dtype))
+        return [(param, total.to(param.dtype))]
 
 
 class DeferredBias(torch.autograd.Function):

@@ -44,16 +44,15 @@ class NormPiece(DeferredPiece):
     def gradients(param: torch.Tensor, pieces: list["NormPiece"]) -> list[Gradient]:
         first = pieces[0]
         shape = list(first.normalized_shape)
-        rows = (-1,) + tuple(shape)
-        stats = (-1,) + (1,) * len(shape)
-        x = _cat([p.input.reshape(rows) for p in pieces])
-        go = _cat([p.grad_output.reshape(rows) for p in pieces])
-        rstd = _cat([p.rstd.reshape(stats) for p in pieces])
+        x = _cat([p.input for p in pieces], shape)
+        go = _cat([p.grad_output for p in pieces], shape)
+        rstd = _cat([p.rstd for p in pieces], [1] * len(shape))
         weight = param.detach()
         if first.mean is None:
+            rows = tuple(range(x.dim() - len(shape)))
             normed = x.float() * rstd
-            return [(param, (go.float() * normed).sum(dim=0).to(param.dtype))]
-        mean = _cat([p.mean.reshape(stats) for p in pieces])
+            return [(param, (go.float() * normed).sum(dim=rows).to(param.dtype))]
+        mean = _cat([p.mean for p in pieces], [1] * len(shape))
         bias = first.bias
         _, dw, db = _aten.native_layer_norm_backward(
             go, x, shape, mean, rstd, weight, None if bias is None else bias.detach(),
@@ -61,8 +60,14 @@ class NormPiece(DeferredPiece):
         return [(param, dw)] + ([(bias, db)] if bias is not None else [])
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _cat(parts: list[torch.Tensor], trailing: list[int]) -> torch.Tensor:
+    """The parts' rows in one tensor: along dim 0 as they are where only dim 0 differs (the
+    token dim of Megatron's [s, b, h]: no reshapes), else as rows of `trailing`."""
+    if len(parts) == 1:
+        return parts[0]
+    if any(p.shape[1:] != parts[0].shape[1:] for p in parts):
+        parts = [p.reshape([-1] + trailing) for p in parts]
+    return torch.cat(parts)
 
 
 class DeferredLayerNorm(torch.autograd.Function):

@@ -90,10 +90,11 @@ class WeightGradPiece(DeferredPiece):
 
     @staticmethod
     def gradients(param: torch.Tensor, pieces: list["WeightGradPiece"]) -> list[Gradient]:
-        out: list[Gradient] = [(param, _linear_weight_grad(param, pieces))]
+        gos = [_rows(p.grad_output) for p in pieces]
+        out: list[Gradient] = [(param, _linear_weight_grad(param, pieces, gos))]
         bias = pieces[0].bias
         if bias is not None:
-            out.append((bias, summed([_rows(p.grad_output) for p in pieces], bias.dtype)))
+            out.append((bias, summed(gos, bias.dtype)))
         return out
 
 
@@ -132,10 +133,30 @@ def deliver(results: list[Gradient]) -> None:
     several gradients (a tied embedding: lookup and output layer) gets their sum. One whose
     gradient already went into main_grad gets a marker with `grad_added_to_main_grad` set while
     it is delivered, so that DDP's hook only marks it ready; the flag is restored after, so a
-    gradient arriving later the usual way is still added."""
+    gradient arriving later the usual way is still added. `results` is emptied: the gradients
+    reach autograd from `_Delivery`'s backward with no other reference, so a parameter without
+    a gradient takes the tensor itself instead of a copy."""
+    params, holder, markers = _merged(results)
+    if not params:
+        return
+    flags = [p.grad_added_to_main_grad for p in markers]
+    for p in markers:
+        p.grad_added_to_main_grad = True
+    try:
+        with torch.enable_grad():  # also from inside a backward (a piece delivered at once)
+            root = _Delivery.apply(holder, *params)
+        torch.autograd.backward(root, root.new_empty(0))
+    finally:
+        for p, flag in zip(markers, flags):
+            p.grad_added_to_main_grad = flag
+
+
+def _merged(results: list[Gradient]) -> tuple[list[torch.Tensor], list, list[torch.Tensor]]:
+    """(parameters, [their gradients], parameters of those that are markers), emptying results."""
     grads: dict[int, list] = {}
     in_main: dict[int, torch.Tensor] = {}
-    for param, grad in results:
+    while results:
+        param, grad = results.pop()
         if grad is None:
             continue
         if grad is IN_MAIN_GRAD:
@@ -147,17 +168,20 @@ def deliver(results: list[Gradient]) -> None:
     markers = [p for key, p in in_main.items()
                if key not in grads and hasattr(p, "grad_added_to_main_grad")]
     params = [p for p, _ in grads.values()] + markers
-    if not params:
-        return
-    tensors = [g for _, g in grads.values()] + [_marker(p) for p in markers]
-    flags = [p.grad_added_to_main_grad for p in markers]
-    for p in markers:
-        p.grad_added_to_main_grad = True
-    try:
-        torch.autograd.backward(params, tensors)
-    finally:
-        for p, flag in zip(markers, flags):
-            p.grad_added_to_main_grad = flag
+    return params, [[g for _, g in grads.values()] + [_marker(p) for p in markers]], markers
+
+
+class _Delivery(torch.autograd.Function):
+    """A root whose backward gives each parameter its gradient."""
+
+    @staticmethod
+    def forward(ctx, holder, *params):
+        ctx.holder = holder
+        return params[0].new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return (None, *ctx.holder.pop())
 
 
 def _marker(param: torch.Tensor) -> torch.Tensor:
@@ -171,20 +195,26 @@ def _marker(param: torch.Tensor) -> torch.Tensor:
 def summed(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Column sums of 2-D parts, over all parts, in float32 or wider and rounded once to dtype
     (16-bit partial sums rounded per slice would lose what the unsliced sum keeps)."""
-    acc = torch.promote_types(parts[0].dtype, torch.float32)
+    acc = accumulation_dtype(parts[0].dtype)
     total = parts[0].sum(dim=0, dtype=acc)
     for part in parts[1:]:
         total += part.sum(dim=0, dtype=acc)
     return total.to(dtype)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # a plain rule: torch.promote_types would be one more dispatched op per call
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece]) -> Optional[torch.Tensor]:
     """The linear weight's gradient over all pieces, or None when it went into main_grad."""
-    grad = _linear_weight_grad(weight, pieces)
+    grad = _linear_weight_grad(weight, pieces, [_rows(p.grad_output) for p in pieces])
     return None if grad is IN_MAIN_GRAD else grad
 
 
-def _linear_weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece]) -> Any:
+def _linear_weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece],
+                        gos: list[torch.Tensor]) -> Any:
     """In float32 and float64, each piece's GEMM accumulates into one output (`addmm_`): as
     fast as one GEMM over rows that are already contiguous, without the copies of concatenating
     them (measured on CPU, hidden 512, 8 or 16 slices: 1-4% faster per weight). Into Megatron
@@ -192,7 +222,6 @@ def _linear_weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece]) -> 
     pieces are concatenated for one GEMM, which accumulates in float32 and rounds once, as the
     unsliced weight gradient does; adding rounded 16-bit partial sums would lose precision.
     With gradient_accumulation_fusion, Megatron's fused kernel accumulates them in main_grad."""
-    gos = [_rows(p.grad_output) for p in pieces]
     inputs = [_gathered(p) for p in pieces]
     # autocast: the forward's GEMM ran in the output's dtype
     inputs = [x if x.dtype == go.dtype else x.to(go.dtype) for x, go in zip(inputs, gos)]
