@@ -36,23 +36,26 @@ class GpuCase:
     stages: int
     seq_length: int
     num_microbatches: int
-    layers_per_stage: int = 4
-    hidden_size: int = 4096
-    heads: int = 32
+    width: tuple[int, int, int] = (4, 4096, 32)  # layers per stage, hidden size, heads
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.width[0]
 
     @property
     def name(self) -> str:
         return f"pp{self.stages}_seq{self.seq_length}_M{self.num_microbatches}"
 
     def model(self, bf16: bool) -> TinyGPT:
-        return TinyGPT(num_layers=self.stages * self.layers_per_stage, hidden_size=self.hidden_size,
-                       num_attention_heads=self.heads, vocab_size=32000, seq_length=self.seq_length,
+        layers, hidden, heads = self.width
+        return TinyGPT(num_layers=self.stages * layers, hidden_size=hidden,
+                       num_attention_heads=heads, vocab_size=32000, seq_length=self.seq_length,
                        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16)
 
 
 SUITES = {
     "full": [GpuCase(k, s, m) for k in (2, 4) for s in (2048, 8192) for m in (1, 4)],
-    "smoke": [GpuCase(2, 256, 1, layers_per_stage=1, hidden_size=64, heads=4)],
+    "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
 }
 
 
@@ -103,7 +106,7 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
 
 def run_case(case: GpuCase, args, device: str) -> list[dict]:
     model = case.model(args.bf16)
-    cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.hidden_size}_s{case.seq_length}.json")
+    cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
                  args.bf16, timeout=3600)[0]
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)

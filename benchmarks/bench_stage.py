@@ -73,15 +73,16 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# The stage's model and batch shape (integer options and their defaults).
+SHAPE = {"num_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "seq_length": 1024,
+         "micro_batch_size": 1, "vocab_size": 1024}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-attention-heads", type=int, default=4)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--vocab-size", type=int, default=1024)
+    for name, default in SHAPE.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     p.add_argument("--slices", default="1,2,4,8,16,32", help="comma-separated token-slice counts")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--defer-wgrad", choices=("plan", "on", "off"), default="plan",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_terapipe.runtime.context import running_cell
-from megatron_terapipe.runtime.deferral import hand_over
+from megatron_terapipe.runtime.deferral import detached, hand_over
 from megatron_terapipe.runtime.deferred_embedding import defer_embedding
 from megatron_terapipe.runtime.deferred_linear import BiasGradPiece, deferred_bias
 from megatron_terapipe.runtime.deferred_norm import NormPiece, defer_norm
@@ -212,3 +212,15 @@ def test_hand_over_tags_pieces_with_their_slice():
             hand_over(bias, BiasGradPiece(torch.ones(1)))
     (_, pieces), = store.pending[(0, 0)].values()
     assert sorted(p.position for p in pieces) == [0, 3, 8, 10]
+
+
+def test_a_parameter_given_new_data_gets_a_new_detached_alias():
+    param = torch.nn.Parameter(torch.zeros(3))
+    alias = detached(param)
+    assert detached(param) is alias and not alias.requires_grad
+    assert alias.data_ptr() == param.data_ptr()
+    param.data = torch.ones(3)  # e.g. Megatron DDP moving parameters into its buffer
+    again = detached(param)
+    assert again is not alias and torch.equal(again, torch.ones(3))
+    param.data = torch.arange(6.0)[::2]  # same size, other strides
+    assert torch.equal(detached(param), torch.tensor([0.0, 2.0, 4.0]))

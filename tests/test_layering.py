@@ -74,3 +74,23 @@ def test_no_import_circles():
 
     for module in graph:
         visit(module, [])
+
+
+def test_files_and_functions_stay_small():
+    """The brief's shape: files under 400 lines and functions under 60, everywhere we ship code."""
+    root = os.path.dirname(PACKAGE)
+    too_long = []
+    for folder in ("megatron_terapipe", "examples", "benchmarks", "tests"):
+        for dirpath, _, names in os.walk(os.path.join(root, folder)):
+            for name in (n for n in names if n.endswith(".py")):
+                path = os.path.join(dirpath, name)
+                source = open(path).read()
+                where = os.path.relpath(path, root)
+                if source.count("\n") >= 400:
+                    too_long.append(f"{where}: {source.count(chr(10))} lines")
+                for node in ast.walk(ast.parse(source)):
+                    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        lines = node.end_lineno - node.lineno + 1
+                        if lines > 60:
+                            too_long.append(f"{where}: {node.name} is {lines} lines")
+    assert not too_long, "\n".join(too_long)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.deferral import deferrable, deferring_store
+from ..runtime.deferral import deferrable, deferring_store, detached
 from ..runtime.deferred_embedding import defer_embedding
 from ..runtime.deferred_linear import DeferredWgradLinear, deferred_bias
 from ..runtime.deferred_norm import NORM_CLASSES, defer_norm
@@ -45,11 +45,11 @@ def _deferring_forward_impl(original, fused_accumulate):
         tp_group = get_tensor_model_parallel_group_if_none(tp_group)
         bias_param = bias if deferrable(bias) else None
         if bias_param is not None:
-            bias = bias.detach()
+            bias = detached(bias)
         fused = fused_accumulate if gradient_accumulation_fusion else None
-        return DeferredWgradLinear.apply(input, weight.detach(), bias, gradient_accumulation_fusion,
-                                         allreduce_dgrad, sequence_parallel, tp_group,
-                                         [weight, bias_param, fused])
+        return DeferredWgradLinear.apply(input, detached(weight), bias,
+                                         gradient_accumulation_fusion, allreduce_dgrad,
+                                         sequence_parallel, tp_group, [weight, bias_param, fused])
 
     return forward_impl
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .context import active_cell
 from .wgrad import DeferredPiece, WeightGradStore, deliver
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
+_DETACHED = WeakIdKeyDictionary()  # parameter -> its detached alias (tensors compare by value)
 
 
 def deferrable(param: Optional[torch.Tensor]) -> bool:
@@ -57,3 +59,16 @@ def hand_over(param: torch.Tensor, piece: DeferredPiece) -> None:
     with torch.no_grad():
         results = type(piece).gradients(param, [piece])
     deliver(results)
+
+
+def detached(param: torch.Tensor) -> torch.Tensor:
+    """`param.detach()`, kept per parameter while it still views the same memory the same way
+    (a new `param.data` makes a new one): every deferring call of every cell needs one, and
+    each detach is one more op for the host to dispatch."""
+    if torch.is_inference_mode_enabled():
+        return param.detach()  # an inference-mode alias cannot be saved for a later backward
+    alias = _DETACHED.get(param)
+    if (alias is None or alias.data_ptr() != param.data_ptr() or alias.dtype != param.dtype
+            or alias.shape != param.shape or alias.stride() != param.stride()):
+        alias = _DETACHED[param] = param.detach()
+    return alias

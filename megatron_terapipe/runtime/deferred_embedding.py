@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .deferral import anchor, deferring_store, hand_over
+from .deferral import anchor, deferring_store, detached, hand_over
 from .wgrad import DeferredPiece, Gradient
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
@@ -72,7 +72,7 @@ class _DeferredLookups(TorchFunctionMode):
             padding_idx = _plain_lookup_padding(self.weight, args, kwargs)
             if padding_idx is not None:
                 weight = self.weight
-                return DeferredEmbedding.apply(anchor(weight.device), args[0], weight.detach(),
+                return DeferredEmbedding.apply(anchor(weight.device), args[0], detached(weight),
                                                padding_idx, [weight])
         return func(*args, **kwargs)
 

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from .deferral import anchor, hand_over
+from .deferral import anchor, detached, hand_over
 from .wgrad import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype
 
 # As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
@@ -114,4 +114,4 @@ class DeferredBias(torch.autograd.Function):
 
 def deferred_bias(bias: torch.Tensor) -> torch.Tensor:
     """A stand-in for the bias parameter inside a deferring cell (see DeferredBias)."""
-    return DeferredBias.apply(anchor(bias.device), bias.detach(), [bias])
+    return DeferredBias.apply(anchor(bias.device), detached(bias), [bias])

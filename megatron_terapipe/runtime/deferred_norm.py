@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .deferral import deferring_store, hand_over
+from .deferral import deferring_store, detached, hand_over
 from .wgrad import DeferredPiece, Gradient
 
 _aten = torch.ops.aten
@@ -47,7 +47,7 @@ class NormPiece(DeferredPiece):
         x = _cat([p.input for p in pieces], shape)
         go = _cat([p.grad_output for p in pieces], shape)
         rstd = _cat([p.rstd for p in pieces], [1] * len(shape))
-        weight = param.detach()
+        weight = detached(param)
         if first.mean is None:
             rows = tuple(range(x.dim() - len(shape)))
             normed = x.float() * rstd
@@ -55,7 +55,7 @@ class NormPiece(DeferredPiece):
         mean = _cat([p.mean for p in pieces], [1] * len(shape))
         bias = first.bias
         _, dw, db = _aten.native_layer_norm_backward(
-            go, x, shape, mean, rstd, weight, None if bias is None else bias.detach(),
+            go, x, shape, mean, rstd, weight, None if bias is None else detached(bias),
             [False, True, bias is not None])
         return [(param, dw)] + ([(bias, db)] if bias is not None else [])
 
@@ -129,9 +129,10 @@ def defer_norm(module: torch.nn.Module) -> None:
             return original(x)
         shape = list(module.normalized_shape)
         if rms:
-            return DeferredRMSNorm.apply(x, weight.detach(), shape, module.eps, [weight])
-        return DeferredLayerNorm.apply(x, weight.detach(), None if bias is None else bias.detach(),
-                                       shape, module.eps, [weight, bias])
+            return DeferredRMSNorm.apply(x, detached(weight), shape, module.eps, [weight])
+        bias_values = None if bias is None else detached(bias)
+        return DeferredLayerNorm.apply(x, detached(weight), bias_values, shape, module.eps,
+                                       [weight, bias])
 
     module.forward = forward
     module._terapipe_wgrad_deferral = True
