@@ -10,7 +10,7 @@ from .megatron.flags import add_terapipe_args, combine_extra_args
 from .megatron.plan_provider import ArgsPlanProvider
 from .megatron.validation import TeraPipeArgumentError, validate_terapipe_args
 from .megatron.wiring import setup_from_args
-from .megatron.cpu import enable_cpu_mode, keep_freed_host_memory, pin_to_core
+from .megatron.cpu import disable_cpu_mode, enable_cpu_mode, keep_freed_host_memory, pin_to_core
 from .megatron.forward_backward import forward_backward_terapipe
 from .megatron.install import configure, deselect, install, select
 from .megatron.launch import install_hooks
@@ -68,6 +68,7 @@ __all__ = [
     "TeraPipePlan",
     "build_schedule",
     "configure",
+    "disable_cpu_mode",
     "enable_cpu_mode",
     "keep_freed_host_memory",
     "pin_to_core",

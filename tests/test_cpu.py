@@ -62,3 +62,43 @@ def test_keep_freed_host_memory_stops_page_faults_of_repeated_tensors():
     # a user's own allocator tuning is left alone
     changed, _ = _faults("keep", dict(env, MALLOC_TRIM_THRESHOLD_="1000000"))
     assert changed == "False"
+
+
+_CPU_MODE_ROUND_TRIP = """
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import random as tp_random
+from megatron_terapipe.megatron import compat, cpu
+
+def names():
+    owners = [(torch.cuda, "current_device"), (torch.cuda, "synchronize"),
+              *([] if torch.cuda.is_available() else [(torch.Tensor, "cuda")]),  # CUDA: kept
+              (tp_random, "model_parallel_cuda_manual_seed"), (tp_random, "_get_cuda_rng_state"),
+              (tp_random, "_set_cuda_rng_state"),
+              (tensor_parallel, "model_parallel_cuda_manual_seed")]
+    owners += [(m, "torch") for m in compat.cpu_mode_modules()]
+    return [getattr(owner, name) for owner, name in owners]
+
+before = names()
+cpu.enable_cpu_mode()
+during = names()
+assert str(torch.cuda.current_device()) == "cpu"
+assert all(a is not b for a, b in zip(before, during)), "enable_cpu_mode patched them all"
+cpu.enable_cpu_mode()  # idempotent: nothing patched twice
+cpu.disable_cpu_mode()
+assert all(a is b for a, b in zip(before, names())), "every original is back"
+cpu.disable_cpu_mode()  # idempotent
+assert all(a is b for a, b in zip(before, names()))
+cpu.enable_cpu_mode()  # and it can be switched on again
+assert str(torch.cuda.current_device()) == "cpu"
+print("ok")
+"""
+
+
+def test_disable_cpu_mode_restores_every_patched_name():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", _CPU_MODE_ROUND_TRIP],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -22,7 +22,12 @@ import torch
 from . import compat
 
 _ENABLED = False
-_ORIGINALS: dict[str, Any] = {}
+_PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original), in patching order
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _PATCHED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
 
 
 class _NullStream:
@@ -99,32 +104,25 @@ def enable_cpu_mode() -> None:
         return
     modules = compat.cpu_mode_modules()  # checked before anything is patched
     tp_random = compat.rng_module()
-    _ORIGINALS["current_device"] = torch.cuda.current_device
-    _ORIGINALS["synchronize"] = torch.cuda.synchronize
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    _patch(torch.cuda, "synchronize", lambda *a, **k: None)
     if not torch.cuda.is_available():
         # Tied embeddings move their weight with `.cuda()` before the first/last-stage
         # all-reduce; without CUDA, the tensor stays where it is.
-        _ORIGINALS["tensor_cuda"] = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[assignment]
+        _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
 
     proxy = _CpuTorchProxy()
     for module in modules:
-        _ORIGINALS[module.__name__] = module.torch
-        module.torch = proxy  # type: ignore[attr-defined]
+        _patch(module, "torch", proxy)
 
     from megatron.core import tensor_parallel
 
-    _ORIGINALS["seed"] = tp_random.model_parallel_cuda_manual_seed
-    tp_random.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
-    tensor_parallel.model_parallel_cuda_manual_seed = cpu_model_parallel_seed
+    _patch(tp_random, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
+    _patch(tensor_parallel, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
     # Activation checkpointing saves and restores the CUDA RNG next to the CPU one; on CPU
     # there is no CUDA generator, and the CPU state is already saved by the checkpoint.
-    _ORIGINALS["get_cuda_rng"] = tp_random._get_cuda_rng_state
-    _ORIGINALS["set_cuda_rng"] = tp_random._set_cuda_rng_state
-    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda *a, **k: None
+    _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     keep_freed_host_memory()
     _ENABLED = True
@@ -165,8 +163,14 @@ def keep_freed_host_memory(mmap_threshold: int = 512 << 20) -> bool:
     return True
 
 
-def cpu_mode_enabled() -> bool:
-    return _ENABLED
+def disable_cpu_mode() -> None:
+    """Undo `enable_cpu_mode`: every patched torch and Megatron-Core name gets its original back
+    (glibc's malloc settings stay, they only keep freed memory). Idempotent."""
+    global _ENABLED
+    while _PATCHED:
+        owner, name, original = _PATCHED.pop()
+        setattr(owner, name, original)
+    _ENABLED = False
 
 
 def pin_to_core(local_rank: int, local_world_size: int) -> Optional[int]:
