@@ -131,11 +131,6 @@ class FittedMemory(StageMemory):
                 worst = max(worst, abs(predicted - measured) / max(measured, 1.0))
         return worst
 
-    def with_layers(self, layers_per_stage: int) -> "FittedMemory":
-        return FittedMemory(self.cell, self.hold, self.whole, self.kv_bytes_per_token,
-                            int(layers_per_stage), self.metadata, self.max_fit_error,
-                            self.freed_before_kv_grad, self.freed_before_kv_grad_deferred)
-
     def _sum(self, table: dict[str, list[float]], features: Features, r, t, c, first, last,
              layers) -> float:
         f = np.array(features(float(r), float(t), float(c)))
