@@ -25,13 +25,14 @@ _ENABLED = False
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original), in patching order
 
 
-def _patch(owner: Any, name: str, value: Any) -> None:
+def patch_for_cpu(owner: Any, name: str, value: Any) -> None:
+    """Set `owner.name` to `value` until `disable_cpu_mode` puts the original back."""
     _PATCHED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
 
 
-class _NullStream:
-    """A CUDA stream stand-in on CPU: everything runs in order already."""
+class NullStream:
+    """A CUDA stream stand-in on CPU: work on CPU is already ordered."""
 
     def wait_event(self, *_a: Any, **_k: Any) -> None:
         return None
@@ -43,30 +44,34 @@ class _NullStream:
         return None
 
 
-class _CpuCudaProxy(types.ModuleType):
+class CpuCudaProxy(types.ModuleType):
     """`torch.cuda` as seen by a Megatron module in CPU mode: stream queries answer a stream
     that waits for nothing (0.19's grad sync asks for the current stream unconditionally)."""
 
     def __init__(self) -> None:
         super().__init__("torch.cuda")
 
+    def current_stream(self, *_a: Any, **_k: Any) -> NullStream:
+        return NullStream()
+
+    default_stream = current_stream
+
+    def stream(self, *_a: Any, **_k: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("current_stream", "default_stream"):
-            return lambda *a, **k: _NullStream()
-        if name == "stream":
-            return lambda *a, **k: contextlib.nullcontext()
         return getattr(torch.cuda, name)
 
 
 class _CpuTorchProxy(types.ModuleType):
     """`torch` as seen by a Megatron module, with device='cuda' factory calls mapped to CPU
-    (and, without CUDA, CUDA stream queries answered by `_CpuCudaProxy`)."""
+    (and, without CUDA, CUDA stream queries answered by `CpuCudaProxy`)."""
 
     _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 
     def __init__(self) -> None:
         super().__init__("torch")
-        self._cuda = None if torch.cuda.is_available() else _CpuCudaProxy()
+        self._cuda = None if torch.cuda.is_available() else CpuCudaProxy()
 
     def __getattr__(self, name: str) -> Any:
         if name == "cuda" and self._cuda is not None:
@@ -104,25 +109,25 @@ def enable_cpu_mode() -> None:
         return
     modules = compat.cpu_mode_modules()  # checked before anything is patched
     tp_random = compat.rng_module()
-    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
-    _patch(torch.cuda, "synchronize", lambda *a, **k: None)
+    patch_for_cpu(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    patch_for_cpu(torch.cuda, "synchronize", lambda *a, **k: None)
     if not torch.cuda.is_available():
         # Tied embeddings move their weight with `.cuda()` before the first/last-stage
         # all-reduce; without CUDA, the tensor stays where it is.
-        _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+        patch_for_cpu(torch.Tensor, "cuda", lambda self, *a, **k: self)
 
     proxy = _CpuTorchProxy()
     for module in modules:
-        _patch(module, "torch", proxy)
+        patch_for_cpu(module, "torch", proxy)
 
     from megatron.core import tensor_parallel
 
-    _patch(tp_random, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
-    _patch(tensor_parallel, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
+    patch_for_cpu(tp_random, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
+    patch_for_cpu(tensor_parallel, "model_parallel_cuda_manual_seed", cpu_model_parallel_seed)
     # Activation checkpointing saves and restores the CUDA RNG next to the CPU one; on CPU
     # there is no CUDA generator, and the CPU state is already saved by the checkpoint.
-    _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    _patch(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
+    patch_for_cpu(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     keep_freed_host_memory()
     _ENABLED = True
@@ -164,7 +169,8 @@ def keep_freed_host_memory(mmap_threshold: int = 512 << 20) -> bool:
 
 
 def disable_cpu_mode() -> None:
-    """Undo `enable_cpu_mode`: every patched torch and Megatron-Core name gets its original back
+    """Undo `enable_cpu_mode` (and the launcher's `--terapipe-cpu`): every patched torch,
+    Megatron-Core and Megatron-LM name gets its original back
     (glibc's malloc settings stay, they only keep freed memory). Idempotent."""
     global _ENABLED
     while _PATCHED:

@@ -21,7 +21,6 @@ turning gradient clipping off is a change of training the user should make knowi
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import types
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from . import compat
+from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
 
 # The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as
 # CUDA differ per line: compat.MEGATRON_LM_CPU_MODULES.
@@ -46,23 +46,11 @@ CPU_SETTINGS = {
 }
 
 
-class _CpuStream:
-    """A CUDA stream stand-in: work on CPU is already ordered."""
+class _CudaOnCpu(CpuCudaProxy):
+    """`torch.cuda` as Megatron-LM's training modules see it in CPU mode: one device, the CPU
+    (streams wait for nothing, as in Megatron-Core's CPU mode)."""
 
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _CudaOnCpu(types.ModuleType):
-    """`torch.cuda` as Megatron-LM's training modules see it in CPU mode: one device, the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch.cuda")
-
-    Stream = _CpuStream
+    Stream = NullStream
 
     def is_available(self) -> bool:
         return True
@@ -82,25 +70,14 @@ class _CudaOnCpu(types.ModuleType):
     def empty_cache(self) -> None:
         pass
 
-    def current_stream(self, *args: Any, **kwargs: Any) -> _CpuStream:
-        return _CpuStream()
-
-    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
     def get_rng_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.get_rng_state()
 
     def set_rng_state(self, *args: Any, **kwargs: Any) -> None:
         pass  # the CPU generator's state is restored on its own
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
 
 def _torch_with_cpu_cuda() -> types.ModuleType:
-    from .cpu import cpu_torch_proxy
-
     proxy = cpu_torch_proxy()
     proxy.cuda = _CudaOnCpu()
     return proxy
@@ -108,18 +85,16 @@ def _torch_with_cpu_cuda() -> types.ModuleType:
 
 def enable_megatron_lm_cpu_mode() -> None:
     """Let Megatron-LM's `pretrain(...)` run on CPU processes with gloo. Idempotent."""
-    from .cpu import enable_cpu_mode
-
     enable_cpu_mode()
     proxy = _torch_with_cpu_cuda()
     modules, fused_kernels = compat.megatron_lm_cpu_modules()
     for module in modules:
-        module.torch = proxy  # type: ignore[attr-defined]
+        patch_for_cpu(module, "torch", proxy)
     if fused_kernels is not None:  # 0.16 builds them with nvcc; nothing on CPU calls them
-        fused_kernels.load = lambda args: None
+        patch_for_cpu(fused_kernels, "load", lambda args: None)
     # Warms up CUDA JIT fusions on tensors made with device="cuda"; there is nothing to warm.
     initialize = importlib.import_module("megatron.training.initialize")
-    initialize._warmup_jit_function = lambda *a, **k: None  # 0.19 passes tp_size=
+    patch_for_cpu(initialize, "_warmup_jit_function", lambda *a, **k: None)  # 0.19: tp_size=
 
 
 def apply_cpu_settings(args) -> list[str]:
