@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .deferral import anchor, detached, hand_over
-from .wgrad import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype
+from .wgrad import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype, all_gathered
 
 # As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
 # autocast state, so its GEMMs see the dtypes the forward saw.
@@ -46,12 +46,7 @@ class DeferredWgradLinear(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.sequence_parallel = sequence_parallel
         ctx.tp_group = tp_group
-        total = input
-        if sequence_parallel:
-            world = tp_group.size()
-            total = torch.empty((input.size(0) * world,) + tuple(input.shape[1:]),
-                                dtype=input.dtype, device=input.device)
-            dist.all_gather_into_tensor(total, input.contiguous(), group=tp_group)
+        total = all_gathered(input, tp_group) if sequence_parallel else input
         output = torch.matmul(total, weight.t())
         if bias is not None:
             output = output + bias

@@ -47,7 +47,6 @@ class NormPiece(DeferredPiece):
         x = _cat([p.input for p in pieces], shape)
         go = _cat([p.grad_output for p in pieces], shape)
         rstd = _cat([p.rstd for p in pieces], [1] * len(shape))
-        weight = detached(param)
         if first.mean is None:
             rows = tuple(range(x.dim() - len(shape)))
             normed = x.float() * rstd
@@ -55,7 +54,7 @@ class NormPiece(DeferredPiece):
         mean = _cat([p.mean for p in pieces], [1] * len(shape))
         bias = first.bias
         _, dw, db = _aten.native_layer_norm_backward(
-            go, x, shape, mean, rstd, weight, None if bias is None else detached(bias),
+            go, x, shape, mean, rstd, detached(param), None if bias is None else detached(bias),
             [False, True, bias is not None])
         return [(param, dw)] + ([(bias, db)] if bias is not None else [])
 

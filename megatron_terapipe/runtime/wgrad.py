@@ -38,7 +38,7 @@ import torch.distributed as dist
 #: What a piece's gradient is when it already went into the parameter's main_grad.
 IN_MAIN_GRAD: Any = object()
 
-Gradient = tuple[torch.Tensor, Any]  # (parameter, gradient tensor, IN_MAIN_GRAD or None)
+Gradient = tuple[torch.Tensor, Any]  # (parameter, its gradient: a tensor, IN_MAIN_GRAD or None)
 
 
 class DeferredPiece:
@@ -253,9 +253,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _gathered(piece: WeightGradPiece) -> torch.Tensor:
     x = piece.input
-    if piece.sequence_parallel:
-        world = piece.tp_group.size()
-        total = torch.empty((x.size(0) * world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(total, x.contiguous(), group=piece.tp_group)
-        x = total
-    return _rows(x)
+    return _rows(all_gathered(x, piece.tp_group) if piece.sequence_parallel else x)
+
+
+def all_gathered(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x` from every rank of `group`, along dim 0 (the token dim under sequence parallelism)."""
+    total = torch.empty((x.size(0) * group.size(),) + tuple(x.shape[1:]), dtype=x.dtype,
+                        device=x.device)
+    dist.all_gather_into_tensor(total, x.contiguous(), group=group)
+    return total
