@@ -17,15 +17,13 @@ from __future__ import annotations
 from typing import Callable
 
 from ..planner.memory import MemoryBudgetError
-from ..planner.schedules import AUTO_MIN_GAIN, TERAPIPE, AutoChoice, ScheduleTable, compare_schedules
+from ..planner.report import auto_text, megatron_1f1b_time, schedule_row
+from ..planner.schedules import TERAPIPE, AutoChoice, ScheduleTable, compare_schedules
 from .flags import layers_per_stage, num_microbatches, pp_size
 from .memory_args import budget_from_args
 from .planning import cost_model_from_args, search_space_from_args
 from .profile_cache import profile_cache_path
 from .validation import TeraPipeArgumentError
-
-GiB = 1024 ** 3
-
 
 def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTable, str]:
     """The schedules the flags' run could use, and the cost model's description."""
@@ -76,31 +74,11 @@ def apply_choice(args, choice: AutoChoice) -> None:
 
 
 def auto_log_lines(args, table: ScheduleTable, choice: AutoChoice, cost: str) -> list[str]:
-    """The table and the choice in Megatron's `> ...` style."""
+    """The table and the choice (as terapipe-plan prints them) in Megatron's `> ...` style."""
     mbs = int(args.micro_batch_size)
     out = [f"> terapipe auto: schedules for seq_length {args.seq_length}, micro_batch_size {mbs}, "
            f"{num_microbatches(args, mbs)} microbatches, {pp_size(args)} pipeline stages "
            f"(predicted by {cost}; {table.budget.describe()}):"]
-    for o in table.options:
-        name = f">   {o.name} ".ljust(40, ".")
-        if not o.runnable:
-            out.append(f"{name} {o.note}")
-            continue
-        peaks = " ".join(f"{p / GiB:.2f}" for p in o.totals[:8]) + (" ..." if len(o.totals) > 8 else "")
-        note = f"  {o.note}" if o.note else ""
-        out.append(f"{name} {o.time * 1e3:.3f} ms, peak GiB per stage {peaks}{note}")
-    out.append("> terapipe auto: " + _choice_text(choice))
-    return out
-
-
-def _choice_text(choice: AutoChoice) -> str:
-    text = f"running {choice.chosen.name}"
-    runner = choice.runner_up
-    if runner is None or choice.margin is None:
-        return text + " (the only schedule that fits)"
-    if choice.margin >= 0:
-        fits = "" if runner.fits else ", which does not fit"
-        return text + (f", predicted {100 * choice.margin:.1f}% faster than the runner-up "
-                       f"{runner.name}{fits}")
-    return text + (f": the runner-up {runner.name} is predicted only {100 * -choice.margin:.1f}% "
-                   f"faster (TeraPipe needs at least {100 * AUTO_MIN_GAIN:.0f}%)")
+    base = megatron_1f1b_time(table)
+    out += [">   " + schedule_row(o, base) for o in table.options]
+    return out + ["> terapipe auto: running " + auto_text(choice).removeprefix("auto: ")]

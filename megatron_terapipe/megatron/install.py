@@ -10,6 +10,7 @@ from typing import Callable, Optional
 from . import compat
 from .selection import (  # noqa: F401  (the public names of the glue, in one place)
     STATE,
+    VIRTUAL_STAGES_UNSUPPORTED,
     check_config,
     configure,
     default_plan_source,
@@ -30,8 +31,7 @@ def _terapipe_or_megatron(*args, **kwargs):
     if STATE.selected:
         vp_size = kwargs.get("vp_size", args[1] if len(args) > 1 else None)
         if vp_size is not None and vp_size > 1:
-            raise ValueError("TeraPipe does not support virtual pipeline stages: drop "
-                             "--num-layers-per-virtual-pipeline-stage")
+            raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
         schedule_groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
         if compat.is_multi_module_collection(schedule_groups):
             raise ValueError(

@@ -18,6 +18,9 @@ class SelectionState:
 
 
 STATE = SelectionState()
+VIRTUAL_STAGES_UNSUPPORTED = (
+    "TeraPipe does not support virtual pipeline stages: drop "
+    "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
 
 
 def select(source) -> None:
@@ -62,9 +65,7 @@ def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = 
             f"TeraPipe does not support context parallelism (context_parallel_size={cp}): "
             "token slices already split the sequence; set --context-parallel-size 1")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
-        raise ValueError(
-            "TeraPipe does not support virtual pipeline stages: drop "
-            "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+        raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
     if getattr(config, "num_moe_experts", None):
         raise ValueError("TeraPipe does not support MoE models yet: unset --num-experts "
                          "or use Megatron's 1f1b schedule")

@@ -71,15 +71,20 @@ def schedule_table_lines(table: ScheduleTable) -> list[str]:
     """One row per schedule, best first: predicted iteration, speedup over Megatron's 1F1B,
     peak GiB per stage (activations + K/V + weights, gradients and optimizer state), the plan
     in brief, and "does not fit" where it does not."""
-    base = next((o.time for o in table.options if o.name == "Megatron 1F1B" and o.runnable), None)
+    base = megatron_1f1b_time(table)
     budget = table.budget
     lines = [f"schedules, best first ({budget.limit_text()}; peaks count activations, K/V and "
              f"{budget.state_text()} of weights, gradients and optimizer state):",
              f"  {'':30} {'iteration':>12} {'vs 1F1B':>8}  peak GiB per stage"]
-    return lines + ["  " + _schedule_row(o, base) for o in table.options]
+    return lines + ["  " + schedule_row(o, base) for o in table.options]
 
 
-def _schedule_row(o: ScheduleOption, base: Optional[float]) -> str:
+def megatron_1f1b_time(table: ScheduleTable) -> Optional[float]:
+    """Megatron's 1F1B's predicted iteration, the table's "vs 1F1B" base (None: cannot run)."""
+    return next((o.time for o in table.options if o.name == "Megatron 1F1B" and o.runnable), None)
+
+
+def schedule_row(o: ScheduleOption, base: Optional[float]) -> str:
     if not o.runnable:
         return f"{o.name:30} {'-':>12} {'-':>8}  {o.note}"
     speedup = f"{base / o.time:>7.2f}x" if base else f"{'-':>8}"
