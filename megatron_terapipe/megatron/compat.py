@@ -276,7 +276,14 @@ CPU_MODE_MODULES = ("megatron.core.pipeline_parallel.schedules",
                     "megatron.core.optimizer.optimizer",
                     "megatron.core.optimizer.clip_grads",
                     "megatron.core.optimizer.grad_scaler",
-                    "megatron.core.utils")
+                    "megatron.core.utils",
+                    # MoE: side streams for the shared experts and the alltoall dispatcher's
+                    # device-to-host copies, and router/expert buffers made on "cuda".
+                    "megatron.core.transformer.moe.token_dispatcher",
+                    "megatron.core.transformer.moe.moe_utils",
+                    "megatron.core.transformer.moe.router",
+                    "megatron.core.transformer.moe.experts",
+                    "megatron.core.transformer.moe.shared_experts")
 
 
 def cpu_mode_modules() -> list:

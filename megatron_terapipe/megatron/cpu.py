@@ -23,16 +23,30 @@ from . import compat
 
 _ENABLED = False
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original), in patching order
+_MISSING = object()  # an attribute that did not exist before it was patched
 
 
 def patch_for_cpu(owner: Any, name: str, value: Any) -> None:
     """Set `owner.name` to `value` until `disable_cpu_mode` puts the original back."""
-    _PATCHED.append((owner, name, getattr(owner, name)))
+    _PATCHED.append((owner, name, getattr(owner, name, _MISSING)))
     setattr(owner, name, value)
 
 
 class NullStream:
-    """A CUDA stream stand-in on CPU: work on CPU is already ordered."""
+    """A CUDA stream stand-in on CPU: work on CPU is already ordered, so every stream is the
+    same one (MoE's dispatcher compares the current stream with its side stream)."""
+
+    def __init__(self, *_a: Any, **_k: Any) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NullStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def record_event(self, *_a: Any, **_k: Any) -> "NullEvent":
+        return NullEvent()
 
     def wait_event(self, *_a: Any, **_k: Any) -> None:
         return None
@@ -44,12 +58,34 @@ class NullStream:
         return None
 
 
+class NullEvent:
+    """A CUDA event stand-in on CPU: already complete."""
+
+    def __init__(self, *_a: Any, **_k: Any) -> None:
+        pass
+
+    def record(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class CpuCudaProxy(types.ModuleType):
     """`torch.cuda` as seen by a Megatron module in CPU mode: stream queries answer a stream
     that waits for nothing (0.19's grad sync asks for the current stream unconditionally)."""
 
     def __init__(self) -> None:
         super().__init__("torch.cuda")
+
+    Stream = NullStream
+    Event = NullEvent
 
     def current_stream(self, *_a: Any, **_k: Any) -> NullStream:
         return NullStream()
@@ -129,6 +165,10 @@ def enable_cpu_mode() -> None:
     patch_for_cpu(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    moe_utils = modules[[m.__name__ for m in modules].index("megatron.core.transformer.moe.moe_utils")]
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # Without Transformer Engine the MoE router's GEMM reads a name its import left unset.
+        patch_for_cpu(moe_utils, "te_general_gemm", None)
     keep_freed_host_memory()
     _ENABLED = True
 
@@ -175,7 +215,10 @@ def disable_cpu_mode() -> None:
     global _ENABLED
     while _PATCHED:
         owner, name, original = _PATCHED.pop()
-        setattr(owner, name, original)
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     _ENABLED = False
 
 

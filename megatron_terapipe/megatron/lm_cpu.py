@@ -21,9 +21,12 @@ turning gradient clipping off is a change of training the user should make knowi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
+import os
 import types
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -70,11 +73,26 @@ class _CudaOnCpu(CpuCudaProxy):
     def empty_cache(self) -> None:
         pass
 
+    def get_device_properties(self, *args: Any, **kwargs: Any) -> types.SimpleNamespace:
+        # validate_args asks the architecture with TP or CP > 1 (CUDA_DEVICE_MAX_CONNECTIONS).
+        return types.SimpleNamespace(name="cpu", major=0, minor=0, multi_processor_count=1,
+                                     total_memory=_host_memory_bytes())
+
+    def get_device_capability(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        return (0, 0)
+
     def get_rng_state(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.get_rng_state()
 
     def set_rng_state(self, *args: Any, **kwargs: Any) -> None:
         pass  # the CPU generator's state is restored on its own
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _torch_with_cpu_cuda() -> types.ModuleType:
@@ -95,6 +113,38 @@ def enable_megatron_lm_cpu_mode() -> None:
     # Warms up CUDA JIT fusions on tensors made with device="cuda"; there is nothing to warm.
     initialize = importlib.import_module("megatron.training.initialize")
     patch_for_cpu(initialize, "_warmup_jit_function", lambda *a, **k: None)  # 0.19: tp_size=
+    # --use-distributed-optimizer: its constructor accepts parameters by CUDA type name only.
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    optimizer = distrib.DistributedOptimizer
+    patch_for_cpu(optimizer, "__init__", _naming_cpu_tensors_cuda(optimizer.__init__))
+
+
+@contextlib.contextmanager
+def _cpu_tensors_named_cuda() -> Iterator[None]:
+    """`Tensor.type()` names a CPU tensor by its CUDA type ('torch.cuda.FloatTensor'), as
+    Megatron-Core's optimizers check parameter types by name; with arguments it is unchanged."""
+    original = torch.Tensor.type
+
+    def type_name(self, *args: Any, **kwargs: Any):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda or not isinstance(name, str):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _naming_cpu_tensors_cuda(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any):
+        with _cpu_tensors_named_cuda():
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def apply_cpu_settings(args) -> list[str]:
@@ -106,6 +156,13 @@ def apply_cpu_settings(args) -> list[str]:
             f"(clip_grad_by_total_norm_fp32), and --clip-grad is {args.clip_grad}: pass "
             "--clip-grad 0.0 to train on CPU without clipping")
     changed = []
+    model_parallel = max(getattr(args, "tensor_model_parallel_size", 1) or 1,
+                         getattr(args, "context_parallel_size", 1) or 1) > 1
+    if model_parallel and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+        # validate_args asks for it with TP or CP > 1 (GPU kernel ordering); nothing on CPU
+        # reads it, and it is what a GPU run of the same flags sets.
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        changed.append("> terapipe cpu: CUDA_DEVICE_MAX_CONNECTIONS=1 (asked for with TP or CP > 1)")
     for name, value in CPU_SETTINGS.items():
         if hasattr(args, name) and getattr(args, name) != value:
             changed.append(f"> terapipe cpu: {name} {getattr(args, name)!r} -> {value!r}")

@@ -66,9 +66,8 @@ def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = 
             "token slices already split the sequence; set --context-parallel-size 1")
     if getattr(config, "virtual_pipeline_model_parallel_size", None):
         raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError("TeraPipe does not support MoE models yet: unset --num-experts "
-                         "or use Megatron's 1f1b schedule")
+    if getattr(config, "num_moe_experts", None) and moe_problem(config):
+        raise ValueError(moe_problem(config))
     if getattr(config, "defer_embedding_wgrad_compute", False):
         raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
     if getattr(config, "mtp_num_layers", None):
@@ -95,3 +94,44 @@ def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> N
     None restores the plain schedule.
     """
     STATE.schedule_wrapper = wrapper
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def moe_problem(source) -> Optional[str]:
+    """Why an MoE model (Megatron-LM's args or a TransformerConfig: the names are the same)
+    cannot train exactly under token slices, or None.
+
+    Dropless top-k routing is token-wise: a cell routes its tokens as the whole microbatch
+    would, so MoE trains exactly. What depends on all of a microbatch's tokens at once cannot
+    be split into slices: load-balancing losses (products of means over the tokens), Sinkhorn
+    routing, the router z-loss (a mean per forward pass) and capacity-based token dropping
+    (capacity counted per forward pass). Aux-loss-free balancing (expert bias) only adds up
+    token counts, which slices do exactly."""
+    coeffs = [float(c) for c in _as_list(getattr(source, "moe_aux_loss_coeff", 0.0) or 0.0)]
+    balancing = _as_list(getattr(source, "moe_router_load_balancing_type", "aux_loss"))
+    if any(c > 0 for c in coeffs) and any(b != "none" for b in balancing):
+        return (f"TeraPipe cannot run MoE load-balancing losses (--moe-aux-loss-coeff "
+                f"{' '.join(f'{c:g}' for c in coeffs)}, --moe-router-load-balancing-type "
+                f"{' '.join(balancing)}): the loss multiplies means over all the microbatch's "
+                "tokens, and a token slice sees only its own; use aux-loss-free balancing "
+                "(--moe-aux-loss-coeff 0 --moe-router-enable-expert-bias), or "
+                "--pipeline-schedule 1f1b")
+    if "sinkhorn" in balancing:
+        return ("TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn "
+                "normalises the routing over all the microbatch's tokens at once; use top-k "
+                "routing with --moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")
+    if getattr(source, "moe_z_loss_coeff", None):
+        return (f"TeraPipe cannot run the router z-loss (--moe-z-loss-coeff "
+                f"{source.moe_z_loss_coeff}): it is a mean over each forward pass's tokens, "
+                "and a token slice's mean is not the microbatch's; drop --moe-z-loss-coeff, "
+                "or use --pipeline-schedule 1f1b")
+    if getattr(source, "moe_expert_capacity_factor", None) is not None:
+        return (f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
+                f"{source.moe_expert_capacity_factor}): an expert's capacity is counted over "
+                "each forward pass's tokens, so a token slice would drop other tokens than "
+                "the whole microbatch; drop the flag (dropless routing), or use "
+                "--pipeline-schedule 1f1b")
+    return None

@@ -45,8 +45,6 @@ def get_gpt_layer_spec(backend: str = "local", **kwargs: Any):
 
     if backend == "auto":
         backend = "te" if transformer_engine_available() and torch.cuda.is_available() else "local"
-    if kwargs.get("num_experts"):
-        raise ValueError("TeraPipe does not support MoE layers yet: leave num_experts unset")
     if kwargs.get("multi_latent_attention"):
         raise ValueError("TeraPipe does not support multi-latent attention yet")
     if backend == "local":

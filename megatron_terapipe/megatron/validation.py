@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from .selection import moe_problem
 from .flags import (COST_MODELS, DEFAULT_GRANULARITY, DEFAULT_PROFILE_POINTS, HARDWARE_CHOICES,
                     ORDERS, auto_selected, int_or_none, size_flag, slice_unit, terapipe_selected,
                     tp_size)
@@ -157,8 +158,9 @@ def _check_megatron_features(args, seq: int) -> None:
               "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
               "(or use --pipeline-schedule 1f1b for Megatron's interleaved schedule)")
     if getattr(args, "num_experts", None):
-        _fail(f"TeraPipe does not support MoE models yet (--num-experts {args.num_experts}): "
-              "unset --num-experts or use --pipeline-schedule 1f1b")
+        problem = moe_problem(args)
+        if problem:
+            _fail(problem)
     _check_unsupported_flags(args)
     decoder = getattr(args, "decoder_seq_length", None)
     if decoder is not None and int(decoder) != seq:
@@ -191,3 +193,4 @@ def _check_unsupported_flags(args) -> None:
               "learned_absolute")
     if getattr(args, "sft", False):
         _fail("TeraPipe does not support --sft (packed THD sequences): drop --sft")
+
