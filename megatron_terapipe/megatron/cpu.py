@@ -165,12 +165,27 @@ def enable_cpu_mode() -> None:
     patch_for_cpu(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
     patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    moe_utils = modules[[m.__name__ for m in modules].index("megatron.core.transformer.moe.moe_utils")]
+    _moe_on_cpu({m.__name__: m for m in modules})
+    keep_freed_host_memory()
+    _ENABLED = True
+
+
+def _moe_on_cpu(modules: dict[str, types.ModuleType]) -> None:
+    moe_utils = modules["megatron.core.transformer.moe.moe_utils"]
     if not hasattr(moe_utils, "te_general_gemm"):
         # Without Transformer Engine the MoE router's GEMM reads a name its import left unset.
         patch_for_cpu(moe_utils, "te_general_gemm", None)
-    keep_freed_host_memory()
-    _ENABLED = True
+    # The alltoall dispatcher moves its split sizes to the host as numpy arrays for the
+    # all-to-all; a CPU tensor was left as it is, which all_to_all_single does not take.
+    dispatcher = modules["megatron.core.transformer.moe.token_dispatcher"]
+    to_host = dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return to_host(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    patch_for_cpu(dispatcher, "maybe_move_tensor_to_cpu", to_host_numpy)
 
 
 # glibc's mallopt parameters (malloc.h)

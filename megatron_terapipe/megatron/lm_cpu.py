@@ -32,6 +32,7 @@ import torch
 
 from . import compat
 from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
+from .spec import TorchNorm
 
 # The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as
 # CUDA differ per line: compat.MEGATRON_LM_CPU_MODULES.
@@ -113,10 +114,23 @@ def enable_megatron_lm_cpu_mode() -> None:
     # Warms up CUDA JIT fusions on tensors made with device="cuda"; there is nothing to warm.
     initialize = importlib.import_module("megatron.training.initialize")
     patch_for_cpu(initialize, "_warmup_jit_function", lambda *a, **k: None)  # 0.19: tp_size=
+    # --sequence-parallel: Megatron's local torch norm refuses it (only TE/apex norms mark
+    # their parameters for the TP all-reduce); spec.TorchNorm marks them.
+    norm = compat.local_spec_torch_norm()
+    patch_for_cpu(norm, "__new__", _sequence_parallel_torch_norm(norm.__new__))
     # --use-distributed-optimizer: its constructor accepts parameters by CUDA type name only.
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     optimizer = distrib.DistributedOptimizer
     patch_for_cpu(optimizer, "__init__", _naming_cpu_tensors_cuda(optimizer.__init__))
+
+
+def _sequence_parallel_torch_norm(original: Callable) -> Callable:
+    def new(cls, config, hidden_size: int, eps: float = 1e-5, *args: Any, **kwargs: Any):
+        if getattr(config, "sequence_parallel", False):
+            return TorchNorm(config, hidden_size, eps=eps)
+        return original(cls, config, hidden_size, eps, *args, **kwargs)
+
+    return new
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ def _check_megatron_features(args, seq: int) -> None:
     if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
         _fail(f"TeraPipe does not support context parallelism (--context-parallel-size "
               f"{args.context_parallel_size}): token slices already split the sequence; "
-              "set --context-parallel-size 1")
+              "set --context-parallel-size 1, or use --pipeline-schedule 1f1b")
     if getattr(args, "hybrid_context_parallel", False):
         _fail("TeraPipe does not support --hybrid-context-parallel: drop it")
     vp = getattr(args, "virtual_pipeline_model_parallel_size", None)

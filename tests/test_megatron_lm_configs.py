@@ -1,0 +1,109 @@
+"""Megatron-LM's real configurations: `--pipeline-schedule terapipe` against `1f1b`.
+
+Megatron-LM's own, unmodified `pretrain_gpt.py` through the launcher on CPU (`--terapipe-cpu`),
+PP=2, mock data, a small fp32 GPT (harness/megatron_lm.py), 3 iterations and one validation.
+For each configuration TeraPipe (4 token slices) either logs the same lm loss and grad norm as
+Megatron's own schedule at every iteration and the same validation loss (relative 1e-5), or
+stops before its first iteration with TeraPipe's argument error naming the flag and the way
+out. Runs only with a Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1 or core_v0.19.0)
+and `triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of results.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from harness.megatron_lm import pretrain
+from harness.spawn import free_port
+
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout "
+                       "to run its pretrain_gpt.py"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="Megatron-LM's training modules import triton: pip install triton"),
+]
+
+TERAPIPE = ["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       # Megatron's local experts add their bias in place on a view: it fails with biases on
+       # either schedule, so MoE runs as MoE models usually do, without linear biases.
+       "--disable-bias-linear"]
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    nproc: int
+    flags: tuple[str, ...]
+
+
+EQUAL = [
+    Config("plain (learned absolute positions)", 2, ()),
+    Config("2-sample microbatches", 2, ("--micro-batch-size", "2", "--global-batch-size", "8")),
+    Config("rope", 2, ("--position-embedding-type", "rope", "--no-rope-fusion")),
+    Config("GQA + SwiGLU + RMSNorm + untied embeddings", 2,
+           ("--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization",
+            "RMSNorm", "--untie-embeddings-and-output-weights")),
+    Config("packed sequences", 2, ("--reset-position-ids", "--reset-attention-mask",
+                                   "--eod-mask-loss")),
+    Config("full recompute", 2, ("--recompute-granularity", "full", "--recompute-method",
+                                 "uniform", "--recompute-num-layers", "1")),
+    Config("selective recompute", 2, ("--recompute-granularity", "selective")),
+    Config("TP=2", 4, ("--tensor-model-parallel-size", "2")),
+    Config("TP=2 + sequence parallel", 4, ("--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel")),
+    Config("DP=2", 4, ()),
+    Config("DP=2 + overlapped grad reduce", 4, ("--overlap-grad-reduce",)),
+    Config("DP=2 + distributed optimizer", 4, ("--use-distributed-optimizer",)),
+    Config("DP=2 + distributed optimizer + overlapped reduce and param gather", 4,
+           ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")),
+    Config("MoE (4 experts, top-2, alltoall)", 2, tuple(MOE)),
+    Config("MoE + aux-loss-free balancing (expert bias)", 2,
+           (*MOE, "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")),
+    Config("MoE, DP=2 x EP=2", 4, (*MOE, "--expert-model-parallel-size", "2")),
+]
+
+#: (configuration, what TeraPipe's error must say)
+REFUSED = [
+    (Config("virtual pipeline", 2, ("--num-layers", "4",
+                                    "--num-layers-per-virtual-pipeline-stage", "1")),
+     "--num-layers-per-virtual-pipeline-stage"),
+    (Config("CP=2", 4, ("--context-parallel-size", "2")), "--context-parallel-size"),
+    (Config("MoE + load-balancing loss", 2, (*MOE, "--moe-aux-loss-coeff", "0.01")),
+     "--moe-aux-loss-coeff 0.01"),
+    (Config("MoE + capacity factor", 2, (*MOE, "--moe-expert-capacity-factor", "1.0")),
+     "--moe-expert-capacity-factor 1.0"),
+    (Config("MoE + z-loss", 2, (*MOE, "--moe-z-loss-coeff", "0.001")), "--moe-z-loss-coeff"),
+]
+
+
+@pytest.mark.parametrize("config", EQUAL, ids=[c.name for c in EQUAL])
+def test_terapipe_equals_1f1b(config):
+    ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port())
+    assert ours.returncode == 0, ours.log[-4000:]
+    theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
+                      free_port())
+    assert theirs.returncode == 0, theirs.log[-4000:]
+    assert [i for i, _, _ in ours.iterations] == [1, 2, 3], ours.log[-4000:]
+    for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} loss"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+
+
+@pytest.mark.parametrize("config, flag", REFUSED, ids=[c.name for c, _ in REFUSED])
+def test_terapipe_refuses_before_training(config, flag):
+    run = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port(), timeout=300)
+    assert run.returncode != 0, run.log[-4000:]
+    assert not run.started_training, run.log[-4000:]
+    errors = [line for line in run.log.splitlines() if "TeraPipeArgumentError: " in line]
+    assert errors, run.log[-4000:]
+    message = errors[0].split("TeraPipeArgumentError: ", 1)[1]
+    assert flag in message and "--pipeline-schedule 1f1b" in message, message
