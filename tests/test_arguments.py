@@ -96,7 +96,10 @@ def test_combine_extra_args_with_the_scripts_provider():
     ([], dict(context_parallel_size=2), "--context-parallel-size"),
     ([], dict(num_layers_per_virtual_pipeline_stage=1), "--num-layers-per-virtual-pipeline-stage"),
     ([], dict(virtual_pipeline_model_parallel_size=2), "--num-virtual-stages-per-pipeline-rank"),
-    ([], dict(num_experts=8), "--num-experts"),
+    ([], dict(num_experts=8, moe_aux_loss_coeff=[0.01]), "--moe-aux-loss-coeff 0.01"),
+    ([], dict(num_experts=8, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+    ([], dict(num_experts=8, moe_z_loss_coeff=1e-3), "--moe-z-loss-coeff 0.001"),
+    ([], dict(num_experts=8, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1.0"),
     ([], dict(mtp_num_layers=1), "--mtp-num-layers"),
     ([], dict(use_legacy_models=True), "--use-legacy-models"),
     ([], dict(decoder_seq_length=32), "--decoder-seq-length"),
@@ -108,6 +111,13 @@ def test_bad_configurations_name_the_flag(argv, megatron, flag):
     with pytest.raises(TeraPipeArgumentError) as info:
         validate_terapipe_args(args)
     assert flag in str(info.value)
+
+
+def test_dropless_moe_is_accepted():
+    """Top-k routing without losses over the microbatch, dropping or Sinkhorn is token-wise."""
+    for extra in ({}, dict(moe_aux_loss_coeff=0.0), dict(moe_router_enable_expert_bias=True),
+                  dict(moe_aux_loss_coeff=0.5, moe_router_load_balancing_type="none")):
+        validate_terapipe_args(parse(["--pipeline-schedule", "terapipe"], num_experts=8, **extra))
 
 
 def test_both_slice_flags_rejected_when_set_programmatically():

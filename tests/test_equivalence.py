@@ -136,6 +136,8 @@ DEFERRED_2 = [
          model=TinyGPT(position_embedding_type="learned_absolute")),
     Case("w_pp2_rmsnorm", DEFERRED, model=TinyGPT(normalization="RMSNorm")),
     Case("w_pp2_legacy_two_tuple_loss", DEFERRED, legacy_loss=True),
+    # MoE (dropless top-2, alltoall): expert layers get a different token count per cell.
+    Case("w_pp2_moe", DEFERRED, model=TinyGPT(num_experts=4)),
     Case("w_dp2_tied_embeddings_one_stage_ddp_overlap", DEFERRED, pp=1, ddp=True,
          overlap_grad_reduce=True, model=TinyGPT(untie=False, num_layers=2)),
 ]

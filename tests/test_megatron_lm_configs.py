@@ -88,6 +88,7 @@ REFUSED = [
 def test_terapipe_equals_1f1b(config):
     ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port())
     assert ours.returncode == 0, ours.log[-4000:]
+    assert "token slices (all rows) ... 16 16 16 16" in ours.log, ours.log[-4000:]  # TeraPipe ran
     theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
                       free_port())
     assert theirs.returncode == 0, theirs.log[-4000:]

@@ -7,10 +7,8 @@ private attribute, a module attribute it replaces, a helper whose home moved, go
 function here, and each of those calls `require_tested(touch)` first: on an untested megatron-core
 it raises `UnsupportedMegatronError`, which names the touch point, the installed version and the
 supported lines, unless `MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON=1` says to try anyway.
-docs/megatron.md lists every touch point with the versions it was checked on;
-`python -m megatron_terapipe.megatron.compat_check` runs every check on the installed version.
-
-What moved between 0.16 and 0.19, and how each function here absorbs it: docs/megatron.md.
+docs/megatron.md lists every touch point, the versions it was checked on and what moved between
+0.16 and 0.19; `python -m megatron_terapipe.megatron.compat_check` runs every check here.
 """
 
 from __future__ import annotations
@@ -35,6 +33,8 @@ CONFIG_FIELDS_READ = (
     "context_parallel_size", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
     "enable_autocast", "finalize_model_grads_func", "grad_scale_func", "grad_sync_func",
     "hidden_size", "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers",
+    "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_router_load_balancing_type",
+    "moe_z_loss_coeff",
     "no_sync_func", "normalization", "num_layers", "num_moe_experts", "pipeline_dtype",
     "sequence_parallel", "tensor_model_parallel_size", "timers", "variable_seq_lengths",
     "virtual_pipeline_model_parallel_size")
@@ -276,14 +276,9 @@ CPU_MODE_MODULES = ("megatron.core.pipeline_parallel.schedules",
                     "megatron.core.optimizer.optimizer",
                     "megatron.core.optimizer.clip_grads",
                     "megatron.core.optimizer.grad_scaler",
-                    "megatron.core.utils",
-                    # MoE: side streams for the shared experts and the alltoall dispatcher's
-                    # device-to-host copies, and router/expert buffers made on "cuda".
-                    "megatron.core.transformer.moe.token_dispatcher",
-                    "megatron.core.transformer.moe.moe_utils",
-                    "megatron.core.transformer.moe.router",
-                    "megatron.core.transformer.moe.experts",
-                    "megatron.core.transformer.moe.shared_experts")
+                    "megatron.core.utils",  # and MoE's side streams and "cuda" buffers:
+                    *(f"megatron.core.transformer.moe.{name}" for name in (
+                        "token_dispatcher", "moe_utils", "router", "experts", "shared_experts")))
 
 
 def cpu_mode_modules() -> list:
@@ -350,8 +345,7 @@ MEGATRON_LM_ARGUMENT_HOOKS = tuple(
 
 
 def megatron_lm_argument_hooks() -> list[tuple[Any, str, str]]:
-    """(module, function name, kind) for each hook point present in the importable
-    megatron.training. ImportError when megatron.training.arguments cannot be imported."""
+    """(module, function name, kind) for each hook point in the importable megatron.training."""
     require_tested("hooking Megatron-LM's parse_args/validate_args")
     found = []
     for name, function, kind in MEGATRON_LM_ARGUMENT_HOOKS:
@@ -394,8 +388,7 @@ def megatron_lm_cpu_modules() -> tuple[list, Any]:
 
 
 def megatron_lm_global_args() -> Optional[Any]:
-    """Megatron-LM's global args (`global_vars._GLOBAL_ARGS`, which the per-cell wrapper
-    mutates), or None outside Megatron-LM or before they are set."""
+    """Megatron-LM's global args (the per-cell wrapper mutates them), or None before them."""
     module = sys.modules.get("megatron.training.global_vars")
     if module is None:
         return None

@@ -47,7 +47,7 @@ def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torc
     parallel_state.initialize_model_parallel(1, 1)
     seed(case.model.seed)
     config = case.model.config()
-    model = case.model.build(config, get_gpt_layer_local_spec())
+    model = case.model.build(config, get_gpt_layer_local_spec(**case.model.spec_kwargs))
     if case.model.bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -74,7 +74,7 @@ def _terapipe_spec(case: Case, config):
         return get_gpt_layer_local_spec()
     if case.model.sequence_parallel:
         return get_gpt_decoder_block_spec(config)
-    spec = get_gpt_layer_spec()
+    spec = get_gpt_layer_spec(**case.model.spec_kwargs)
     if case.attn_mask_type is not None:
         from megatron.core.transformer.enums import AttnMaskType
 

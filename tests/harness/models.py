@@ -28,7 +28,13 @@ class TinyGPT:
     recompute_modules: Optional[tuple[str, ...]] = None
     calculate_per_token_loss: bool = False
     normalization: str = "LayerNorm"
+    num_experts: Optional[int] = None  # MoE: dropless top-2 routing, alltoall dispatcher
     seed: int = 1234
+
+    @property
+    def spec_kwargs(self) -> dict[str, Any]:
+        """What the layer spec functions need for this model (MoE layers)."""
+        return {"num_experts": self.num_experts} if self.num_experts else {}
 
     def config(self, tp: int = 1, pp: int = 1):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,6 +46,10 @@ class TinyGPT:
                 extra.update(recompute_method="uniform", recompute_num_layers=1)
             if self.recompute_modules is not None:
                 extra["recompute_modules"] = list(self.recompute_modules)
+        if self.num_experts:
+            # Megatron's local experts add their bias in place on a view: MoE without biases.
+            extra.update(num_moe_experts=self.num_experts, moe_router_topk=2,
+                         moe_token_dispatcher_type="alltoall", add_bias_linear=False)
         return TransformerConfig(
             num_layers=self.num_layers, hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads, num_query_groups=self.num_query_groups,
@@ -75,7 +85,7 @@ def build_stage_model(model_cfg: TinyGPT, tp: int, pp: int, spec=None):
 
     config = model_cfg.config(tp, pp)
     seed(model_cfg.seed)
-    model = model_cfg.build(config, spec if spec is not None else get_gpt_layer_spec(),
+    model = model_cfg.build(config, spec if spec is not None else get_gpt_layer_spec(**model_cfg.spec_kwargs),
                             pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())
     return config, model
