@@ -131,10 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         module, rest = argv[1], argv[2:]
         sys.argv = [module] + rest
-        install_hooks()
-        _enable_cpu_if_asked(rest)
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return 0
+        return _run(rest, lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
     script, rest = argv[0], argv[1:]
     if not os.path.isfile(script):
         sys.stderr.write(f"megatron_terapipe.megatron.launch: no such script: {script}\n\n{USAGE}")
@@ -143,9 +140,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # pretrain_gpt.py imports gpt_builders, model_provider and megatron.training from there).
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     sys.argv = [script] + rest
-    install_hooks()
-    _enable_cpu_if_asked(rest)
-    runpy.run_path(script, run_name="__main__")
+    return _run(rest, lambda: runpy.run_path(script, run_name="__main__"))
+
+
+def _run(args: Sequence[str], script: Callable[[], object]) -> int:
+    """Run the script with the hooks; a TeraPipe flag error (raised before torch.distributed
+    starts) is printed once, by rank 0, as argparse prints its own, and every rank exits with 2."""
+    from .validation import TeraPipeArgumentError
+
+    try:
+        install_hooks()
+        _enable_cpu_if_asked(args)
+        script()
+    except (TeraPipeArgumentError, LauncherError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"megatron_terapipe.megatron.launch: error: {exc}\n")
+        return 2
     return 0
 
 
