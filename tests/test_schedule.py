@@ -120,6 +120,39 @@ def test_validate_rejects_broken_orders():
         validate(deadlock)
 
 
+def test_schedule_errors_show_the_grid_with_the_failing_step_marked():
+    good = build_schedule(TeraPipePlan([4, 4], order="gpipe", defer_wgrad=False), 1, 2, 1)
+    f0, f1, b1, b0 = good.stages[1]
+    with pytest.raises(ScheduleError) as info:
+        validate(_replace(good, 1, [f0, f1, b0, b1]))  # stage 1, step 2 is out of order
+    message, *rows = str(info.value).splitlines()
+    assert message == info.value.message and "reverse token order" in message
+    assert rows[0].split() == ["step", "|", "stage", "0", "|", "stage", "1"]
+    marked = [row for row in rows if "<- here" in row]
+    assert len(marked) == 1 and marked[0].startswith("   2 |")
+    stage0, stage1 = (cell.strip() for cell in marked[0].removesuffix("<- here").split("|")[1:])
+    assert stage0 == str(good.stages[0][2]) and stage1 == f">>{b0}<<"
+    assert len(rows) == 1 + 4  # the header and every step of this short schedule
+    # A deadlock has no one failing step: the grid comes unmarked. Stage 0 waits for m0's
+    # gradient before it sends m1; stage 1 waits for m1 before it sends m0's gradient.
+    two = build_schedule(TeraPipePlan([8], order="gpipe", defer_wgrad=False), 2, 2, 1)
+    f_m0, f_m1, b_m1, b_m0 = two.stages[0]
+    g_m0, g_m1, c_m1, c_m0 = two.stages[1]
+    deadlock = _replace(_replace(two, 0, [f_m0, b_m0, f_m1, b_m1]), 1, [g_m0, g_m1, c_m0, c_m1])
+    with pytest.raises(ScheduleError, match="deadlocks") as info:
+        validate(deadlock)
+    assert "step | stage 0" in str(info.value) and "<- here" not in str(info.value)
+
+
+def test_long_schedules_show_the_rows_around_the_mark():
+    from megatron_terapipe.schedule.grid import format_grid
+
+    schedule = build_schedule(TeraPipePlan([1] * 40, order="gpipe", defer_wgrad=False), 1, 2, 1)
+    text = format_grid(schedule.stages, (0, 50)).splitlines()
+    assert "  ... 44 earlier steps" in text and "  ... 23 later steps" in text
+    assert [row for row in text if "<- here" in row][0].startswith("  50 |")
+
+
 def test_timeline_adds_transfer_delays():
     schedule = build_schedule(TeraPipePlan([4, 4], order="gpipe", defer_wgrad=False), 1, 2, 1)
     spans = timeline(schedule, lambda k, a: 1.0, lambda k, a: 0.5)

@@ -143,7 +143,12 @@ class Schedule:
 
 
 class ScheduleError(ValueError):
-    """A schedule that breaks a dependency or would deadlock."""
+    """A schedule that breaks a dependency or would deadlock. `grid` (schedule/grid.py), when
+    given, is the stage x step table with the failing step marked, printed under the message."""
+
+    def __init__(self, message: str, grid: str = "") -> None:
+        self.message, self.grid = message, grid
+        super().__init__(f"{message}\n{grid}" if grid else message)
 
 
 def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int) -> list[Cell]:

@@ -12,6 +12,7 @@ Dependencies (what the executor relies on, and what the timing engines model):
 from __future__ import annotations
 
 from .actions import Action, Cell, Schedule, ScheduleError, opposite
+from .grid import format_grid
 from .lower import Lowering, lower
 from .replay import replay_timeline
 
@@ -19,49 +20,75 @@ from .replay import replay_timeline
 def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
     """Check every stage runs each cell's F (and B) once, in an order the executor can run,
     that the lowered lists pair every send with the neighbour's receive, and that the
-    schedule does not deadlock. Raises ScheduleError naming the first broken rule."""
+    schedule does not deadlock. Raises ScheduleError naming the first broken rule, with the
+    stage x step grid (the failing step marked where there is one)."""
     expected = set(schedule.cells())
     for k, actions in enumerate(schedule.stages):
         _check_stage(schedule, k, actions, expected)
     lowered = lower(schedule, lowering)
     _check_messages(lowered)
-    replay_timeline(lowered, lambda k, a: 1.0)
+    try:
+        replay_timeline(lowered, lambda k, a: 1.0)
+    except ScheduleError as exc:
+        raise ScheduleError(exc.message, format_grid(schedule.stages)) from None
+
+
+class _StageState:
+    """What a stage has run so far, as its list is checked in order."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[Cell]] = {"F": set(), "B": set()}
+        # Per sequence, the token slice that ran last: forwards count up, backwards down.
+        self.last: dict[str, dict] = {"F": {}, "B": {}}
+        self.final_w: set[tuple[int, int]] = set()  # sequences whose last W (first slice) ran
+        self.early_w: set[Cell] = set()
 
 
 def _check_stage(schedule: Schedule, k: int, actions: tuple[Action, ...],
                  expected: set[Cell]) -> None:
-    seen = {"F": set(), "B": set()}
-    # Per sequence, the token slice that ran last: forwards count up, backwards down.
-    last = {"F": {}, "B": {}}
-    final_w: set[tuple[int, int]] = set()  # sequences whose last W (first token slice) ran
-    early_w: set[Cell] = set()
-    for a in actions:
-        c = a.cell
-        if a.kind == "W":
-            _check_w(schedule, k, a, seen["B"], final_w, early_w)
-            continue
-        if c in seen[a.kind]:
-            raise ScheduleError(f"stage {k} runs {a} twice")
-        if a.kind == "F" and c.token_slice != last["F"].get(c.sequence_key, -1) + 1:
-            raise ScheduleError(f"stage {k} runs {a} before the token slices before it")
-        if a.kind == "B":
-            if c not in seen["F"]:
-                raise ScheduleError(f"stage {k} runs {a} before its forward")
-            if c.token_slice != last["B"].get(c.sequence_key, c.num_token_slices) - 1:
-                raise ScheduleError(
-                    f"stage {k} runs {a} out of reverse token order (K/V gradients from later "
-                    "slices must be complete first)")
-        last[a.kind][c.sequence_key] = c.token_slice
-        seen[a.kind].add(c)
+    state = _StageState()
+    for step, a in enumerate(actions):
+        try:
+            _check_action(schedule, k, a, state)
+        except ScheduleError as exc:  # the rule's message, then the grid marked at this step
+            raise ScheduleError(exc.message, format_grid(schedule.stages, (k, step))) from None
+    problem = _stage_totals(schedule, k, state, expected)
+    if problem:
+        raise ScheduleError(problem, format_grid(schedule.stages))
+
+
+def _check_action(schedule: Schedule, k: int, a: Action, state: _StageState) -> None:
+    c, seen, last = a.cell, state.seen, state.last
+    if a.kind == "W":
+        _check_w(schedule, k, a, seen["B"], state.final_w, state.early_w)
+        return
+    if c in seen[a.kind]:
+        raise ScheduleError(f"stage {k} runs {a} twice")
+    if a.kind == "F" and c.token_slice != last["F"].get(c.sequence_key, -1) + 1:
+        raise ScheduleError(f"stage {k} runs {a} before the token slices before it")
+    if a.kind == "B":
+        if c not in seen["F"]:
+            raise ScheduleError(f"stage {k} runs {a} before its forward")
+        if c.token_slice != last["B"].get(c.sequence_key, c.num_token_slices) - 1:
+            raise ScheduleError(
+                f"stage {k} runs {a} out of reverse token order (K/V gradients from later "
+                "slices must be complete first)")
+    last[a.kind][c.sequence_key] = c.token_slice
+    seen[a.kind].add(c)
+
+
+def _stage_totals(schedule: Schedule, k: int, state: _StageState, expected: set[Cell]) -> str:
+    seen = state.seen
     if seen["F"] != expected:
-        raise ScheduleError(f"stage {k} runs {len(seen['F'])} forwards, expected {len(expected)}")
+        return f"stage {k} runs {len(seen['F'])} forwards, expected {len(expected)}"
     if not schedule.forward_only and seen["B"] != expected:
-        raise ScheduleError(f"stage {k} runs {len(seen['B'])} backwards, expected {len(expected)}")
+        return f"stage {k} runs {len(seen['B'])} backwards, expected {len(expected)}"
     if schedule.forward_only and seen["B"]:
-        raise ScheduleError(f"stage {k} runs backwards in a forward-only schedule")
-    if schedule.defer_wgrad and len(final_w) != len({c.sequence_key for c in expected}):
-        raise ScheduleError(f"stage {k} runs {len(final_w)} final weight-gradient (W) actions "
-                            "(after a sequence's first token slice), expected one per sequence")
+        return f"stage {k} runs backwards in a forward-only schedule"
+    if schedule.defer_wgrad and len(state.final_w) != len({c.sequence_key for c in expected}):
+        return (f"stage {k} runs {len(state.final_w)} final weight-gradient (W) actions "
+                "(after a sequence's first token slice), expected one per sequence")
+    return ""
 
 
 def _check_w(schedule: Schedule, k: int, a: Action, backwards_seen: set[Cell],
@@ -86,7 +113,7 @@ def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
     received = [{"F": [], "B": []} for _ in lowered]
     for k, actions in enumerate(lowered):
         posted = {"F": None, "B": None}
-        for a in actions:
+        for step, a in enumerate(actions):
             if a.is_compute:
                 continue
             if a.operation in ("SEND", "SEND_RECV"):
@@ -97,15 +124,17 @@ def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
                 received[k][a.direction].append(a.cell)
             elif a.operation == "POST":
                 if posted[a.direction] is not None:
-                    raise ScheduleError(f"stage {k} posts {a} before using {posted[a.direction]}")
+                    raise ScheduleError(f"stage {k} posts {a} before using {posted[a.direction]}",
+                                        format_grid(lowered, (k, step)))
                 posted[a.direction] = a.cell
             if a.operation in ("RECV", "SEND_RECV"):
                 used, cell = ((a.direction, a.cell) if a.operation == "RECV"
                               else (opposite(a.direction), a.recv_cell))
                 if posted[used] not in (None, cell):
                     raise ScheduleError(f"stage {k} runs {a} while the receive of "
-                                        f"{posted[used]} is posted")
+                                        f"{posted[used]} is posted", format_grid(lowered, (k, step)))
                 posted[used] = None
     for k in range(len(lowered) - 1):
         if sent[k]["F"] != received[k + 1]["F"] or sent[k + 1]["B"] != received[k]["B"]:
-            raise ScheduleError(f"stages {k} and {k + 1} send and receive in different orders")
+            raise ScheduleError(f"stages {k} and {k + 1} send and receive in different orders",
+                                format_grid(lowered))
