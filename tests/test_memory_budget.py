@@ -79,3 +79,38 @@ def test_gpt3_13b_on_a100s_within_40_gib():
     with pytest.raises(MemoryBudgetError):
         search_within_budget(cost, SearchSpace(2048, 1, 8, 8, "gpipe", 16), budget)
     assert np.isfinite(found.plan.predicted_time)
+
+
+def _reference(candidates, budget):
+    """Timing every plan: the fastest that fits (the first of equals), else the leanest."""
+    fitting = [c for c in candidates if budget.fits(c.result.peak_memory_bytes)]
+    if fitting:
+        return min(fitting, key=lambda c: c.time), None
+    return None, min(candidates, key=lambda c: max(budget.totals(c.result.peak_memory_bytes)))
+
+
+@pytest.mark.parametrize("order, defer", [("1f1b", False), ("gpipe", True), ("1f1b", None)])
+def test_fastest_leaner_times_fewer_plans_and_chooses_as_timing_every_one(order, defer):
+    """The list estimates give every plan's simulated peaks exactly and a lower bound of its
+    time, so skipping plans changes nothing: the same plan as timing all of them, for budgets
+    from nothing fitting to everything fitting."""
+    from megatron_terapipe.planner.memory_search import fastest_leaner, leaner_plans
+    from megatron_terapipe.planner.simulator import estimate_lists
+    from megatron_terapipe.schedule import build_schedule
+
+    cost = cost_model()
+    space = SearchSpace(seq_length=512, micro_batch_size=4, num_stages=4, num_microbatches=4,
+                        order=order, granularity=32, defer_wgrad=defer)
+    candidates = leaner_candidates(cost, space)
+    assert [c.plan for c in candidates] == [plan for _, plan in leaner_plans(space)]
+    for c in candidates:
+        schedule = build_schedule(c.plan, 4, 4, 4)
+        estimate = estimate_lists(schedule, cost)
+        assert estimate.peak_memory_bytes == c.result.peak_memory_bytes
+        assert estimate.busiest_compute <= c.time + 1e-12
+    peaks = sorted(max(c.result.peak_memory_bytes) for c in candidates)
+    for budget in (MemoryBudget(peaks[0] * 0.99), *(MemoryBudget(p) for p in peaks)):
+        best, leanest = fastest_leaner(cost, space, budget)
+        ref_best, ref_leanest = _reference(candidates, budget)
+        assert (best and (best.name, best.plan)) == (ref_best and (ref_best.name, ref_best.plan))
+        assert (leanest and leanest.plan) == (ref_leanest and ref_leanest.plan)
