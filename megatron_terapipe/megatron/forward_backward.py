@@ -10,6 +10,7 @@ finalisation.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from ..plan import TeraPipePlan
 from ..runtime.attention import SliceAttention
 from ..runtime.batching import CellData
+from ..runtime.buffer_pool import BufferPool
 from ..runtime.executor import StageExecutor, StageModel, StageOptions
 from ..runtime.trace import RunRecord
 from ..schedule import Cell, build_schedule
@@ -76,7 +78,8 @@ def forward_backward_terapipe(
         _stage_model(model, forward_step_func, first_val_step, forward_only),
         CellData(data_iterator, seq_length, micro_batch_size),
         make_transport(pp, config, device, p2p_communicator),
-        _stage_options(config, tp_size, forward_only, collect_non_loss_data), device)
+        _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
+        pool=buffer_pool(model, (plan, num_microbatches, micro_batch_size, forward_only)))
     result = executor.run()
     for callback in (getattr(config, "terapipe_on_run", None), on_run):
         if callback is not None:
@@ -88,6 +91,22 @@ def forward_backward_terapipe(
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return result
+
+
+#: Pools kept per model (the most recently used plans and batch shapes; a PlanTable run with
+#: many sequence lengths would otherwise hold every length's K/V buffers).
+POOLS_PER_MODEL = 4
+
+
+def buffer_pool(model: torch.nn.Module, key: tuple) -> BufferPool:
+    """The model's pool for one plan and batch shape, kept across iterations so that the K/V
+    buffers of every cell sit at the same addresses each iteration (runtime/buffer_pool.py)."""
+    pools = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
+    pool = pools.pop(key, None) or BufferPool()
+    pools[key] = pool
+    while len(pools) > POOLS_PER_MODEL:
+        pools.popitem(last=False)
+    return pool
 
 
 def _single_chunk(model, data_iterator):

@@ -11,7 +11,6 @@ memory model (planner/memory.py) predicts it.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Iterator
 
 import torch
@@ -46,16 +45,23 @@ class RuntimeMemoryMeter(SavedTensorMeter):
         until they are freed, and deferred weight-gradient pieces from the backward that
         leaves them until their sequence's W action."""
         original_grad, original_add = KVBuffer.grad, WeightGradStore.add
-        original_flush = WeightGradStore.flush
+        original_flush, original_release = WeightGradStore.flush, KVBuffer.release
         held: dict[tuple[int, int], list[int]] = {}
+        held_kv: dict[int, list[int]] = {}  # id(KVBuffer) -> its gradient buffers' keys
         meter = self
 
         def grad(buf: KVBuffer, which: str, like: torch.Tensor) -> torch.Tensor:
             fresh = getattr(buf, "grad_" + which) is None
             tensor = original_grad(buf, which, like)
             if fresh:
-                weakref.finalize(tensor, meter.release, meter.hold(tensor))
+                held_kv.setdefault(id(buf), []).append(meter.hold(tensor))
             return tensor
+
+        def release(buf: KVBuffer) -> None:
+            # pooled: the tensor outlives its sequence, so it counts until given back
+            original_release(buf)
+            for key in held_kv.pop(id(buf), []):
+                meter.release(key)
 
         def add(store: WeightGradStore, sequence_key, weight, piece) -> None:
             keys = held.setdefault(sequence_key, [])
@@ -68,11 +74,12 @@ class RuntimeMemoryMeter(SavedTensorMeter):
                 meter.release(key)
 
         KVBuffer.grad, WeightGradStore.add, WeightGradStore.flush = grad, add, flush
+        KVBuffer.release = release
         try:
             yield self
         finally:
             KVBuffer.grad, WeightGradStore.add = original_grad, original_add
-            WeightGradStore.flush = original_flush
+            WeightGradStore.flush, KVBuffer.release = original_flush, original_release
 
 
 def _piece_tensors(piece: object) -> list[torch.Tensor]:

@@ -3,7 +3,9 @@
 Slice attention reads the cell's K/V cache, the RoPE hook its token offset, and the deferring
 linear layers its weight-gradient store. They sit deep inside the model, where the executor
 cannot pass arguments, so the executor announces the cell here (`running_cell`) and they look
-it up (`active_cell`).
+it up (`active_cell`). `running_action` names every compute action (F, B and W, which runs
+outside a cell) for the tools that attribute work to it: the capture audit (graph_audit.py)
+and the buffer pool's log.
 """
 
 from __future__ import annotations
@@ -48,3 +50,32 @@ def running_cell(cell: Cell, cache: KVCache, phase: str, keep_grad: bool = True,
 
 def active_cell() -> Optional[ActiveCell]:
     return _ACTIVE
+
+
+_ACTION: Optional[str] = None
+
+
+@contextlib.contextmanager
+def running_action(kind: str, cell: Cell) -> Iterator[None]:
+    """Name the compute action that runs now, e.g. "F m0 b0 t1" (microbatch, batch slice, token
+    slice)."""
+    global _ACTION
+    previous = _ACTION
+    _ACTION = action_label(kind, cell)
+    try:
+        yield
+    finally:
+        _ACTION = previous
+
+
+def action_label(kind: str, cell: Cell) -> str:
+    return f"{kind} m{cell.microbatch} b{cell.batch_slice} t{cell.token_slice}"
+
+
+def current_action() -> Optional[str]:
+    """The running compute action's label, or None between actions."""
+    return _ACTION
+
+
+def current_action_or_outside() -> str:
+    return _ACTION or "outside a cell"

@@ -18,7 +18,8 @@ import torch
 
 from ..schedule import Action, Cell, Schedule, lower_stage, opposite
 from .batching import CellData
-from .context import running_cell
+from .buffer_pool import BufferPool
+from .context import current_action_or_outside, running_action, running_cell
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import CellEvent, RunRecord
@@ -59,14 +60,18 @@ class StageExecutor:
     the RunRecord in `record`."""
 
     def __init__(self, schedule: Schedule, stage: int, model: StageModel, data: CellData,
-                 transport: Transport, options: StageOptions, device: torch.device) -> None:
+                 transport: Transport, options: StageOptions, device: torch.device,
+                 pool: Optional[BufferPool] = None) -> None:
         self.schedule, self.stage, self.model, self.data = schedule, stage, model, data
         self.transport, self.options, self.device = transport, options, device
         self.actions = lower_stage(schedule, stage, transport.lowering)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
         self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
                              keep_for_backward=not options.forward_only)
-        self.cache = KVCache(seq_length=data.seq_length)
+        # One pool kept across iterations (the caller's) puts the K/V buffers at fixed addresses.
+        self.pool = pool if pool is not None else BufferPool()
+        self.pool.label_of = current_action_or_outside
+        self.cache = KVCache(seq_length=data.seq_length, pool=self.pool)
         # Linear layers defer weight gradients to the schedule's W actions when it has them.
         self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
         self.grad_sync = _GradSync(options, sync_at_last_backward=self.is_first)
@@ -116,14 +121,16 @@ class StageExecutor:
         received = self.inbox.pop((action.kind, action.cell), None)
         start = time.perf_counter()
         run_cell = self._forward_cell if action.kind == "F" else self._backward_cell
-        result = run_cell(action.cell, received)
+        with running_action(action.kind, action.cell):
+            result = run_cell(action.cell, received)
         if result is not None:
             self.outbox[(action.kind, action.cell)] = result
         self._record_span(action, start)
 
     def _weight_grads(self, action: Action) -> None:
         start = time.perf_counter()
-        self.wgrad.flush(action.cell.sequence_key)
+        with running_action("W", action.cell):
+            self.wgrad.flush(action.cell.sequence_key)
         self._record_span(action, start)
 
     def _record_span(self, action: Action, start: float) -> None:
