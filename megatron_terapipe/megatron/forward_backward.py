@@ -64,9 +64,9 @@ def forward_backward_terapipe(
     if plan is None:
         plan = resolve_plan(config, seq_length, micro_batch_size)
     tp_size = groups.tp.size() if groups.tp is not None else 1
-    cp_size = groups.cp.size() if groups.cp is not None else 1
     check_run(config, model, plan, seq_length, micro_batch_size, num_microbatches, tp_size,
-              cp_size, decoder_seq_length, adjust_tensor_shapes_fn)
+              groups.cp.size() if groups.cp is not None else 1, decoder_seq_length,
+              adjust_tensor_shapes_fn)
     pp = groups.pp
     schedule = build_schedule(plan, num_microbatches, pp.size() if pp is not None else 1,
                               micro_batch_size, forward_only)
