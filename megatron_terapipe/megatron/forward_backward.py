@@ -52,9 +52,8 @@ def forward_backward_terapipe(
     """Run forward and backward of `num_microbatches` microbatches with token-slice pipelining.
 
     Same keywords and return value as Megatron's built-in schedules: the list of what loss_func
-    reported per microbatch on the last stage, [] elsewhere. The plan comes from
-    `configure(config, plan)` unless given as `plan=`. What the stage ran (a RunRecord: spans,
-    receive counts, ...) goes to `config.terapipe_on_run` if set, then to `on_run`.
+    reported per microbatch on the last stage, [] elsewhere. The plan: `plan=`, else
+    `configure(config, plan)`'s. The stage's RunRecord goes to `config.terapipe_on_run`, `on_run`.
     """
     from megatron.core.utils import get_model_config
 
