@@ -62,7 +62,7 @@ def memory_grid() -> list[MemoryRun]:
 
 
 def fitted_memory(model: TinyGPT, layers_per_stage: int):
-    from megatron_terapipe.planner.memory_fit import FittedMemory
+    from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 
     data = spawn(1, "harness.memory_runs:measure_memory_profile", model, 8, timeout=1800)[0]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
@@ -135,8 +135,8 @@ def auto_case(name: str, model: TinyGPT, num_microbatches: int, repeats: int, ca
     from pipeline_runs import profile_cost_model
 
     from harness.schedule_runs import ScheduleRuns, stage_seconds
-    from megatron_terapipe.planner.memory import MemoryBudget
-    from megatron_terapipe.planner.schedules import compare_schedules
+    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+    from megatron_terapipe.planner.schedule_choice import compare_schedules
     from megatron_terapipe.planner.search import SearchSpace
 
     cost = profile_cost_model(model, 64, model.num_layers // 2, "cpu", cache)

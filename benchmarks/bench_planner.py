@@ -105,7 +105,7 @@ def bench_search() -> None:
 
 def bench_measure() -> None:
     """Measuring a tiny layer and its edges on this CPU (what the measure tests run)."""
-    from megatron_terapipe.megatron.measure import measure_layer_times
+    from megatron_terapipe.megatron.measure.layers import measure_layer_times
     from megatron_terapipe.planner import ModelDims, default_grid
 
     model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=512)

@@ -44,7 +44,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
 
         enter_stage(rank, world_size)
     if device == "cpu":
-        from megatron_terapipe.megatron.cpu import enable_cpu_mode, pin_to_core
+        from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode, pin_to_core
 
         enable_cpu_mode()
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
@@ -130,12 +130,12 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
                        cache: Optional[str], dtype: str = "float32"):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
     first stage's embedding and the last stage's output layer and loss measured too."""
-    from megatron_terapipe.megatron.measure import measure_layer_times
-    from megatron_terapipe.megatron.measure_edges import edge_points_for, measure_edge_times
+    from megatron_terapipe.megatron.measure.layers import measure_layer_times
+    from megatron_terapipe.megatron.measure.edges import edge_points_for, measure_edge_times
     from megatron_terapipe.planner import (EdgeTimeFit, LayerTimeFit, ModelDims, ProfiledCostModel,
                                            fit_edge_times, fit_layer_times)
-    from megatron_terapipe.planner.dims import Link
-    from megatron_terapipe.planner.measurements import default_grid
+    from megatron_terapipe.planner.cost.dims import Link
+    from megatron_terapipe.planner.profile.time_samples import default_grid
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)

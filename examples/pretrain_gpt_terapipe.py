@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_terapipe as mt  # noqa: E402
 from gpt_data import SyntheticCorpus, TextCorpus, batches, forward_step  # noqa: E402
 from megatron_log import log, log_iteration, log_rank0, log_validation, reduce_loss  # noqa: E402
-from megatron_terapipe.megatron.flags import add_terapipe_args  # noqa: E402
-from megatron_terapipe.megatron.validation import (  # noqa: E402
+from megatron_terapipe.megatron.args.flags import add_terapipe_args  # noqa: E402
+from megatron_terapipe.megatron.args.checks import (  # noqa: E402
     TeraPipeArgumentError,
     validate_terapipe_args,
 )

@@ -6,16 +6,22 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
-from .megatron.flags import add_terapipe_args, combine_extra_args
-from .megatron.plan_provider import ArgsPlanProvider
-from .megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from .megatron.args.flags import add_terapipe_args, combine_extra_args
+from .megatron.args.plan_provider import ArgsPlanProvider
+from .megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from .megatron.wiring import setup_from_args
-from .megatron.cpu import disable_cpu_mode, enable_cpu_mode, keep_freed_host_memory, pin_to_core
-from .megatron.forward_backward import forward_backward_terapipe
-from .megatron.install import configure, deselect, install, select
+from .megatron.hooks.cpu import disable_cpu_mode, enable_cpu_mode, keep_freed_host_memory, pin_to_core
+from .megatron.hooks.forward_backward import forward_backward_terapipe
+from .megatron.hooks.install import configure, deselect, install, select
 from .megatron.launch import install_hooks
 from .plan import PlanTable, TeraPipePlan
-from .schedule import Action, Cell, Schedule, ScheduleError, build_schedule, timeline, validate
+from .schedule import Action
+from .schedule import Cell
+from .schedule import Schedule
+from .schedule import ScheduleError
+from .schedule import build_schedule
+from .schedule import timeline
+from .schedule import validate
 from .planner import (
     AnalyticCostModel,
     CostModel,
@@ -30,8 +36,8 @@ from .planner import (
     write_chrome_trace,
     write_png,
 )
-from .megatron.measure import measure_layer_times
-from .megatron.spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
+from .megatron.measure.layers import measure_layer_times
+from .megatron.hooks.spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
 
 from .version import __version__
 

@@ -106,7 +106,7 @@ def _argv(opts: argparse.Namespace) -> list[str]:
 
 def check_arguments(opts: argparse.Namespace, extra_args_provider=None):
     """Steps 1-2: the hooks, then Megatron-LM's parse/validate as its release calls them."""
-    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.hooks import install as integration
     from megatron_terapipe.megatron.launch import install_hooks
 
     install_hooks()
@@ -151,7 +151,7 @@ def main() -> int:
         sys.exit("check_megatron_lm.py: steps 3-5 need --megatron-lm (pretrain_gpt.py)")
     import pretrain_gpt  # the checkout's script, imported (its __main__ block does not run)
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     _dataset_helpers()
@@ -169,7 +169,7 @@ def check_patched_script(opts: argparse.Namespace) -> None:
     import megatron.training
     import megatron.training.arguments as megatron_arguments
 
-    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.hooks import install as integration
 
     def pretrain(*_args, **kwargs):
         import megatron.training.global_vars as global_vars
@@ -219,7 +219,7 @@ def check_training(opts: argparse.Namespace, args, pretrain_gpt) -> None:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.hooks import install as integration
     from megatron_terapipe.megatron.wiring import setup_from_args
 
     model = _model(opts)

@@ -9,12 +9,12 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.flags import add_terapipe_args, combine_extra_args
-from megatron_terapipe.megatron.plan_provider import ArgsPlanProvider
-from megatron_terapipe.megatron.plan_report import PlanReport
-from megatron_terapipe.megatron.planning import plan_and_report, plan_from_args
-from megatron_terapipe.megatron.profile_cache import profile_cache_key, profile_cache_path
-from megatron_terapipe.megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
+from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
+from megatron_terapipe.megatron.args.plan_report import PlanReport
+from megatron_terapipe.megatron.args.planning import plan_and_report, plan_from_args
+from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, profile_cache_path
+from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.wiring import setup_from_args
 from harness import spawn
 
@@ -211,7 +211,7 @@ def test_provider_plans_once_per_shape(capsys):
 
 def test_profile_cost_model_from_a_file_must_match_the_model(tmp_path):
     from megatron_terapipe.planner import LayerTimeFit, fit_layer_times
-    from megatron_terapipe.planner.measurements import LayerMeasurements
+    from megatron_terapipe.planner.profile.time_samples import LayerMeasurements
 
     def fake_fit(hidden):
         cells = [(b, length, c) for b in (1, 2) for length in (8, 16, 32, 64) for c in (0, 16, 32)]
@@ -241,7 +241,7 @@ class CountingMeasure:
         self.calls = 0
 
     def __call__(self, args, cells):
-        from megatron_terapipe.planner.measurements import LayerMeasurements
+        from megatron_terapipe.planner.profile.time_samples import LayerMeasurements
 
         self.calls += 1
         b, l, c = (list(x) for x in zip(*cells))
@@ -297,7 +297,7 @@ def test_cache_key_covers_shape_device_and_versions():
 def test_setup_from_args_selects_and_deselects():
     from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
 
-    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.hooks import install as integration
 
     try:
         provider = setup_from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "2"]))

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
 from megatron_terapipe.planner.cli import main
-from megatron_terapipe.planner.memory import GiB, MemoryBudget, MemoryBudgetError
-from megatron_terapipe.planner.schedules import (AUTO_MIN_GAIN, MEGATRON, TERAPIPE,
+from megatron_terapipe.planner.cost.stage_memory import GiB, MemoryBudget, MemoryBudgetError
+from megatron_terapipe.planner.schedule_choice import (AUTO_MIN_GAIN, MEGATRON, TERAPIPE,
                                                  ScheduleOption, ScheduleTable,
                                                  compare_schedules, interleaved_chunk_counts)
 from megatron_terapipe.planner.search import SearchSpace

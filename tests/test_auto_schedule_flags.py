@@ -8,16 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_terapipe.megatron.auto_schedule import (apply_choice, resolve_auto_schedule,
+from megatron_terapipe.megatron.args.auto_schedule import (apply_choice, resolve_auto_schedule,
                                                       schedule_table_from_args)
-from megatron_terapipe.megatron.memory_args import budget_from_args, model_state_from_args
-from megatron_terapipe.megatron.planning import (cost_model_from_args, plan_and_report,
+from megatron_terapipe.megatron.args.memory_args import budget_from_args, model_state_from_args
+from megatron_terapipe.megatron.args.planning import (cost_model_from_args, plan_and_report,
                                                  search_space_from_args)
-from megatron_terapipe.megatron.validation import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.wiring import setup_from_args
-from megatron_terapipe.planner.memory import GiB
+from megatron_terapipe.planner.cost.stage_memory import GiB
 from megatron_terapipe.planner.memory_search import leaner_candidates
-from megatron_terapipe.planner.schedules import AutoChoice, ScheduleOption
+from megatron_terapipe.planner.schedule_choice import AutoChoice, ScheduleOption
 from test_arguments import parse
 
 # A GPT with 8 layers on 2 stages, vocabulary known, on the analytic model of an A100.
@@ -103,7 +103,7 @@ def test_auto_refuses_a_budget_nothing_fits_and_an_unmeasured_profile(tmp_path):
 
 
 def test_setup_from_args_runs_the_choice():
-    from megatron_terapipe.megatron import install as integration
+    from megatron_terapipe.megatron.hooks import install as integration
 
     try:
         args = parse(AUTO, **SHAPE)

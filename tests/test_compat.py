@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from megatron_terapipe.megatron import compat, compat_check
+from megatron_terapipe.megatron.hooks import compat
+from megatron_terapipe.megatron.hooks import compat_check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_terapipe")
@@ -42,7 +43,8 @@ def test_an_untested_megatron_core_is_refused_naming_the_supported_lines(monkeyp
 
 
 def test_every_private_touch_point_checks_the_version(monkeypatch):
-    from megatron_terapipe.megatron import install, launch
+    from megatron_terapipe.megatron.hooks import install
+    from megatron_terapipe.megatron import launch
 
     monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 18, 0))
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
@@ -81,7 +83,7 @@ def test_layer_submodules_of_a_module_spec_and_of_a_partial():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_terapipe.megatron.spec import with_slice_attention
+    from megatron_terapipe.megatron.hooks.spec import with_slice_attention
     from megatron_terapipe.runtime.attention import SliceAttention
 
     spec = get_gpt_layer_local_spec()
@@ -114,7 +116,7 @@ def test_a_multi_module_collection_is_refused_when_terapipe_is_selected():
     from megatron.core import process_groups_config
 
     from megatron_terapipe import TeraPipePlan
-    from megatron_terapipe.megatron import install
+    from megatron_terapipe.megatron.hooks import install
 
     multi = getattr(process_groups_config, "MultiModuleProcessGroupCollection", None)
     if multi is None:
@@ -141,7 +143,7 @@ def test_set_current_microbatch_comes_from_the_lines_home():
 def test_cpu_mode_answers_cuda_stream_queries_without_cuda():
     import torch
 
-    from megatron_terapipe.megatron.cpu import _CpuTorchProxy
+    from megatron_terapipe.megatron.hooks.cpu import _CpuTorchProxy
 
     proxy = _CpuTorchProxy()
     if torch.cuda.is_available():

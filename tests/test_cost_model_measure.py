@@ -18,7 +18,7 @@ def test_measure_fit_save_and_plan(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "megatron_terapipe.megatron.measure",
+        [sys.executable, "-W", "ignore", "-m", "megatron_terapipe.megatron.measure", "layers",
          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
          "--batch-sizes", "1,2", "--granularity", "16", "--points", "4", "--dtype", "float32",
          "--repeats", "2", "--out", str(out)],

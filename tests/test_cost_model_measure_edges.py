@@ -17,7 +17,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
 # In a child process: measuring turns on CPU mode and a process group, process-wide.
 SNIPPET = """
 import json, sys
-from megatron_terapipe.megatron.measure_edges import measure_edge_times
+from megatron_terapipe.megatron.measure.edges import measure_edge_times
 from megatron_terapipe.planner import ModelDims, fit_edge_times
 model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=512)
 m = measure_edge_times(model, [(1, 32), (1, 512), (2, 1024)], dtype="float32", repeats=3,
@@ -46,7 +46,7 @@ def test_measured_edges_are_positive_and_grow_with_the_tokens():
 def test_measure_cli_with_vocab_size_writes_edges(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "megatron_terapipe.megatron.measure",
+        [sys.executable, "-W", "ignore", "-m", "megatron_terapipe.megatron.measure", "layers",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
          "--granularity", "16", "--points", "3", "--dtype", "float32", "--repeats", "1",
          "--vocab-size", "128", "--position-embedding-type", "rope", "--out", str(out)],

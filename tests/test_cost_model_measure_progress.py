@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from megatron_terapipe.megatron.progress import Progress
+from megatron_terapipe.megatron.measure.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -15,8 +15,8 @@ from megatron_terapipe.planner import (
     fit_layer_times,
     solve_slicing,
 )
-from megatron_terapipe.planner.fits import FORMAT_VERSION
-from megatron_terapipe.planner.measurements import LayerMeasurements, default_grid
+from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
+from megatron_terapipe.planner.profile.time_samples import LayerMeasurements, default_grid
 
 MODEL = ModelDims(num_layers=4, hidden_size=256, num_attention_heads=4, name="tiny")
 LINK = Link(bandwidth=10e9, latency=1e-5)

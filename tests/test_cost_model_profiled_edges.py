@@ -17,8 +17,8 @@ from megatron_terapipe.planner import (
     fit_layer_times,
     simulate,
 )
-from megatron_terapipe.planner.fits import FORMAT_VERSION
-from megatron_terapipe.planner.measurements import EDGE_KEYS
+from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
+from megatron_terapipe.planner.profile.time_samples import EDGE_KEYS
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_terapipe.planner import LayerTimeFit, ProfiledCostModel, fit_layer_times, simulate
-from megatron_terapipe.planner.fits import FORMAT_VERSION
+from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule
 

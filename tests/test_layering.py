@@ -1,5 +1,7 @@
 """Imports go one way: plan and schedule (data) <- planner (numpy) and runtime (torch only) <-
-megatron (the glue).
+megatron (the glue: hooks <- measure <- args <- launch). Each folder's `__init__` docstring
+names, on its `May import:` line, the folders its modules may import from; this file holds
+every folder to its line.
 
 Every import counts, function-level ones included."""
 
@@ -7,19 +9,30 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                        "megatron_terapipe")
 
 
+def folders() -> list[str]:
+    """Every package folder, relative to the package ('' is the package itself)."""
+    out = []
+    for dirpath, _, names in os.walk(PACKAGE):
+        if "__init__.py" in names and "__pycache__" not in dirpath:
+            out.append(os.path.relpath(dirpath, PACKAGE).replace(os.sep, "/").strip("."))
+    return sorted(out)
+
+
 def imported_modules(folder: str) -> dict[str, set[str]]:
-    """Absolute names of the modules each file under `folder` imports (relative ones resolved;
-    `from . import x` counts as importing the module x too)."""
+    """Absolute names of the modules each file directly in `folder` imports (relative ones
+    resolved; `from . import x` counts as importing the module x too)."""
     out = {}
+    parts = folder.split("/") if folder else []
     for name in sorted(os.listdir(os.path.join(PACKAGE, folder))):
         if not name.endswith(".py"):
             continue
-        package = ["megatron_terapipe"] + ([folder] if folder else [])
+        package = ["megatron_terapipe"] + parts
         tree = ast.parse(open(os.path.join(PACKAGE, folder, name)).read())
         found = set()
         for node in ast.walk(tree):
@@ -34,15 +47,53 @@ def imported_modules(folder: str) -> dict[str, set[str]]:
     return out
 
 
+def allowed_imports(folder: str) -> list[str]:
+    """The folders (dotted, under megatron_terapipe) that `folder`'s `May import:` line names."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, folder, "__init__.py")).read()))
+    match = re.search(r"^May import: (.+)$", doc or "", re.M)
+    assert match, f"megatron_terapipe/{folder}/__init__.py: no 'May import:' line in its docstring"
+    return [name.strip() for name in match.group(1).split(",")]
+
+
+def test_every_folder_imports_only_what_its_docstring_allows():
+    wrong = []
+    for folder in folders():
+        if not folder:
+            continue  # the package itself: the public API, it may import everything
+        allowed = allowed_imports(folder)
+        for path, modules in imported_modules(folder).items():
+            for module in modules:
+                if not module.startswith("megatron_terapipe."):
+                    continue
+                inner = module.removeprefix("megatron_terapipe.")
+                if not any(inner == a or inner.startswith(a + ".") for a in allowed):
+                    wrong.append(f"{path} imports {module} (May import: {', '.join(allowed)})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_directions_hold():
+    """The rule lines themselves go one way: the data folders name nothing downstream."""
+    assert allowed_imports("schedule") == ["plan", "schedule"]
+    assert "megatron" not in " ".join(allowed_imports("runtime") + allowed_imports("planner"))
+    assert "megatron.args" not in allowed_imports("megatron/hooks")
+    assert "megatron.measure" not in allowed_imports("megatron/hooks")
+    assert "megatron.args" not in allowed_imports("megatron/measure")
+
+
+def _third_party(folder_prefix: str) -> dict[str, set[str]]:
+    return {path: modules for folder in folders() if folder == folder_prefix
+            or folder.startswith(folder_prefix + "/") for path, modules in imported_modules(folder).items()}
+
+
 def test_runtime_is_torch_only():
-    for path, modules in imported_modules("runtime").items():
+    for path, modules in _third_party("runtime").items():
         megatron = {m for m in modules
                     if m.split(".")[0] == "megatron" or m.startswith("megatron_terapipe.megatron")}
         assert not megatron, f"{path} imports {megatron}"
 
 
 def test_the_schedule_is_data():
-    for path, modules in imported_modules("schedule").items():
+    for path, modules in _third_party("schedule").items():
         outside = {m for m in modules if m.split(".")[0] in ("torch", "megatron", "numpy")
                    or m.startswith(("megatron_terapipe.runtime", "megatron_terapipe.megatron",
                                     "megatron_terapipe.planner"))}
@@ -50,7 +101,7 @@ def test_the_schedule_is_data():
 
 
 def test_the_planner_is_numpy_only():
-    for path, modules in imported_modules("planner").items():
+    for path, modules in _third_party("planner").items():
         outside = {m for m in modules if m.split(".")[0] in ("torch", "megatron")
                    or m.startswith(("megatron_terapipe.runtime", "megatron_terapipe.megatron"))}
         assert not outside, f"{path} imports {outside}"
@@ -58,7 +109,7 @@ def test_the_planner_is_numpy_only():
 
 def test_no_import_circles():
     graph = {}
-    for folder in ("", "schedule", "planner", "runtime", "megatron"):
+    for folder in folders():
         for path, modules in imported_modules(folder).items():
             name = "megatron_terapipe." + path[:-len(".py")].replace("/", ".")
             graph[name.removesuffix(".__init__")] = modules

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_terapipe.megatron import lm_cpu
-from megatron_terapipe.megatron.cpu import cpu_model_parallel_seed
+from megatron_terapipe.megatron.hooks import lm_cpu
+from megatron_terapipe.megatron.hooks.cpu import cpu_model_parallel_seed
 
 
 def test_seed_takes_megatron_lm_positional_arguments():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_terapipe.planner import AnalyticCostModel, FunctionCostModel, hardware_preset, model_preset
-from megatron_terapipe.planner.memory import (GiB, MemoryBudget, MemoryBudgetError,
+from megatron_terapipe.planner.cost.stage_memory import (GiB, MemoryBudget, MemoryBudgetError,
                                               ModelStateConfig, model_state_bytes)
 from megatron_terapipe.planner.memory_search import leaner_candidates, search_within_budget
 from megatron_terapipe.planner.search import SearchSpace, search

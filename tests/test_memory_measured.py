@@ -16,8 +16,8 @@ from harness import TinyGPT, spawn
 from harness.memory_runs import MemoryRun
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
-from megatron_terapipe.planner.memory import MemoryBudget
-from megatron_terapipe.planner.memory_fit import FittedMemory
+from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 from megatron_terapipe.planner.memory_search import search_within_budget
 from megatron_terapipe.planner.search import SearchSpace, search
 from megatron_terapipe.schedule import build_schedule

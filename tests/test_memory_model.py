@@ -12,9 +12,9 @@ import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, ModelDims, simulate
-from megatron_terapipe.planner.memory import (MemoryBudget, ModelStateConfig, StageMemory,
+from megatron_terapipe.planner.cost.stage_memory import (MemoryBudget, ModelStateConfig, StageMemory,
                                               model_state_bytes, parse_bytes, stage_parameters)
-from megatron_terapipe.planner.memory_fit import (FittedMemory, MemoryMeasurements,
+from megatron_terapipe.planner.profile.memory_fit import (FittedMemory, MemoryMeasurements,
                                                   cell_features, hold_features, whole_features)
 from megatron_terapipe.schedule import build_interleaved_schedule, build_schedule
 

@@ -85,7 +85,7 @@ def _synthetic_profile(tmp_path, hidden=2048, heads=16):
     import numpy as np
 
     from megatron_terapipe.planner import ModelDims, fit_layer_times
-    from megatron_terapipe.planner.measurements import LayerMeasurements, default_grid
+    from megatron_terapipe.planner.profile.time_samples import LayerMeasurements, default_grid
 
     cells = np.array(default_grid(1024, [1, 2], granularity=64, points=5), dtype=float)
     b, l, c = cells.T

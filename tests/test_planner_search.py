@@ -109,7 +109,7 @@ def test_cli_and_flags_price_the_links_alike(monkeypatch):
     """TP=1 on 16 stages, 8 GPUs a node: the CLI and the flags both use the inter-node link."""
     import argparse
 
-    from megatron_terapipe.megatron.cost_from_args import analytic_cost_model
+    from megatron_terapipe.megatron.args.cost_from_args import analytic_cost_model
     from megatron_terapipe.planner.cli import _cost_model, build_parser
 
     cli_args = build_parser().parse_args(["--model", "gpt3-13b", "--pipeline-stages", "20",

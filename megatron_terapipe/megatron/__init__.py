@@ -1,2 +1,7 @@
-"""The glue to Megatron-Core and Megatron-LM: layer spec, schedule install, flags, launcher,
-CPU mode. Every place that touches Megatron lives here (docs/megatron.md lists them)."""
+"""The glue to Megatron-Core and Megatron-LM. Every place that touches Megatron lives here
+(docs/megatron.md lists them): hooks/ (what runs inside Megatron), measure/ (profiles measured
+on the device), args/ (flags, their checks, and the plans they make); launch.py and wiring.py
+put them together for an unmodified Megatron-LM script.
+
+May import: plan, schedule, planner, runtime, megatron
+"""

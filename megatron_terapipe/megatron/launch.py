@@ -46,7 +46,7 @@ class LauncherError(RuntimeError):
 def _wrap_parse_args(original: Callable) -> Callable:
     if getattr(original, "_terapipe_wrapped", False):
         return original
-    from .flags import add_terapipe_args, combine_extra_args
+    from .args.flags import add_terapipe_args, combine_extra_args
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, *args, **kwargs):
@@ -75,7 +75,7 @@ def _wrap_validate(original: Callable) -> Callable:
 
 
 def _apply_cpu_settings(args) -> None:
-    from .lm_cpu import apply_cpu_settings
+    from .hooks.lm_cpu import apply_cpu_settings
 
     try:
         lines = apply_cpu_settings(args)
@@ -89,7 +89,7 @@ def _apply_cpu_settings(args) -> None:
 def _enable_cpu_if_asked(args: Sequence[str]) -> None:
     """--terapipe-cpu must act before the script's initialize_megatron asserts CUDA."""
     if "--terapipe-cpu" in args:
-        from .lm_cpu import enable_megatron_lm_cpu_mode
+        from .hooks.lm_cpu import enable_megatron_lm_cpu_mode
 
         enable_megatron_lm_cpu_mode()
 
@@ -101,8 +101,8 @@ def install_hooks() -> None:
     the copy megatron-core 0.19's wheel ships). The functions it wraps, which differ between
     0.16 and 0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it again is harmless.
     """
-    from . import compat
-    from . import install as integration
+    from .hooks import compat
+    from .hooks import install as integration
 
     # Patch megatron.core first: megatron.training.training binds get_forward_backward_func
     # when it is imported (possibly by the imports just below), and then gets the patched one.
@@ -146,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args: Sequence[str], script: Callable[[], object]) -> int:
     """Run the script with the hooks; a TeraPipe flag error (raised before torch.distributed
     starts) is printed once, by rank 0, as argparse prints its own, and every rank exits with 2."""
-    from .validation import TeraPipeArgumentError
+    from .args.checks import TeraPipeArgumentError
 
     try:
         install_hooks()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional
 
-from .flags import auto_selected, terapipe_selected
-from .plan_provider import ArgsPlanProvider
-from .validation import validate_terapipe_args
+from .args.flags import auto_selected, terapipe_selected
+from .args.plan_provider import ArgsPlanProvider
+from .args.checks import validate_terapipe_args
 
 
 def _log_rank0(args, message: str) -> None:
@@ -32,11 +32,11 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     per cell with the cell's shape in the global args, and install(). Otherwise Megatron's own
     schedule stays in charge (install() is still harmless). Returns the provider, or None.
     """
-    from . import install as integration
+    from .hooks import install as integration
 
     validate_terapipe_args(args)
     if auto_selected(args):  # writes the chosen schedule into args, and logs why
-        from .auto_schedule import resolve_auto_schedule
+        from .args.auto_schedule import resolve_auto_schedule
 
         resolve_auto_schedule(args, log=lambda line: _log_rank0(args, line))
     if not terapipe_selected(args):

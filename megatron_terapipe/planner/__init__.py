@@ -5,24 +5,30 @@
     cost = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("v100"), layers_per_stage=5)
     plan = solve(cost, seq_length=2048, micro_batch_size=1, num_stages=8)
 
-Modules, in the order they build on each other: arrays, cost_model (the CostModel interface),
-dims (model, link and GPU shapes), layer_stack, analytic, measurements, fits, fitting, profiled,
-presets; slicer (the DP), simulator, refine, search (the one plan search), report, trace, cli.
+Folders and modules, in the order they build on each other: cost/ (the CostModel interface,
+model and GPU shapes, the analytic model, a stage's memory), profile/ (measured time samples and
+memory, their fits, the profiled cost model); slicer (the DP), memory_walk and simulator (both
+replay the schedule's action lists), refine, search (the one plan search), memory_search (within
+a budget), schedule_choice (Megatron's schedules vs TeraPipe's), inputs (PlannerInputs: what
+every question to the planner starts from), report and timeline (text and pictures), cli and
+cli_inputs (terapipe-plan).
+
+May import: plan, schedule, planner
 """
 
-from .analytic import AnalyticCostModel
-from .cost_model import CostModel, FunctionCostModel
-from .dims import Hardware, LayerMemory, Link, ModelDims
-from .fits import EdgeTimeFit, LayerTimeFit
-from .fitting import fit_edge_times, fit_layer_times
-from .measurements import EdgeMeasurements, LayerMeasurements, default_grid
-from .presets import HARDWARE_PRESETS, MODEL_PRESETS, hardware_preset, model_preset
-from .profiled import ProfiledCostModel
+from .cost.analytic import AnalyticCostModel
+from .cost.cost_model import CostModel, FunctionCostModel
+from .cost.dims import Hardware, LayerMemory, Link, ModelDims
+from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS, hardware_preset, model_preset
+from .profile.profiled_cost import ProfiledCostModel
+from .profile.time_fit import EdgeTimeFit, LayerTimeFit
+from .profile.time_fitting import fit_edge_times, fit_layer_times
+from .profile.time_samples import EdgeMeasurements, LayerMeasurements, default_grid
 from .refine import fewer_cells, place_wgrad_points, refine
 from .search import SearchResult, SearchSpace, search, solve
 from .simulator import SimulationResult, plan_time, simulate, simulate_plan
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve_slicing
-from .trace import chrome_trace, write_chrome_trace, write_png
+from .timeline import chrome_trace, write_chrome_trace, write_png
 
 __all__ = [
     "AnalyticCostModel",

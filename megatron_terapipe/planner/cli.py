@@ -13,12 +13,12 @@ from dataclasses import replace
 from typing import Iterator, Optional, Sequence
 
 from ..plan import ORDERS
-from .analytic import AnalyticCostModel
-from .cost_model import CostModel
-from .dims import Hardware, ModelDims
-from .presets import HARDWARE_PRESETS, MODEL_PRESETS
+from .cost.analytic import AnalyticCostModel
+from .cost.cost_model import CostModel
+from .cost.dims import Hardware, ModelDims
+from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
 from .cli_memory import add_memory_args, memory_from_args, schedule_lines
-from .memory import MemoryBudget, MemoryBudgetError
+from .cost.stage_memory import MemoryBudget, MemoryBudgetError
 from .memory_search import search_within_budget
 from .report import comparison_lines, slices_text
 from .search import SearchResult, SearchSpace, pipeline_link, stages_cross_nodes
@@ -142,7 +142,7 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
     if not args.profile:
         return AnalyticCostModel(model, hardware, model.num_layers // K, tensor_parallel=tp,
                                  inter_node=cross_nodes)
-    from .profiled import ProfiledCostModel
+    from .profile.profiled_cost import ProfiledCostModel
 
     try:
         return ProfiledCostModel.load(args.profile, model.num_layers // K,
@@ -185,11 +185,11 @@ def _report(args, model: ModelDims, cost: CostModel, hardware: Hardware,
 def _write_outputs(args, result: SearchResult) -> Iterator[str]:
     """--trace, --png and --save-plan: a line naming each file, once written."""
     if args.trace:
-        from .trace import write_chrome_trace
+        from .timeline import write_chrome_trace
 
         yield f"trace: {write_chrome_trace(result.chosen.result, args.trace)}"
     if args.png:
-        from .trace import write_png
+        from .timeline import write_png
 
         yield f"timeline: {write_png(result.chosen.result, args.png)}"
     if args.save_plan:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from .cost_model import CostModel
-from .dims import ModelDims
-from .memory import (CostModelMemory, MemoryBudget, MemoryBudgetError, ModelStateConfig,
+from .cost.cost_model import CostModel
+from .cost.dims import ModelDims
+from .cost.stage_memory import (CostModelMemory, MemoryBudget, MemoryBudgetError, ModelStateConfig,
                      StageMemory, model_state_bytes, parse_bytes)
 from .report import auto_text, schedule_table_lines
-from .schedules import compare_schedules
+from .schedule_choice import compare_schedules
 from .search import SearchSpace
 
 
@@ -31,7 +31,7 @@ MEMORY_HELP = {
                    "accounting for the model: 18 bytes per parameter in 16-bit training, "
                    "6 + 12/DP with the distributed optimizer)",
     "profile": "memory profile JSON measured on the device (python -m "
-               "megatron_terapipe.megatron.measure_memory) instead of the cost model's "
+               "megatron_terapipe.megatron.measure memory) instead of the cost model's "
                "activation estimate",
 }
 
@@ -64,7 +64,7 @@ def memory_from_args(args, model: ModelDims, cost: CostModel,
         state = model_state_bytes(model, layers, K, config)
     memory: StageMemory = CostModelMemory(cost)
     if args.memory_profile:
-        from .memory_fit import FittedMemory
+        from .profile.memory_fit import FittedMemory
 
         try:
             memory = FittedMemory.load(args.memory_profile, layers, model)

@@ -18,8 +18,8 @@ from typing import Optional
 
 from ..plan import TeraPipePlan
 from ..schedule import build_schedule
-from .cost_model import CostModel
-from .memory import MemoryBudget, MemoryBudgetError, format_size
+from .cost.cost_model import CostModel
+from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from .refine import fewer_cells
 from .refine import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search

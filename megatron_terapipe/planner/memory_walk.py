@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..schedule import Cell, ChunkCell, Schedule, TimedAction
-from .memory import StageMemory
+from .cost.stage_memory import StageMemory
 
 
 @dataclass(frozen=True)

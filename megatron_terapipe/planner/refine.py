@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from ..plan import TeraPipePlan
-from .cost_model import CostModel
+from .cost.cost_model import CostModel
 from .simulator import plan_time
 
 #: Refinement simulates the whole schedule per candidate; past this many actions it is skipped.

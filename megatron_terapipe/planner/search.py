@@ -25,9 +25,9 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ..plan import TeraPipePlan
-from .cost_model import CostModel
-from .dims import Hardware, Link
-from .memory import StageMemory
+from .cost.cost_model import CostModel
+from .cost.dims import Hardware, Link
+from .cost.stage_memory import StageMemory
 from .refine import fewer_cells, place_wgrad_points
 from .refine import refine as hill_climb
 from .simulator import SimulationResult, simulate_plan

@@ -26,8 +26,8 @@ from typing import Optional
 
 from ..plan import TeraPipePlan
 from ..schedule import Action, Cell, ChunkCell, Schedule, TimedAction, build_schedule, timeline
-from .cost_model import CostModel
-from .memory import CostModelMemory, StageMemory
+from .cost.cost_model import CostModel
+from .cost.stage_memory import CostModelMemory, StageMemory
 from .memory_walk import MemoryPoint, walk_stage
 
 __all__ = ["MemoryPoint", "SimulationResult", "plan_time", "simulate", "simulate_plan"]

@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from ..plan import TeraPipePlan
-from .cost_model import CostModel
+from .cost.cost_model import CostModel
 
 BatchSizes = Union[str, Sequence[int], None]
 

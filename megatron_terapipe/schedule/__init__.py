@@ -6,6 +6,8 @@ gradients, the W actions that compute them. Lowering (lower.py) adds the communi
 the stage's transport needs; the executor runs a stage's lowered list, the timing engines
 (replay.py) time the same lists, and `validate` (validate.py) checks them. Megatron-Core's
 interleaved 1F1B (interleaved.py) is laid out as action lists too, for the timing engines.
+
+May import: plan, schedule
 """
 
 from .actions import (

@@ -28,8 +28,8 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
 
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
 
     from .workers import run_megatron_1f1b
@@ -66,7 +66,7 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving)
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
     from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
 
     from .schedule_runs import interleaved_model
@@ -86,9 +86,9 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
 
 def measure_memory_profile(rank: int, world_size: int, model_cfg: TinyGPT, granularity: int = 8):
     """The FittedMemory of `model_cfg`'s layers (one process), as the planner would use it."""
-    from megatron_terapipe.megatron.measure_memory import measure_memory
-    from megatron_terapipe.planner.dims import ModelDims
-    from megatron_terapipe.planner.memory_fit import FittedMemory
+    from megatron_terapipe.megatron.measure.memory import measure_memory
+    from megatron_terapipe.planner.cost.dims import ModelDims
+    from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 
     dims = ModelDims(num_layers=model_cfg.num_layers, hidden_size=model_cfg.hidden_size,
                      num_attention_heads=model_cfg.num_attention_heads,

@@ -26,7 +26,7 @@ def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_terapipe.megatron.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
 
     from .models import seed
 
@@ -53,7 +53,7 @@ def _runner(label, schedule, model, config, runs: ScheduleRuns, batches):
         forward_backward_pipelining_with_interleaving,
         forward_backward_pipelining_without_interleaving)
 
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     common = dict(forward_step_func=forward_step, num_microbatches=runs.num_microbatches,
                   seq_length=runs.model.seq_length, micro_batch_size=1)
@@ -74,7 +74,7 @@ def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode, pin_to_core
 
     enable_cpu_mode()
     pin_to_core(rank, world_size)

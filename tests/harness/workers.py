@@ -33,8 +33,8 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
     stages), each measured by the same SavedTensorMeter; "megatron_1f1b" is Megatron's 1F1B."""
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory import SavedTensorMeter
 
     enable_cpu_mode()
@@ -69,9 +69,9 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
     from megatron_terapipe.plan import PlanTable
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     base_case = Case("variable", None, model=TinyGPT(seq_length=max(lengths)), num_microbatches=2)
@@ -101,9 +101,9 @@ def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     model_cfg = TinyGPT(seq_length=max(seq_length, batch_length))
@@ -151,9 +151,9 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
-    from megatron_terapipe.megatron.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()
     model_cfg = TinyGPT(num_layers=world_size)
@@ -184,8 +184,8 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_terapipe.megatron.cpu import enable_cpu_mode
-    from megatron_terapipe.megatron.linear_deferral import install_wgrad_deferral
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.param_deferral import install_wgrad_deferral
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)
@@ -212,7 +212,7 @@ def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[list[in
     """pin_to_core in a worker: the core it chose and every thread's affinity after."""
     import os
 
-    from megatron_terapipe.megatron.cpu import pin_to_core, process_thread_ids
+    from megatron_terapipe.megatron.hooks.cpu import pin_to_core, process_thread_ids
 
     core = pin_to_core(rank, world_size)
     return core, [sorted(os.sched_getaffinity(t)) for t in process_thread_ids()]

@@ -1,0 +1,200 @@
+"""ArgsPlanProvider: the plan source Megatron-LM runs get from their flags.
+
+The schedule asks it for a plan the first time it runs a (seq_length, micro_batch_size); every
+rank asks at the same time. Rank 0 chooses the plan (planning.py, which calls the planner's
+search) and broadcasts it, so every rank runs the identical plan. With a measured profile every
+rank measures at once (tensor-parallel layers need all their ranks, and nobody waits in a
+collective while others measure); rank 0 fits and caches it (profile_cache.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar, Union
+
+from ...plan import TeraPipePlan
+from ...planner.profile.time_fit import LayerTimeFit
+from ..hooks import compat
+from .cost_from_args import device_name
+from .plan_report import PlanReport
+from .planning import cost_model_from_args, plan_run, wants_profile, write_simulated_trace
+from .profile_cache import (default_measure, fit_measurements, is_cached, profile_cache_path,
+                            profile_cells, save_profile)
+from .checks import TeraPipeArgumentError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An error on one rank, sent to the others so that every rank raises it."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class CacheLookup:
+    """Rank 0's answer to: is this shape's profile cached? (broadcast to every rank)"""
+
+    path: str
+    cached: bool
+
+
+def _look_up(args, seq_length: int, micro_batch_size: int) -> CacheLookup:
+    path = profile_cache_path(args, seq_length, micro_batch_size)
+    return CacheLookup(str(path), is_cached(path))
+
+
+@dataclass(frozen=True)
+class ChosenPlan:
+    """What rank 0 broadcasts: the plan (as its dict) and its report."""
+
+    plan: dict
+    report: PlanReport
+
+
+@dataclass
+class ArgsPlanProvider:
+    """Plans from parsed flags, one per (seq_length, micro_batch_size), computed once.
+
+    `plan_for` is called by the schedule on every rank at the same time (all ranks run it).
+    `measure(args, cells)` returns LayerMeasurements (tests pass their own).
+    """
+
+    args: argparse.Namespace
+    plans: dict[tuple[int, int], TeraPipePlan] = field(default_factory=dict)
+    reports: dict[tuple[int, int], PlanReport] = field(default_factory=dict)
+    measure: Optional[Callable] = None
+    log: bool = True
+    measurements: int = 0  # layer profiles measured by this process
+    cache_hits: int = 0
+
+    def plan_for(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
+        key = (int(seq_length), int(micro_batch_size))
+        if key not in self.plans:
+            self.plans[key] = self._choose(*key)
+        return self.plans[key]
+
+    def cost_model(self, seq_length: int, micro_batch_size: int,
+                   fit: Optional[LayerTimeFit] = None) -> tuple[Any, list[str]]:
+        """The cost model the flags name (rank 0 side), with notes for the log."""
+        return cost_model_from_args(self.args, seq_length, micro_batch_size, fit)
+
+    # -- the collective protocol: every rank runs exactly these steps ------------------------
+    def _choose(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
+        fit = self._profile(seq_length, micro_batch_size) if wants_profile(self.args) else None
+        chosen = None
+        if _rank() == 0:
+            chosen = _guard(lambda: self._plan_on_rank_zero(seq_length, micro_batch_size, fit))
+        chosen = _unwrap(_broadcast(chosen))
+        plan = TeraPipePlan.from_dict(chosen.plan)
+        self.reports[(seq_length, micro_batch_size)] = chosen.report
+        if _rank() == 0 and self.log:
+            for line in chosen.report.lines(plan):
+                print(line, flush=True)
+        return plan
+
+    def _profile(self, seq_length: int, micro_batch_size: int) -> Optional[LayerTimeFit]:
+        """The measured fit, when this start measures one (every rank does); None when rank 0
+        finds it in the cache."""
+        lookup = None
+        if _rank() == 0:
+            lookup = _guard(lambda: _look_up(self.args, seq_length, micro_batch_size))
+        lookup = _unwrap(_broadcast(lookup))
+        if lookup.cached:
+            self.cache_hits += 1
+            return None
+        outcome = _guard(lambda: self._measure(seq_length, micro_batch_size))
+        failures = [o for o in _all_gather(outcome if isinstance(outcome, Failure) else None) if o]
+        if failures:
+            raise TeraPipeArgumentError(failures[0].message)
+        if _rank() == 0:
+            save_profile(outcome, Path(lookup.path))
+        return outcome
+
+    def _measure(self, seq_length: int, micro_batch_size: int) -> LayerTimeFit:
+        cells = profile_cells(self.args, seq_length, micro_batch_size)
+        if _rank() == 0 and self.log:
+            print(f"> terapipe: measuring one layer on {device_name()} ({len(cells)} cells, "
+                  "once; cached for later starts)", flush=True)
+        measure = self.measure or (lambda args, c: default_measure(args, c, progress=_rank() == 0))
+        measurements = _with_rng_kept(lambda: measure(self.args, cells))
+        self.measurements += 1
+        return fit_measurements(self.args, measurements, seq_length, micro_batch_size)
+
+    def _plan_on_rank_zero(self, seq_length: int, micro_batch_size: int,
+                           fit: Optional[LayerTimeFit]) -> ChosenPlan:
+        run = plan_run(self.args, seq_length, micro_batch_size,
+                       cost=lambda: self.cost_model(seq_length, micro_batch_size, fit))
+        trace = getattr(self.args, "terapipe_trace", None)
+        if trace and run.cost_model is not None:
+            try:
+                write_simulated_trace(run, trace)
+            except OSError as exc:  # a trace is a by-product: training goes on without it
+                run.report.notes.append(f"could not write the simulated trace: {exc}")
+        return ChosenPlan(run.plan.to_dict(), run.report)
+
+
+def _guard(fn: Callable[[], T]) -> Union[T, Failure]:
+    """Run `fn`; an error becomes a Failure so that every rank can raise it."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of rank 0's failure
+        return Failure(f"{exc}" if isinstance(exc, TeraPipeArgumentError)
+                       else f"{type(exc).__name__}: {exc}")
+
+
+def _unwrap(value: Union[T, Failure]) -> T:
+    if isinstance(value, Failure):
+        raise TeraPipeArgumentError(value.message)
+    return value
+
+
+def _distributed():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    dist = _distributed()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (identity without torch.distributed)."""
+    dist = _distributed()
+    if dist is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    dist = _distributed()
+    if dist is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _with_rng_kept(fn: Callable[[], T]) -> T:
+    """Run `fn` (which builds and runs a layer) without moving this rank's random streams:
+    torch's CPU and CUDA generators and Megatron's model-parallel RNG tracker come back as they
+    were (the measurement seeds and replaces the tracker)."""
+    import torch
+
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    saved_tracker = compat.save_rng_tracker()  # private globals of tensor_parallel.random
+    try:
+        return fn()
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        compat.restore_rng_tracker(saved_tracker)

@@ -1,0 +1,87 @@
+"""What rank 0 logs about the plan at start-up, in Megatron's `> ...` style: where the slices
+came from, a to-scale picture of one microbatch's cells, and the simulator's prediction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ...plan import TeraPipePlan
+from ...planner.report import slice_picture
+
+PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
+
+
+@dataclass
+class PlanReport:
+    """Where a plan came from and what the simulator predicts for it."""
+
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+    num_stages: int
+    source: str
+    cost_model: str
+    iteration_time: Optional[float] = None
+    bubble: Optional[float] = None
+    baseline_time: Optional[float] = None  # 1F1B without token slices
+    baseline_bubble: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+    peak_bytes: Optional[tuple[float, ...]] = None  # per stage, model state included
+    budget_bytes: Optional[float] = None  # --terapipe-memory-budget
+    model_state: tuple[float, ...] = ()  # per stage: weights, gradients, optimizer state
+
+    def lines(self, plan: TeraPipePlan) -> list[str]:
+        out = [f"> terapipe plan for seq_length {self.seq_length}, micro_batch_size "
+               f"{self.micro_batch_size}, {self.num_microbatches} microbatches, "
+               f"{self.num_stages} pipeline stages:"]
+        rows = plan.batch_slices or (None,)
+        for r, ts in zip(rows, plan.token_slices):
+            who = f"{r} rows" if r is not None else "all rows"
+            out.append(f">   token slices ({who}) ... {' '.join(map(str, ts))}")
+        out.append(">   one microbatch to scale:")
+        out.extend(f">     {row}" for row in slice_picture(plan, PICTURE_WIDTH))
+        out.append(f">   order ..................... {plan.order}")
+        wgrad = "deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"
+        if plan.wgrad_points:
+            wgrad += f"; {plan.early_w_text()}"
+        out.append(">   weight gradients .......... " + wgrad)
+        if plan.defer_wgrad:  # the rule, and how to change it
+            out.append(">     (the default: exact, one accumulation per parameter and sequence;")
+            out.append(">     Transformer Engine layers keep theirs in the backward cells;")
+            out.append(">     --terapipe-defer-wgrad off: all there, less memory held)")
+        out.append(f">   slices from ............... {self.source}")
+        out.append(f">   cost model ................ {self.cost_model}")
+        out.extend(self._prediction_lines())
+        out.extend(f">   note: {n}" for n in self.notes)
+        return out
+
+    def _prediction_lines(self) -> list[str]:
+        out = []
+        if self.iteration_time is not None:
+            line = f">   predicted iteration ....... {self.iteration_time * 1e3:.3f} ms"
+            if self.baseline_time:
+                line += (f" (1F1B without token slices: {self.baseline_time * 1e3:.3f} ms, "
+                         f"{self.baseline_time / max(self.iteration_time, 1e-30):.2f}x)")
+            out.append(line)
+        if self.bubble is not None:
+            line = f">   pipeline bubble ........... {100 * self.bubble:.1f}%"
+            if self.baseline_bubble is not None:
+                line += f" (1F1B without token slices: {100 * self.baseline_bubble:.1f}%)"
+            out.append(line)
+        return out + self._memory_lines()
+
+    def _memory_lines(self) -> list[str]:
+        """Predicted peak per stage (GiB, model state included) and the budget."""
+        if self.peak_bytes is None:
+            return []
+        gib = 1024 ** 3
+        state = max(self.model_state, default=0.0)
+        line = (">   predicted peak (GiB) ...... " + " ".join(f"{p / gib:.2f}" for p in self.peak_bytes[:8])
+                + (" ..." if len(self.peak_bytes) > 8 else "")
+                + f" per stage (with up to {state / gib:.2f} of weights, gradients, optimizer state)")
+        out = [line]
+        if self.budget_bytes is not None:
+            out.append(f">   memory budget ............. {self.budget_bytes / gib:.2f} GiB per GPU: "
+                       f"fits (largest peak {max(self.peak_bytes) / gib:.2f})")
+        return out

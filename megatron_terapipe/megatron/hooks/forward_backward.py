@@ -1,0 +1,222 @@
+"""The TeraPipe schedule entry point, with the signature of Megatron's built-in schedules.
+
+`forward_backward_terapipe` builds the per-stage action lists (schedule/) for the configured
+plan, checks that the plan fits the run and the model, and runs this stage's list with the
+torch-only executor (runtime/executor.py). Here sits what that executor must not know about:
+Megatron's process groups, model config, wrapped models, per-microbatch hooks and gradient
+finalisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, List, Optional, Union
+
+import torch
+
+from ...plan import TeraPipePlan
+from ...runtime.attention import SliceAttention
+from ...runtime.batching import CellData
+from ...runtime.buffer_pool import BufferPool
+from ...runtime.executor import StageExecutor, StageModel, StageOptions
+from ...runtime.trace import RunRecord
+from ...schedule import Cell, build_schedule
+from . import compat
+from .param_deferral import install_wgrad_deferral
+from .p2p import make_transport
+from .rope import install_rope_offsets
+
+RunCallback = Callable[[RunRecord], None]
+
+
+def forward_backward_terapipe(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Union[Iterator, List[Iterator], None],
+    model: Union[torch.nn.Module, List[torch.nn.Module]],
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
+    p2p_communicator=None,
+    pg_collection=None,
+    force_all_reduce: Optional[bool] = False,
+    plan: Optional[TeraPipePlan] = None,
+    on_run: Optional[RunCallback] = None,
+) -> list[Any]:
+    """Run forward and backward of `num_microbatches` microbatches with token-slice pipelining.
+
+    Same keywords and return value as Megatron's built-in schedules: the list of what loss_func
+    reported per microbatch on the last stage, [] elsewhere. The plan: `plan=`, else
+    `configure(config, plan)`'s. The stage's RunRecord goes to `config.terapipe_on_run`, `on_run`.
+    """
+    from megatron.core.utils import get_model_config
+
+    model, data_iterator = _single_chunk(model, data_iterator)
+    config = get_model_config(model)
+    groups = _process_groups(pg_collection)
+    if plan is None:
+        plan = resolve_plan(config, seq_length, micro_batch_size)
+    tp_size = groups.tp.size() if groups.tp is not None else 1
+    check_run(config, model, plan, seq_length, micro_batch_size, num_microbatches, tp_size,
+              groups.cp.size() if groups.cp is not None else 1, decoder_seq_length,
+              adjust_tensor_shapes_fn)
+    pp = groups.pp
+    schedule = build_schedule(plan, num_microbatches, pp.size() if pp is not None else 1,
+                              micro_batch_size, forward_only)
+    device = _device_of(model)
+    if config.timers is not None:
+        config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    executor = StageExecutor(
+        schedule, pp.rank() if pp is not None else 0,
+        _stage_model(model, forward_step_func, first_val_step, forward_only),
+        CellData(data_iterator, seq_length, micro_batch_size),
+        make_transport(pp, config, device, p2p_communicator),
+        _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
+        pool=buffer_pool(model, (plan, num_microbatches, micro_batch_size, forward_only)))
+    result = executor.run()
+    for callback in (getattr(config, "terapipe_on_run", None), on_run):
+        if callback is not None:
+            callback(executor.record)
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(
+            [model], executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
+            pg_collection=groups, force_all_reduce=force_all_reduce)
+    if config.timers is not None:
+        config.timers("forward-backward").stop()
+    return result
+
+
+#: Pools kept per model (the most recently used plans and batch shapes; a PlanTable run with
+#: many sequence lengths would otherwise hold every length's K/V buffers).
+POOLS_PER_MODEL = 4
+
+
+def buffer_pool(model: torch.nn.Module, key: tuple) -> BufferPool:
+    """The model's pool for one plan and batch shape, kept across iterations so that the K/V
+    buffers of every cell sit at the same addresses each iteration (runtime/buffer_pool.py)."""
+    pools = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
+    pool = pools.pop(key, None) or BufferPool()
+    pools[key] = pool
+    while len(pools) > POOLS_PER_MODEL:
+        pools.popitem(last=False)
+    return pool
+
+
+def _single_chunk(model, data_iterator):
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(
+                f"TeraPipe does not support virtual pipeline stages ({len(model)} model chunks): "
+                "drop --num-layers-per-virtual-pipeline-stage")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != 1:
+            raise ValueError("TeraPipe takes one data iterator (no virtual pipeline stages)")
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
+def _process_groups(pg_collection):
+    return pg_collection if pg_collection is not None else compat.default_pg_collection()
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _stage_options(config, tp_size: int, forward_only: bool,
+                   collect_non_loss_data: bool) -> StageOptions:
+    return StageOptions(
+        hidden_size=config.hidden_size,
+        seq_divisor=tp_size if getattr(config, "sequence_parallel", False) else 1,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        per_token_loss=config.calculate_per_token_loss, grad_scale_func=config.grad_scale_func,
+        autocast=getattr(config, "enable_autocast", False),
+        autocast_dtype=getattr(config, "autocast_dtype", None),
+        deallocate_outputs=getattr(config, "deallocate_pipeline_outputs", False),
+        no_sync_func=config.no_sync_func or contextlib.nullcontext,
+        grad_sync_func=None if forward_only else config.grad_sync_func)
+
+
+def _stage_model(model: torch.nn.Module, forward_step_func: Callable,
+                 first_val_step: Optional[bool], forward_only: bool) -> StageModel:
+    """The model with Megatron's hooks: input tensors through set_input_tensor, and before each
+    forward its first-microbatch flag and current microbatch, as Megatron's schedules set them."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    def before_forward(cell: Cell) -> None:
+        first_cell = cell.microbatch == 0 and cell.batch_slice == 0 and cell.token_slice == 0
+        if (compat.check_first_val_step(first_val_step, forward_only, first_cell)
+                and hasattr(model, "set_is_first_microbatch")):
+            model.set_is_first_microbatch()
+        compat.set_current_microbatch(model, cell.microbatch)
+
+    return StageModel(model, forward_step_func, get_attr_wrapped_model(model, "set_input_tensor"),
+                      before_forward)
+
+
+def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
+    """The plan attached by `configure` (a plan, or a provider with plan_for(seq, mbs))."""
+    from .selection import default_plan_source
+
+    source = getattr(config, "terapipe_plan", None)
+    if source is None:
+        source = default_plan_source()
+    if source is None:
+        raise ValueError(
+            "TeraPipe: no plan is configured for this model: call "
+            "megatron_terapipe.configure(config, TeraPipePlan(...)), or pass "
+            "--pipeline-schedule terapipe (slices from --terapipe-slices, --terapipe-num-slices "
+            "or the DP slicer on --terapipe-cost-model)")
+    if isinstance(source, TeraPipePlan):
+        return source
+    return source.plan_for(seq_length, micro_batch_size)
+
+
+def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: int,
+              micro_batch_size: int, num_microbatches: int, tp_size: int, cp_size: int,
+              decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
+    """Everything that would make the run wrong or hang, raised before any communication."""
+    from .selection import check_config
+
+    if num_microbatches <= 0:
+        raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
+    check_config(config, None, cp_size=cp_size)
+    if decoder_seq_length is not None and decoder_seq_length != seq_length:
+        raise ValueError("TeraPipe supports decoder-only GPT models: decoder_seq_length must be unset")
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError("TeraPipe derives tensor shapes from the plan: adjust_tensor_shapes_fn "
+                         "is not supported")
+    multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
+    plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
+    prepare_model(model)
+
+
+def prepare_model(model: torch.nn.Module) -> None:
+    """Check the model's attention and hook its RoPE offsets and linear layers; one walk per
+    model, not per call."""
+    if getattr(model, "_terapipe_prepared", False):
+        return
+    layers = [m for m in model.modules() if isinstance(m, SliceAttention)]
+    if not layers:
+        raise ValueError(
+            "TeraPipe: the model was built without the slice-aware attention: build GPTModel "
+            "with transformer_layer_spec=megatron_terapipe.get_gpt_layer_spec()")
+    for module in layers:
+        kind = getattr(module.attn_mask_type, "name", str(module.attn_mask_type))
+        if kind not in ("causal", "padding_causal", "None"):
+            raise ValueError(
+                f"TeraPipe needs causal self-attention, but layer {module.layer_number} uses "
+                f"attn_mask_type={kind}: token slices cannot see later tokens; keep the "
+                "spec's causal mask type or use Megatron's own schedule")
+    install_rope_offsets(model)
+    install_wgrad_deferral(model)
+    model._terapipe_prepared = True

@@ -1,0 +1,137 @@
+"""Which plan TeraPipe runs: a plan attached to a model config (`configure`), or one chosen
+for every model (`select`, e.g. from the flags). Megatron's schedule getter (install.py) and the
+schedule itself (forward_backward.py) both read this state; it imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ...plan import TeraPipePlan
+
+
+@dataclass
+class SelectionState:
+    selected: bool = False  # get_forward_backward_func returns TeraPipe's schedule
+    default_source: object = None  # plan or provider used when a model config carries none
+    schedule_wrapper: Optional[Callable[[Callable], Callable]] = None  # e.g. MegatronLMCells
+
+
+STATE = SelectionState()
+VIRTUAL_STAGES_UNSUPPORTED = (
+    "TeraPipe does not support virtual pipeline stages: drop "
+    "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
+
+
+def select(source) -> None:
+    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from flags."""
+    if not isinstance(source, TeraPipePlan) and not hasattr(source, "plan_for"):
+        raise ValueError(f"select() takes a TeraPipePlan or a plan provider, got {type(source).__name__}")
+    STATE.default_source = source
+    STATE.selected = True
+
+
+def default_plan_source():
+    return STATE.default_source
+
+
+def configure(config, plan) -> None:
+    """Validate `plan` against the model config and attach it (config.terapipe_plan).
+
+    `plan` is a TeraPipePlan, or a provider with `plan_for(seq_length, micro_batch_size)` for
+    runs whose sequence length changes. Also selects TeraPipe for `get_forward_backward_func`
+    once `install()` has run.
+    """
+    if isinstance(plan, TeraPipePlan):
+        check_config(config, plan)
+    elif not hasattr(plan, "plan_for"):
+        raise ValueError(
+            f"configure() takes a TeraPipePlan or a plan provider with plan_for(), got {type(plan).__name__}")
+    else:
+        check_config(config, None)
+    config.terapipe_plan = plan
+    STATE.selected = True
+
+
+def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = None) -> None:
+    """Model-level features TeraPipe cannot run, named with the fix.
+
+    cp_size: the context-parallel group's size when known (the schedule passes it), else the
+    config's context_parallel_size.
+    """
+    cp = cp_size if cp_size is not None else getattr(config, "context_parallel_size", 1)
+    if cp > 1:
+        raise ValueError(
+            f"TeraPipe does not support context parallelism (context_parallel_size={cp}): "
+            "token slices already split the sequence; set --context-parallel-size 1")
+    if getattr(config, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
+    if getattr(config, "num_moe_experts", None) and moe_problem(config):
+        raise ValueError(moe_problem(config))
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError("TeraPipe does not support multi-token prediction: unset --mtp-num-layers")
+    if plan is not None and getattr(config, "sequence_parallel", False):
+        plan.check_multiple_of(config.tensor_model_parallel_size)
+
+
+def deselect() -> None:
+    """Make get_forward_backward_func return Megatron's own schedules again."""
+    STATE.selected = False
+    STATE.default_source = None
+    STATE.schedule_wrapper = None
+
+
+def selected() -> bool:
+    return STATE.selected
+
+
+def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> None:
+    """While TeraPipe is selected, get_forward_backward_func returns `wrapper(schedule)`.
+
+    `setup_from_args` uses it to run Megatron-LM's forward_step per cell (MegatronLMCells).
+    None restores the plain schedule.
+    """
+    STATE.schedule_wrapper = wrapper
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def moe_problem(source) -> Optional[str]:
+    """Why an MoE model (Megatron-LM's args or a TransformerConfig: the names are the same)
+    cannot train exactly under token slices, or None.
+
+    Dropless top-k routing is token-wise: a cell routes its tokens as the whole microbatch
+    would, so MoE trains exactly. What depends on all of a microbatch's tokens at once cannot
+    be split into slices: load-balancing losses (products of means over the tokens), Sinkhorn
+    routing, the router z-loss (a mean per forward pass) and capacity-based token dropping
+    (capacity counted per forward pass). Aux-loss-free balancing (expert bias) only adds up
+    token counts, which slices do exactly."""
+    coeffs = [float(c) for c in _as_list(getattr(source, "moe_aux_loss_coeff", 0.0) or 0.0)]
+    balancing = _as_list(getattr(source, "moe_router_load_balancing_type", "aux_loss"))
+    if any(c > 0 for c in coeffs) and any(b != "none" for b in balancing):
+        return (f"TeraPipe cannot run MoE load-balancing losses (--moe-aux-loss-coeff "
+                f"{' '.join(f'{c:g}' for c in coeffs)}, --moe-router-load-balancing-type "
+                f"{' '.join(balancing)}): the loss multiplies means over all the microbatch's "
+                "tokens, and a token slice sees only its own; use aux-loss-free balancing "
+                "(--moe-aux-loss-coeff 0 --moe-router-enable-expert-bias), or "
+                "--pipeline-schedule 1f1b")
+    if "sinkhorn" in balancing:
+        return ("TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn "
+                "normalises the routing over all the microbatch's tokens at once; use top-k "
+                "routing with --moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")
+    if getattr(source, "moe_z_loss_coeff", None):
+        return (f"TeraPipe cannot run the router z-loss (--moe-z-loss-coeff "
+                f"{source.moe_z_loss_coeff}): it is a mean over each forward pass's tokens, "
+                "and a token slice's mean is not the microbatch's; drop --moe-z-loss-coeff, "
+                "or use --pipeline-schedule 1f1b")
+    if getattr(source, "moe_expert_capacity_factor", None) is not None:
+        return (f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
+                f"{source.moe_expert_capacity_factor}): an expert's capacity is counted over "
+                "each forward pass's tokens, so a token slice would drop other tokens than "
+                "the whole microbatch; drop the flag (dropless routing), or use "
+                "--pipeline-schedule 1f1b")
+    return None

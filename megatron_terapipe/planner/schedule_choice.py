@@ -1,0 +1,158 @@
+"""Which pipeline schedule to run: Megatron's 1F1B, Megatron's interleaved 1F1B with each
+number of model chunks that divides a stage's layers, and TeraPipe with its best plan in each
+order, all timed by the same cost model on their action lists (the simulator) and held
+against the same memory budget. `compare_schedules` makes the table terapipe-plan prints;
+`ScheduleTable.auto` is what `--pipeline-schedule auto` runs: the fastest schedule that fits,
+except that TeraPipe must be predicted at least AUTO_MIN_GAIN faster than Megatron's best,
+or Megatron's schedule runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from ..plan import ORDERS, TeraPipePlan
+from ..schedule import build_interleaved_schedule, build_schedule
+from .cost.cost_model import CostModel
+from .cost.stage_memory import MemoryBudget, MemoryBudgetError
+from .memory_search import search_within_budget
+from .search import SearchSpace
+from .simulator import SimulationResult, simulate
+
+#: TeraPipe must be predicted at least this much faster than Megatron's best schedule.
+AUTO_MIN_GAIN = 0.03
+MEGATRON, TERAPIPE = "megatron", "terapipe"
+
+
+@dataclass(frozen=True)
+class ScheduleOption:
+    """One row of the table: a schedule, its prediction, and whether it fits."""
+
+    name: str  # "TeraPipe 1f1b", "Megatron 1F1B", "Megatron interleaved, 2 chunks"
+    family: str  # MEGATRON or TERAPIPE
+    order: str  # "1f1b" or "gpipe" (Megatron's schedules: "1f1b")
+    num_chunks: int = 1  # model chunks per stage (interleaved: 2 or more)
+    result: Optional[SimulationResult] = None  # None: the schedule cannot run this shape
+    totals: tuple[float, ...] = ()  # predicted peak per stage, model state included
+    fits: bool = False
+    plan: Optional[TeraPipePlan] = None  # TeraPipe's plan
+    note: str = ""  # the plan in brief ("8 slices +W"), "does not fit", or why it cannot run
+
+    @property
+    def time(self) -> Optional[float]:
+        return None if self.result is None else self.result.iteration_time
+
+    @property
+    def runnable(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """What `--pipeline-schedule auto` runs, the runner-up and the predicted margin."""
+
+    chosen: ScheduleOption
+    runner_up: Optional[ScheduleOption]
+    margin: Optional[float]  # runner-up time / chosen time - 1
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScheduleTable:
+    options: tuple[ScheduleOption, ...]  # fitting ones fastest first, then the rest
+    budget: MemoryBudget
+
+    def best(self, family: Optional[str] = None) -> Optional[ScheduleOption]:
+        """The fastest option that fits (of one family)."""
+        return next((o for o in self.options if o.fits and (family is None or o.family == family)),
+                    None)
+
+    def auto(self, min_gain: float = AUTO_MIN_GAIN) -> AutoChoice:
+        """The fastest schedule that fits; TeraPipe only if at least `min_gain` faster than
+        Megatron's best. Raises MemoryBudgetError when nothing fits."""
+        best = self.best()
+        if best is None:
+            raise MemoryBudgetError(
+                "no pipeline schedule fits the memory budget: " + "; ".join(
+                    f"{o.name}: {o.note}" for o in self.options))
+        megatron, terapipe = self.best(MEGATRON), self.best(TERAPIPE)
+        if best.family == TERAPIPE and megatron is None:  # the runner-up may not fit
+            megatron = next((o for o in self.options if o.family == MEGATRON and o.runnable), None)
+            if megatron is not None:
+                return AutoChoice(best, megatron, megatron.time / best.time - 1.0,
+                                  "Megatron's schedules do not fit the memory budget")
+        if best.family == TERAPIPE and megatron is not None:
+            if best.time > megatron.time * (1.0 - min_gain):
+                return AutoChoice(megatron, best, best.time / megatron.time - 1.0,
+                                  f"TeraPipe is not predicted at least {100 * min_gain:.0f}% "
+                                  f"faster than Megatron's best schedule")
+            return AutoChoice(best, megatron, megatron.time / best.time - 1.0,
+                              "the fastest schedule that fits")
+        runner = terapipe if best.family == MEGATRON and terapipe is not None else next(
+            (o for o in self.options if o.runnable and o is not best), None)
+        margin = None if runner is None else runner.time / best.time - 1.0
+        return AutoChoice(best, runner, margin, "the fastest schedule that fits")
+
+
+def interleaved_chunk_counts(layers_per_stage: int) -> list[int]:
+    """Model chunks per stage that divide its layers (2 or more)."""
+    return [v for v in range(2, layers_per_stage + 1) if layers_per_stage % v == 0]
+
+
+def _megatron_options(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
+                      layers_per_stage: int) -> list[ScheduleOption]:
+    K, M = space.num_stages, space.num_microbatches
+    whole = TeraPipePlan([space.seq_length], order="1f1b", defer_wgrad=False)
+    schedules = [("Megatron 1F1B", 1, lambda: build_schedule(whole, M, K, space.micro_batch_size))]
+    for v in interleaved_chunk_counts(layers_per_stage):
+        schedules.append((f"Megatron interleaved, {v} chunks", v,
+                          lambda v=v: build_interleaved_schedule(space.seq_length, M, K, v,
+                                                                  space.micro_batch_size)))
+    out = []
+    for name, chunks, build in schedules:
+        try:
+            schedule = build()
+        except ValueError as exc:  # Megatron's own conditions (e.g. microbatches per group)
+            out.append(ScheduleOption(name, MEGATRON, "1f1b", chunks, note=f"cannot run: {exc}"))
+            continue
+        result = simulate(schedule, cost_model, memory=space.memory, megatron=True)
+        out.append(_option(name, MEGATRON, "1f1b", chunks, result, budget, None, ""))
+    return out
+
+
+def _option(name, family, order, chunks, result, budget, plan, note) -> ScheduleOption:
+    totals = budget.totals(result.peak_memory_bytes)
+    fits = budget.fits(result.peak_memory_bytes)
+    return ScheduleOption(name, family, order, chunks, result, totals, fits, plan,
+                          note if fits else (note + "; " if note else "") + "does not fit")
+
+
+def _terapipe_option(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
+                     order: str) -> ScheduleOption:
+    name = f"TeraPipe {order}"
+    lean = ""
+    try:
+        chosen = search_within_budget(cost_model, replace(space, order=order), budget).chosen
+    except MemoryBudgetError as exc:  # the leanest plan found, marked as not fitting
+        chosen, lean = exc.leanest, "leanest: "  # type: ignore[attr-defined]
+    plan = chosen.plan
+    n = len(plan.seq_slices)
+    note = f"{lean}{n} slice{'s' if n > 1 else ''}" + (
+        f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
+        " +W" if plan.defer_wgrad else "")
+    return _option(name, TERAPIPE, order, 1, chosen.result, budget, plan, note)
+
+
+def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
+                      layers_per_stage: int, orders: Sequence[str] = ORDERS) -> ScheduleTable:
+    """Every candidate schedule for the run `space` describes, timed and held against
+    `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
+    those that cannot run."""
+    options = _megatron_options(cost_model, space, budget, layers_per_stage)
+    options += [_terapipe_option(cost_model, space, budget, order) for order in orders]
+    # times within a microsecond tie: the one that keeps less goes first
+    ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
+                                            round((o.time or 0.0) * 1e6),
+                                            max(o.totals, default=0.0)))
+    return ScheduleTable(tuple(ranked), budget)
