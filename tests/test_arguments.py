@@ -12,7 +12,7 @@ from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
 from megatron_terapipe.megatron.args.plan_report import PlanReport
-from megatron_terapipe.megatron.args.planning import plan_and_report, plan_from_args
+from megatron_terapipe.megatron.args.planning import plan_and_report
 from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, profile_cache_path
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.wiring import setup_from_args
@@ -231,6 +231,11 @@ def test_profile_cost_model_from_a_file_must_match_the_model(tmp_path):
     assert plan.seq_length == 64
     with pytest.raises(TeraPipeArgumentError, match=r"--terapipe-cost-model .*bad.json.*another model"):
         plan_from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-cost-model", str(bad)]), 64, 2)
+
+
+def plan_from_args(args, seq_length: int, micro_batch_size: int):
+    """The plan alone, as one process chooses it (no collectives, no measuring)."""
+    return plan_and_report(args, seq_length, micro_batch_size)[0]
 
 
 # ---- the profile cache --------------------------------------------------------------------

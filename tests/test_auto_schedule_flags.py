@@ -10,10 +10,9 @@ import pytest
 
 from megatron_terapipe.megatron.args.auto_schedule import (apply_choice, resolve_auto_schedule,
                                                       schedule_table_from_args)
-from megatron_terapipe.megatron.args.memory_args import budget_from_args, model_state_from_args
-from megatron_terapipe.megatron.args.planning import (cost_model_from_args, plan_and_report,
-                                                 search_space_from_args)
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.args.planner_inputs import budget_from_args, planner_inputs
+from megatron_terapipe.megatron.args.planning import plan_and_report
 from megatron_terapipe.megatron.wiring import setup_from_args
 from megatron_terapipe.planner.cost.stage_memory import GiB
 from megatron_terapipe.planner.memory_search import leaner_candidates
@@ -46,9 +45,9 @@ def test_memory_budget_needs_terapipe_or_auto():
 
 
 def test_model_state_is_megatrons_accounting_unless_given():
-    plain = model_state_from_args(parse(AUTO, **SHAPE))
-    sharded = model_state_from_args(parse(AUTO, **SHAPE, use_distributed_optimizer=True,
-                                          world_size=16))  # DP 8
+    plain = budget_from_args(parse(AUTO, **SHAPE)).model_state
+    sharded = budget_from_args(parse(AUTO, **SHAPE, use_distributed_optimizer=True,
+                                     world_size=16)).model_state  # DP 8
     assert sharded[1] == pytest.approx(plain[1] * (6 + 12 / 8) / 18)
     # both hold a vocab x hidden table (embedding; output layer), the last also the final norm
     assert len(plain) == 2 and plain[1] - plain[0] == pytest.approx(18 * 2 * 1024)
@@ -124,10 +123,9 @@ def test_plans_at_the_first_iteration_fit_the_budget():
     terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
     args = parse(terapipe, **shape)
     _, free = plan_and_report(args, 2048, 2)
-    cost, _ = cost_model_from_args(args, 2048, 2)
-    state = budget_from_args(args)
-    leanest = min(max(state.totals(c.result.peak_memory_bytes))
-                  for c in leaner_candidates(cost, search_space_from_args(args, 2048, 2)))
+    inputs = planner_inputs(args, 2048, 2)
+    leanest = min(max(inputs.budget.totals(c.result.peak_memory_bytes))
+                  for c in leaner_candidates(inputs.cost_model, inputs.space))
     assert leanest < 0.95 * max(free.peak_bytes)
     budget = (max(free.peak_bytes) + leanest) / 2
     argv = terapipe + ["--terapipe-memory-budget", str(int(budget))]

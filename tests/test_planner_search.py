@@ -109,16 +109,18 @@ def test_cli_and_flags_price_the_links_alike(monkeypatch):
     """TP=1 on 16 stages, 8 GPUs a node: the CLI and the flags both use the inter-node link."""
     import argparse
 
-    from megatron_terapipe.megatron.args.cost_from_args import analytic_cost_model
-    from megatron_terapipe.planner.cli import _cost_model, build_parser
+    from megatron_terapipe.megatron.args.planner_inputs import cost_model_from_args
+    from megatron_terapipe.planner.cli import build_parser
+    from megatron_terapipe.planner.cli_inputs import inputs_from_options
 
-    cli_args = build_parser().parse_args(["--model", "gpt3-13b", "--pipeline-stages", "20",
-                                          "--seq-length", "2048", "--hardware", "v100"])
-    cli_cost = _cost_model(cli_args, model_preset("gpt3-13b"), hardware_preset("v100"), None)
+    parser = build_parser()
+    cli_args = parser.parse_args(["--model", "gpt3-13b", "--pipeline-stages", "20",
+                                  "--seq-length", "2048", "--hardware", "v100"])
+    cli_cost = inputs_from_options(cli_args, parser).cost_model
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     flags = argparse.Namespace(num_layers=40, hidden_size=5120, num_attention_heads=40,
                                pipeline_model_parallel_size=20, tensor_model_parallel_size=1,
                                world_size=20, terapipe_hardware="v100")
-    flags_cost, _ = analytic_cost_model(flags)
+    flags_cost, _ = cost_model_from_args(flags, 2048, 1)
     assert cli_cost.inter_node and flags_cost.inter_node
     assert cli_cost.link == flags_cost.link == hardware_preset("v100").inter_node

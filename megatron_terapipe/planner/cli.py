@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from typing import Iterator, Optional, Sequence
 
 from ..plan import ORDERS
-from .cost.analytic import AnalyticCostModel
-from .cost.cost_model import CostModel
-from .cost.dims import Hardware, ModelDims
+from .cli_inputs import add_memory_args, inputs_from_options
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from .cli_memory import add_memory_args, memory_from_args, schedule_lines
-from .cost.stage_memory import MemoryBudget, MemoryBudgetError
-from .memory_search import search_within_budget
-from .report import comparison_lines, slices_text
-from .search import SearchResult, SearchSpace, pipeline_link, stages_cross_nodes
-from .slicer import resolve_batch_sizes
+from .cost.stage_memory import MemoryBudgetError
+from .inputs import PlannerInputs
+from .report import auto_text, comparison_lines, schedule_table_lines, slices_text
+from .search import SearchResult
 
 GiB = 1024 ** 3
 
@@ -86,75 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_from_args(args, parser) -> ModelDims:
-    base = MODEL_PRESETS[args.model] if args.model else None
-    fields = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-              "num_attention_heads": args.num_attention_heads,
-              "ffn_hidden_size": args.ffn_hidden_size, "num_query_groups": args.num_query_groups,
-              "vocab_size": args.vocab_size}
-    given = {k: v for k, v in fields.items() if v is not None}
-    if base is None:
-        missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
-                   if k not in given]
-        if missing:
-            parser.error(f"give --model or all of --num-layers, --hidden-size, --num-attention-heads "
-                         f"(missing {', '.join(missing)})")
-        given.setdefault("name", "custom")
-        try:
-            return ModelDims(**given)
-        except ValueError as exc:
-            parser.error(f"--hidden-size/--num-attention-heads: {exc}")
-    try:
-        return replace(base, **given, name=base.name if not given else f"{base.name} (modified)")
-    except ValueError as exc:
-        parser.error(f"--model {args.model} with overrides: {exc}")
-    raise AssertionError  # unreachable: parser.error exits
-
-
-def _batch_sizes(text: str, parser):
-    if text in ("divisors", "all", "none"):
-        return text
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        parser.error(f"--batch-sizes: expected divisors, all, none or a comma list of rows, got {text!r}")
-    if not sizes:
-        parser.error("--batch-sizes: empty list")
-    return sizes
-
-
-def _check_shape(args, model: ModelDims, parser) -> None:
-    """Stop with an error naming the flag if the model does not split as asked."""
-    K, tp = args.pipeline_stages, args.tensor_parallel_size
-    if model.num_layers % K:
-        parser.error(f"--pipeline-stages {K} does not divide the model's {model.num_layers} layers")
-    if model.num_attention_heads % tp:
-        parser.error(f"--tensor-parallel-size {tp} does not divide the model's "
-                     f"{model.num_attention_heads} attention heads")
-    if args.seq_length % args.granularity:
-        parser.error(f"--granularity {args.granularity} does not divide --seq-length {args.seq_length}")
-
-
-def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel:
-    """The analytic model of `hardware`, or the --profile; links as `search.pipeline_link`."""
-    K, tp = args.pipeline_stages, args.tensor_parallel_size
-    cross_nodes = stages_cross_nodes(tp, K, hardware.gpus_per_node)
-    if not args.profile:
-        return AnalyticCostModel(model, hardware, model.num_layers // K, tensor_parallel=tp,
-                                 inter_node=cross_nodes)
-    from .profile.profiled_cost import ProfiledCostModel
-
-    try:
-        return ProfiledCostModel.load(args.profile, model.num_layers // K,
-                                      pipeline_link(hardware, cross_nodes), model=model,
-                                      tensor_parallel=tp)
-    except ValueError as exc:
-        parser.error(f"--profile: {exc}")
-    raise AssertionError  # unreachable: parser.error exits
-
-
-def _report(args, model: ModelDims, cost: CostModel, hardware: Hardware,
-            result: SearchResult, budget: MemoryBudget) -> list[str]:
+def _report(args, inputs: PlannerInputs, result: SearchResult) -> list[str]:
+    model, cost, budget = inputs.model, inputs.cost_model, inputs.budget
+    hardware = HARDWARE_PRESETS[args.hardware]
     K, tp = args.pipeline_stages, args.tensor_parallel_size
     chosen = result.chosen
     wgrad = "deferred to W actions" if chosen.plan.defer_wgrad else "in every backward cell"
@@ -198,33 +127,31 @@ def _write_outputs(args, result: SearchResult) -> Iterator[str]:
         yield f"plan: {args.save_plan}"
 
 
+def schedule_lines(inputs: PlannerInputs) -> tuple[list[str], bool]:
+    """The schedule table and the auto choice as lines; False when no schedule fits."""
+    table = inputs.schedule_table()
+    lines = schedule_table_lines(table)
+    try:
+        lines.append(auto_text(table.auto()))
+    except MemoryBudgetError:
+        lines.append("auto: no schedule fits the memory budget")
+        return lines, False
+    return lines, True
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    model = _model_from_args(args, parser)
-    _check_shape(args, model, parser)
-    batch_sizes = _batch_sizes(args.batch_sizes, parser)
+    inputs = inputs_from_options(args, parser)
     try:
-        resolve_batch_sizes(batch_sizes, args.micro_batch_size)
-    except ValueError as exc:
-        parser.error(f"--batch-sizes/--micro-batch-size: {exc}")
-    hardware = HARDWARE_PRESETS[args.hardware]
-    cost = _cost_model(args, model, hardware, parser)
-    memory, budget = memory_from_args(args, model, cost, parser)
-    space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,
-                        args.num_microbatches, args.order, args.granularity,
-                        batch_sizes=batch_sizes,
-                        defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
-                        refine=not args.no_refine, memory=memory)
-    try:
-        result = search_within_budget(cost, space, budget)
+        result = inputs.search()
     except MemoryBudgetError as exc:
         result = None
         print(f"{args.order}: {exc}")
     if result is not None:
-        for line in _report(args, model, cost, hardware, result, budget):
+        for line in _report(args, inputs, result):
             print(line)
-    lines, any_fits = schedule_lines(cost, space, budget, model.num_layers // args.pipeline_stages)
+    lines, any_fits = schedule_lines(inputs)
     for line in lines:
         print(line)
     if result is not None:

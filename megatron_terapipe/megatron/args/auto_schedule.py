@@ -18,12 +18,12 @@ from typing import Callable
 
 from ...planner.cost.stage_memory import MemoryBudgetError
 from ...planner.report import auto_text, megatron_1f1b_time, schedule_row
-from ...planner.schedule_choice import TERAPIPE, AutoChoice, ScheduleTable, compare_schedules
-from .flags import layers_per_stage, num_microbatches, pp_size
-from .memory_args import budget_from_args
-from .planning import cost_model_from_args, search_space_from_args
-from .profile_cache import profile_cache_path
+from ...planner.schedule_choice import TERAPIPE, AutoChoice, ScheduleTable
 from .checks import TeraPipeArgumentError
+from .flags import num_microbatches, pp_size
+from .planner_inputs import planner_inputs
+from .profile_cache import profile_cache_path
+
 
 def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTable, str]:
     """The schedules the flags' run could use, and the cost model's description."""
@@ -35,10 +35,8 @@ def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTa
             "--terapipe-cost-model profile has no cached profile for this shape: run once with "
             "--pipeline-schedule terapipe --terapipe-cost-model profile (it caches the profile), "
             "or give --terapipe-cost-model analytic or a layer-profile JSON file")
-    cost, _ = cost_model_from_args(args, seq, mbs)
-    space = search_space_from_args(args, seq, mbs)
-    layers = layers_per_stage(args) if interleaved else 1
-    return compare_schedules(cost, space, budget_from_args(args), layers), cost.describe()
+    inputs = planner_inputs(args, seq, mbs)
+    return inputs.schedule_table(interleaved), inputs.cost_model.describe()
 
 
 def resolve_auto_schedule(args, log: Callable[[str], None] = print,

@@ -75,7 +75,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def _add_memory_args(group) -> None:
-    from ...planner.cli_memory import MEMORY_HELP
+    from ...planner.cli_inputs import MEMORY_HELP
 
     for flag, metavar, key in (("--terapipe-memory-budget", "SIZE", "budget"),
                                ("--terapipe-model-state-memory", "SIZE", "model_state"),

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from ...plan import TeraPipePlan
+from ...planner.inputs import PlannerInputs
 from ...planner.profile.time_fit import LayerTimeFit
 from ..hooks import compat
-from .cost_from_args import device_name
 from .plan_report import PlanReport
-from .planning import cost_model_from_args, plan_run, wants_profile, write_simulated_trace
+from .model_shape import device_name
+from .planner_inputs import planner_inputs
+from .planning import plan_run, wants_profile, write_simulated_trace
 from .profile_cache import (default_measure, fit_measurements, is_cached, profile_cache_path,
                             profile_cells, save_profile)
 from .checks import TeraPipeArgumentError
@@ -77,10 +79,10 @@ class ArgsPlanProvider:
             self.plans[key] = self._choose(*key)
         return self.plans[key]
 
-    def cost_model(self, seq_length: int, micro_batch_size: int,
-                   fit: Optional[LayerTimeFit] = None) -> tuple[Any, list[str]]:
-        """The cost model the flags name (rank 0 side), with notes for the log."""
-        return cost_model_from_args(self.args, seq_length, micro_batch_size, fit)
+    def planner_inputs(self, seq_length: int, micro_batch_size: int,
+                       fit: Optional[LayerTimeFit] = None) -> PlannerInputs:
+        """What the planner starts from on rank 0: the flags' inputs, with the measured fit."""
+        return planner_inputs(self.args, seq_length, micro_batch_size, fit)
 
     # -- the collective protocol: every rank runs exactly these steps ------------------------
     def _choose(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
@@ -127,9 +129,9 @@ class ArgsPlanProvider:
     def _plan_on_rank_zero(self, seq_length: int, micro_batch_size: int,
                            fit: Optional[LayerTimeFit]) -> ChosenPlan:
         run = plan_run(self.args, seq_length, micro_batch_size,
-                       cost=lambda: self.cost_model(seq_length, micro_batch_size, fit))
+                       inputs=lambda: self.planner_inputs(seq_length, micro_batch_size, fit))
         trace = getattr(self.args, "terapipe_trace", None)
-        if trace and run.cost_model is not None:
+        if trace and run.inputs is not None:
             try:
                 write_simulated_trace(run, trace)
             except OSError as exc:  # a trace is a by-product: training goes on without it

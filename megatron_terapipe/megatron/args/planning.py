@@ -6,28 +6,23 @@ collectives that give every rank rank 0's plan."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
 from ...plan import TeraPipePlan
-from ...planner.cost.cost_model import CostModel
-from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
-from ...planner.memory_search import search_within_budget
-from ...planner.search import SearchResult, SearchSpace, choose_deferral
+from ...planner.inputs import PlannerInputs
+from ...planner.search import SearchResult, choose_deferral
 from ...planner.timeline import write_chrome_trace
-from .cost_from_args import analytic_cost_model, profiled_cost_model, profiled_cost_model_from_file
+from .checks import TeraPipeArgumentError
 from .flags import (defer_wgrad, granularity, num_microbatches, pp_size, slice_multiple,
                     slice_unit, slices_given)
-from .memory_args import budget_from_args, stage_memory_from_args
 from .plan_report import PlanReport
-from .profile_cache import profile_cache_path
-from .checks import TeraPipeArgumentError
+from .planner_inputs import planner_inputs
 
-#: () -> (cost model, notes for the log)
-CostSource = Callable[[], tuple[CostModel, list[str]]]
+#: () -> what the planner starts from (the cost model measured or not, the space, the budget)
+InputsSource = Callable[[], PlannerInputs]
 
 
 def wants_profile(args) -> bool:
@@ -36,91 +31,69 @@ def wants_profile(args) -> bool:
             and not slices_given(args))
 
 
-def cost_model_from_args(args, seq_length: int, micro_batch_size: int,
-                         fit: Optional[LayerTimeFit] = None) -> tuple[CostModel, list[str]]:
-    """The cost model the flags name, with notes for the log. The profile cost model uses
-    `fit`, else the cached profile of this shape, else (explicit slices, nothing measured yet)
-    the analytic model for the prediction."""
-    choice = getattr(args, "terapipe_cost_model", "analytic") or "analytic"
-    if choice == "analytic":
-        model, note = analytic_cost_model(args)
-        return model, [note] if note else []
-    if choice != "profile":
-        return profiled_cost_model_from_file(args, choice), []
-    if fit is None:
-        path = profile_cache_path(args, seq_length, micro_batch_size)
-        if not path.is_file():
-            model, note = analytic_cost_model(args)
-            return model, ([note] if note else []) + [
-                "no measured profile for this shape yet; prediction from the analytic model"]
-        fit = LayerTimeFit.load(path)
-    return profiled_cost_model(args, fit), []
-
-
-def search_space_from_args(args, seq_length: int, micro_batch_size: int) -> SearchSpace:
-    return SearchSpace(seq_length, micro_batch_size, pp_size(args),
-                       num_microbatches(args, micro_batch_size),
-                       order=getattr(args, "terapipe_order", "1f1b"),
-                       granularity=granularity(args), multiple_of=slice_multiple(args),
-                       defer_wgrad=defer_wgrad(args), memory=stage_memory_from_args(args))
-
-
 @dataclass
 class PlannedRun:
     """A plan from the flags, its report, and what it was planned with."""
 
     plan: TeraPipePlan
     report: PlanReport
-    cost_model: Optional[CostModel]  # None when no prediction could be made
-    space: SearchSpace
+    inputs: Optional[PlannerInputs]  # None when no prediction could be made
 
 
 def plan_run(args, seq_length: int, micro_batch_size: int,
-             cost: Optional[CostSource] = None) -> PlannedRun:
+             inputs: Optional[InputsSource] = None) -> PlannedRun:
     """The plan the flags select for this shape, and the simulator's view of it."""
-    cost = cost or (lambda: cost_model_from_args(args, seq_length, micro_batch_size))
-    space = search_space_from_args(args, seq_length, micro_batch_size)
-    budget = budget_from_args(args)
+    inputs = inputs or (lambda: planner_inputs(args, seq_length, micro_batch_size))
     fixed = _fixed_plan(args, seq_length)
-    model, notes, searched = None, [], None
+    given, searched = None, None
     if fixed is None:
-        model, notes = cost()
-        searched = _search(model, space, budget)
+        given = inputs()
+        searched = _search(given)
         source = f"DP slicer (granularity {granularity(args)}), simulator-checked"
         plan = searched.plan
     else:
         source, plan = fixed
     plan.validate(seq_length, micro_batch_size, multiple_of=slice_multiple(args))
-    if space.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
-        plan = replace(plan, defer_wgrad=space.defer_wgrad)
-    report = PlanReport(seq_length, micro_batch_size, space.num_microbatches, space.num_stages,
-                        source, "none", notes=notes)
+    if defer_wgrad(args) is not None:  # on (the default) or off; auto: chosen below
+        plan = replace(plan, defer_wgrad=defer_wgrad(args))
+    report = PlanReport(seq_length, micro_batch_size, num_microbatches(args, micro_batch_size),
+                        pp_size(args), source, "none", notes=list(given.notes) if given else [])
     try:
-        if model is None:
-            model, more = cost()
-            report.notes.extend(more)
-        report.cost_model = model.describe()
-        if searched is not None:  # the search has chosen the weight-gradient mode
-            result = searched.chosen.result
-        else:
-            chosen = choose_deferral(model, space, [(source, plan)])[0]
-            plan, result = chosen.plan, chosen.result
-        base = space.simulate(TeraPipePlan([seq_length], order="1f1b", defer_wgrad=False), model)
-        report.iteration_time, report.bubble = result.iteration_time, result.bubble_fraction
-        report.baseline_time, report.baseline_bubble = base.iteration_time, base.bubble_fraction
-        report.peak_bytes = budget.totals(result.peak_memory_bytes)
-        report.budget_bytes, report.model_state = budget.budget_bytes, budget.model_state
+        if given is None:
+            given = inputs()
+            report.notes.extend(given.notes)
+        plan = _predict(given, plan, source, searched, report)
     except Exception as exc:  # noqa: BLE001 - a prediction is informative only; the plan stands
         report.notes.append(f"no prediction ({type(exc).__name__}: {exc})")
-        model = None
-    _check_fixed_plan_fits(source, report, budget)
-    return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, model, space)
+        given = None
+    if given is not None:
+        _check_fixed_plan_fits(source, report, given.budget)
+    return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, given)
 
 
-def _search(model: CostModel, space: SearchSpace, budget: MemoryBudget) -> SearchResult:
+def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
+             searched: Optional[SearchResult], report: PlanReport) -> TeraPipePlan:
+    """Fill `report` with the simulator's view of `plan` (the searched one, or the fixed one
+    with its weight-gradient mode chosen); the plan that runs."""
+    model, space, budget = inputs.cost_model, inputs.space, inputs.budget
+    report.cost_model = model.describe()
+    if searched is not None:  # the search has chosen the weight-gradient mode
+        result = searched.chosen.result
+    else:
+        chosen = choose_deferral(model, space, [(source, plan)])[0]
+        plan, result = chosen.plan, chosen.result
+    base = space.simulate(TeraPipePlan([space.seq_length], order="1f1b", defer_wgrad=False), model)
+    report.iteration_time, report.bubble = result.iteration_time, result.bubble_fraction
+    report.baseline_time, report.baseline_bubble = base.iteration_time, base.bubble_fraction
+    report.peak_bytes = budget.totals(result.peak_memory_bytes)
+    report.budget_bytes, report.model_state = budget.budget_bytes, budget.model_state
+    return plan
+
+
+def _search(inputs: PlannerInputs) -> SearchResult:
     """The planner's search, within the memory budget when one is given."""
     try:
-        return search_within_budget(model, space, budget)
+        return inputs.search()
     except MemoryBudgetError as exc:
         raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
 
@@ -163,21 +136,11 @@ def _fixed_plan(args, seq_length: int) -> Optional[tuple[str, TeraPipePlan]]:
 
 
 def plan_and_report(args, seq_length: int, micro_batch_size: int,
-                    cost: Optional[CostSource] = None) -> tuple[TeraPipePlan, PlanReport]:
+                    inputs: Optional[InputsSource] = None) -> tuple[TeraPipePlan, PlanReport]:
     """The plan the flags select for this shape, and the simulator's view of it (one process;
-    `cost` defaults to the flags' cost model without measuring)."""
-    run = plan_run(args, seq_length, micro_batch_size, cost)
+    `inputs` defaults to the flags' inputs without measuring)."""
+    run = plan_run(args, seq_length, micro_batch_size, inputs)
     return run.plan, run.report
-
-
-def plan_from_args(args: argparse.Namespace, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
-    """Explicit slices, uniform slices, or the planner's search on the flags' cost model (one
-    process, no collectives, no logging; ArgsPlanProvider adds those)."""
-    if wants_profile(args):
-        raise TeraPipeArgumentError(
-            "plan_from_args does not measure profiles: use ArgsPlanProvider(args).plan_for(...) "
-            "with --terapipe-cost-model profile")
-    return plan_and_report(args, seq_length, micro_batch_size)[0]
 
 
 def simulated_trace_path(path: str) -> Path:
@@ -188,6 +151,6 @@ def simulated_trace_path(path: str) -> Path:
 
 def write_simulated_trace(run: PlannedRun, path: str) -> Path:
     """The simulator's timeline of the planned run as a Chrome trace (needs its cost model)."""
-    assert run.cost_model is not None
-    result = run.space.simulate(run.plan, run.cost_model)
+    assert run.inputs is not None
+    result = run.inputs.space.simulate(run.plan, run.inputs.cost_model)
     return write_chrome_trace(result, simulated_trace_path(path))

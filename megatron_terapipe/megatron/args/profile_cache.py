@@ -12,7 +12,7 @@ from pathlib import Path
 from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.profile.time_fitting import fit_layer_times
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
-from .cost_from_args import device_name, model_dims_from_args
+from .model_shape import device_name, model_dims_from_args
 from .flags import DEFAULT_PROFILE_POINTS, dtype_name, granularity, slice_unit, tp_size
 
 

@@ -1,0 +1,86 @@
+"""PlannerInputs: everything a question to the planner starts from (the model, the cost model,
+the run's search space with its stage memory, the memory budget), and the builders both of its
+adapters share. It has exactly two adapters, one per way of asking: terapipe-plan's options
+(cli_inputs.py) and Megatron-LM's flags (megatron/args/planner_inputs.py). Everything that plans,
+compares schedules or predicts memory takes a PlannerInputs, so the same configuration asked
+either way gets the same plan (tests/test_planner_inputs.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .cost.analytic import AnalyticCostModel
+from .cost.cost_model import CostModel
+from .cost.dims import Hardware, ModelDims
+from .cost.stage_memory import MemoryBudget, ModelStateConfig, StageMemory, model_state_bytes
+from .memory_search import search_within_budget
+from .schedule_choice import ScheduleTable, compare_schedules
+from .search import SearchResult, SearchSpace, pipeline_link
+
+
+@dataclass
+class PlannerInputs:
+    """One run, as the planner sees it."""
+
+    model: ModelDims
+    cost_model: CostModel
+    space: SearchSpace  # the run's shape, the choices open to the search, the stage memory
+    budget: MemoryBudget  # per GPU (None: no limit), with the model state per stage
+    notes: list[str] = field(default_factory=list)  # guesses made on the way, for the log
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.model.num_layers // self.space.num_stages
+
+    def search(self) -> SearchResult:
+        """The plan search, within the budget when there is one (raises MemoryBudgetError)."""
+        return search_within_budget(self.cost_model, self.space, self.budget)
+
+    def schedule_table(self, interleaved: bool = True) -> ScheduleTable:
+        """Megatron's schedules and TeraPipe's, timed and held against the budget;
+        interleaved: whether Megatron's interleaved 1F1B is open to the run."""
+        return compare_schedules(self.cost_model, self.space, self.budget,
+                                 self.layers_per_stage if interleaved else 1)
+
+
+def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
+                     tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
+                     profile_path: Optional[str] = None, fit=None) -> CostModel:
+    """The analytic model of `hardware`, or the profiled one from a layer fit (`fit`, or the
+    file at `profile_path`); stage-to-stage links as `search.pipeline_link`. Raises ValueError
+    on a profile that does not fit the model (the adapters name their option)."""
+    layers = model.num_layers // num_stages
+    if fit is None and profile_path is None:
+        return AnalyticCostModel(model, hardware, layers, tensor_parallel=tensor_parallel,
+                                 dtype_bytes=dtype_bytes, inter_node=cross_nodes)
+    from .profile.profiled_cost import ProfiledCostModel
+
+    link = pipeline_link(hardware, cross_nodes)
+    if fit is not None:
+        return ProfiledCostModel(fit, layers, link, model=model, tensor_parallel=tensor_parallel,
+                                 dtype_bytes=dtype_bytes)
+    return ProfiledCostModel.load(profile_path, layers, link, model=model,
+                                  tensor_parallel=tensor_parallel, dtype_bytes=dtype_bytes)
+
+
+def memory_budget(model: ModelDims, num_stages: int, budget_bytes: Optional[float],
+                  model_state: Optional[float], config: ModelStateConfig) -> MemoryBudget:
+    """The budget per GPU, with the model state per stage: `model_state` on every stage when
+    given, else Megatron's accounting of this model under `config`."""
+    if model_state is not None:
+        state = (float(model_state),) * num_stages
+    else:
+        state = model_state_bytes(model, model.num_layers // num_stages, num_stages, config)
+    return MemoryBudget(budget_bytes, state)
+
+
+def stage_memory(model: ModelDims, num_stages: int,
+                 profile_path: Optional[str]) -> Optional[StageMemory]:
+    """The measured memory profile at `profile_path`, or None (the cost model's estimate).
+    Raises ValueError on a profile that does not fit the model."""
+    if not profile_path:
+        return None
+    from .profile.memory_fit import FittedMemory
+
+    return FittedMemory.load(profile_path, model.num_layers // num_stages, model)
