@@ -5,13 +5,13 @@ schedule `--pipeline-schedule auto` picks against the one measured fastest.
     python benchmarks/bench_memory.py --part memory # predicted vs measured peaks only
     python benchmarks/bench_memory.py --part auto   # auto's pick vs measured times only
 
-1. memory: a memory profile of the model is measured (megatron/measure_memory.py), then for a
+1. memory: a memory profile of the model is measured (megatron/measure/memory.py), then for a
    grid of plans (both orders, 1-16 token slices, batch slices, 1-8 microbatches, both
    weight-gradient modes, Megatron's 1F1B) on 2 and 4 stages the simulator's peak per stage is
    compared with the measured peak of what each stage keeps for backward (saved tensors, K/V
    gradient buffers, deferred pieces; harness/memory_runs.py). Target: within 10% everywhere.
 2. auto: on 2 stages, 1 and 4 microbatches, two model sizes, the schedule table
-   (planner/schedules.py) is built with a cost model profiled here, and every runnable
+   (planner/schedule_choice.py) is built with a cost model profiled here, and every runnable
    candidate (Megatron's 1F1B, its interleaved 1F1B, TeraPipe's plan per order) is timed in
    interleaved rounds (harness/schedule_runs.py). Target: auto's pick measures within 5% of the
    fastest.

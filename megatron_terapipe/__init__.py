@@ -12,7 +12,8 @@ from .megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from .megatron.wiring import setup_from_args
 from .megatron.hooks.cpu import disable_cpu_mode, enable_cpu_mode, keep_freed_host_memory, pin_to_core
 from .megatron.hooks.forward_backward import forward_backward_terapipe
-from .megatron.hooks.install import configure, deselect, install, select
+from .megatron.hooks.install import install
+from .megatron.hooks.selection import configure, deselect, select
 from .megatron.launch import install_hooks
 from .plan import PlanTable, TeraPipePlan
 from .schedule import Action

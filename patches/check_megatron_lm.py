@@ -106,14 +106,14 @@ def _argv(opts: argparse.Namespace) -> list[str]:
 
 def check_arguments(opts: argparse.Namespace, extra_args_provider=None):
     """Steps 1-2: the hooks, then Megatron-LM's parse/validate as its release calls them."""
-    from megatron_terapipe.megatron.hooks import install as integration
+    from megatron_terapipe.megatron.hooks import install, selection
     from megatron_terapipe.megatron.launch import install_hooks
 
     install_hooks()
     import megatron.training.arguments as megatron_arguments
     import megatron.training.training as megatron_training
 
-    assert megatron_training.get_forward_backward_func is integration._terapipe_or_megatron, \
+    assert megatron_training.get_forward_backward_func is install._terapipe_or_megatron, \
         "megatron.training.training.get_forward_backward_func is not patched"
     megatron_arguments.get_device_arch_version = lambda: 9
     sys.argv = _argv(opts)
@@ -130,7 +130,7 @@ def check_arguments(opts: argparse.Namespace, extra_args_provider=None):
         megatron_initialize.validate_args(args, defaults)
         set_global_variables(args)
     assert args.pipeline_schedule == "terapipe"
-    assert integration.selected(), "validate_args did not select TeraPipe"
+    assert selection.selected(), "validate_args did not select TeraPipe"
     print(f"megatron.training from {os.path.dirname(megatron_arguments.__file__)}: "
           "parse_args took the TeraPipe flags, validate_args selected TeraPipe", flush=True)
     return args
@@ -169,7 +169,7 @@ def check_patched_script(opts: argparse.Namespace) -> None:
     import megatron.training
     import megatron.training.arguments as megatron_arguments
 
-    from megatron_terapipe.megatron.hooks import install as integration
+    from megatron_terapipe.megatron.hooks import selection
 
     def pretrain(*_args, **kwargs):
         import megatron.training.global_vars as global_vars
@@ -180,7 +180,7 @@ def check_patched_script(opts: argparse.Namespace) -> None:
 
             args = megatron_initialize.parse_args(kwargs.get("extra_args_provider"))
             megatron_initialize.validate_args(args, kwargs.get("args_defaults", {}))
-        assert args.pipeline_schedule == "terapipe" and integration.selected()
+        assert args.pipeline_schedule == "terapipe" and selection.selected()
         print(f"patched {os.path.basename(opts.patched_script)}: TeraPipe flags parsed "
               f"(--terapipe-slices {args.terapipe_slices}), TeraPipe selected", flush=True)
 
@@ -219,7 +219,7 @@ def check_training(opts: argparse.Namespace, args, pretrain_gpt) -> None:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.hooks import install as integration
+    from megatron_terapipe.megatron.hooks import selection
     from megatron_terapipe.megatron.wiring import setup_from_args
 
     model = _model(opts)
@@ -235,7 +235,7 @@ def check_training(opts: argparse.Namespace, args, pretrain_gpt) -> None:
                   decoder_seq_length=args.decoder_seq_length)
     terapipe = megatron_training.get_forward_backward_func()
     ours = terapipe(data_iterator=data(), forward_only=True, **common)
-    integration.deselect()
+    selection.deselect()
     megatron = megatron_training.get_forward_backward_func()
     theirs = megatron(data_iterator=data(), forward_only=True, **common)
     rank = torch.distributed.get_rank()

@@ -302,25 +302,25 @@ def test_cache_key_covers_shape_device_and_versions():
 def test_setup_from_args_selects_and_deselects():
     from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: F401
 
-    from megatron_terapipe.megatron.hooks import install as integration
+    from megatron_terapipe.megatron.hooks import install, selection
 
     try:
         provider = setup_from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "2"]))
         assert isinstance(provider, ArgsPlanProvider)
-        assert integration.selected() and integration.default_plan_source() is provider
+        assert selection.selected() and selection.default_plan_source() is provider
         import megatron.core.pipeline_parallel as pp
 
         schedule = pp.get_forward_backward_func()
         assert schedule.__name__ == "forward_backward_terapipe"
         assert setup_from_args(parse([])) is None
-        assert not integration.selected()
+        assert not selection.selected()
         assert pp.get_forward_backward_func(pp_size=2, vp_size=None).__name__ == \
             "forward_backward_pipelining_without_interleaving"
         with pytest.raises(TeraPipeArgumentError, match="--context-parallel-size"):
             setup_from_args(parse(["--pipeline-schedule", "terapipe"], context_parallel_size=2))
     finally:
-        integration.deselect()
-        integration.use_slice_attention_in_gpt_models(False)
+        selection.deselect()
+        install.use_slice_attention_in_gpt_models(False)
 
 
 # ---- every rank gets rank 0's plan ------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Choosing the schedule (planner/schedules.py): the table of Megatron's and TeraPipe's
+"""Choosing the schedule (planner/schedule_choice.py): the table of Megatron's and TeraPipe's
 schedules, the auto rule (the fastest that fits; TeraPipe only when at least 3% faster), and
 terapipe-plan's table and auto line."""
 

@@ -102,16 +102,16 @@ def test_auto_refuses_a_budget_nothing_fits_and_an_unmeasured_profile(tmp_path):
 
 
 def test_setup_from_args_runs_the_choice():
-    from megatron_terapipe.megatron.hooks import install as integration
+    from megatron_terapipe.megatron.hooks import install, selection
 
     try:
         args = parse(AUTO, **SHAPE)
         provider = setup_from_args(args)
         assert args.pipeline_schedule in ("terapipe", "1f1b")
-        assert (provider is not None) == (args.pipeline_schedule == "terapipe") == integration.selected()
+        assert (provider is not None) == (args.pipeline_schedule == "terapipe") == selection.selected()
     finally:
-        integration.deselect()
-        integration.use_slice_attention_in_gpt_models(False)
+        selection.deselect()
+        install.use_slice_attention_in_gpt_models(False)
 
 
 def test_plans_at_the_first_iteration_fit_the_budget():

@@ -1,4 +1,4 @@
-"""megatron/compat.py: the version check, the supported range, and each touch point's adapter
+"""megatron/hooks/compat.py: the version check, the supported range, and each touch point's adapter
 on the installed megatron-core (run on both lines by noxfile.py)."""
 
 from __future__ import annotations

@@ -130,25 +130,25 @@ def test_launcher_usage():
 INSTALL_ORDER = r"""
 import sys
 sys.path.insert(0, {standin!r})
-import megatron_terapipe.megatron.hooks.install as integration
+from megatron_terapipe.megatron.hooks import install, selection
 from megatron.core.pipeline_parallel import schedules
 original = schedules.get_forward_backward_func
 if {install_first}:
-    integration.install()
-    integration.install()  # twice is harmless
+    install.install()
+    install.install()  # twice is harmless
 import megatron.training.training as training  # binds get_forward_backward_func at import
 if not {install_first}:
     assert training.get_forward_backward_func is original
-    integration.install()
+    install.install()
 import megatron.core.pipeline_parallel as pp
-patched = integration._terapipe_or_megatron
+patched = install._terapipe_or_megatron
 assert training.get_forward_backward_func is patched, training.get_forward_backward_func
 assert pp.get_forward_backward_func is patched and schedules.get_forward_backward_func is patched
-assert integration.original_get_forward_backward_func() is original
+assert patched.__wrapped__ is original  # Megatron's own getter, kept for unselected runs
 assert patched(pp_size=2, vp_size=None).__name__ == "forward_backward_pipelining_without_interleaving"
-integration.select(__import__("megatron_terapipe").TeraPipePlan([16, 16]))
+selection.select(__import__("megatron_terapipe").TeraPipePlan([16, 16]))
 assert training.get_forward_backward_func().__name__ == "forward_backward_terapipe"
-integration.deselect()
+selection.deselect()
 assert training.get_forward_backward_func(pp_size=1, vp_size=None).__name__ == "forward_backward_no_pipelining"
 print("ok")
 """
@@ -172,7 +172,7 @@ def _cell(token_start, tokens, rows=2, row_start=0):
 def test_cell_args_are_the_cells_shape_and_come_back():
     from types import SimpleNamespace
 
-    from megatron_terapipe.megatron.hooks.install import megatron_lm_cell_args
+    from megatron_terapipe.megatron.hooks.lm_cells import megatron_lm_cell_args
 
     args = SimpleNamespace(seq_length=32, micro_batch_size=4, create_attention_mask_in_dataloader=True)
     with megatron_lm_cell_args(args, _cell(8, 16, rows=2), drop_mask=True):
@@ -187,7 +187,7 @@ def test_cell_args_are_the_cells_shape_and_come_back():
 
 def test_cell_batches_drop_the_causal_mask_and_make_tensors_contiguous():
     from megatron_terapipe.runtime.batching import slice_batch
-    from megatron_terapipe.megatron.hooks.install import CellBatches, is_causal_cut
+    from megatron_terapipe.megatron.hooks.lm_cells import CellBatches, is_causal_cut
 
     s = 32
     causal = torch.ones(s, s).tril().unsqueeze(0).unsqueeze(0).expand(2, 1, s, s) < 0.5

@@ -1,4 +1,4 @@
-"""CPU route for Megatron-LM's training script (megatron/lm_cpu.py): the pieces that run
+"""CPU route for Megatron-LM's training script (megatron/hooks/lm_cpu.py): the pieces that run
 without a Megatron-LM checkout (tests/test_megatron_lm.py runs the real script when one is given)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The predicted peak memory per stage against the measured one, on CPU pipelines of 2 and 4
-stages: a memory profile of the model is measured (megatron/measure_memory.py), the simulator
+stages: a memory profile of the model is measured (megatron/measure/memory.py), the simulator
 predicts each plan's peak per stage with it, and real runs measure the peak of what each stage
 keeps for backward (saved tensors, K/V gradient buffers, deferred pieces). Every stage of every
 case must be within 10%. Then a budget that the best unconstrained plan exceeds: the plan the

@@ -102,11 +102,11 @@ def install_hooks() -> None:
     0.16 and 0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it again is harmless.
     """
     from .hooks import compat
-    from .hooks import install as integration
+    from .hooks import install
 
     # Patch megatron.core first: megatron.training.training binds get_forward_backward_func
     # when it is imported (possibly by the imports just below), and then gets the patched one.
-    integration.install()
+    install.install()
     try:
         hooks = compat.megatron_lm_argument_hooks()
     except ImportError as exc:
@@ -117,7 +117,7 @@ def install_hooks() -> None:
     wraps = {"parse": _wrap_parse_args, "validate": _wrap_validate}
     for module, name, kind in hooks:
         setattr(module, name, wraps[kind](getattr(module, name)))
-    integration.install()  # names imported by megatron.training.* before this point
+    install.install()  # names imported by megatron.training.* before this point
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

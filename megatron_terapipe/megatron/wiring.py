@@ -32,7 +32,7 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     per cell with the cell's shape in the global args, and install(). Otherwise Megatron's own
     schedule stays in charge (install() is still harmless). Returns the provider, or None.
     """
-    from .hooks import install as integration
+    from .hooks import install, lm_cells, selection
 
     validate_terapipe_args(args)
     if auto_selected(args):  # writes the chosen schedule into args, and logs why
@@ -40,17 +40,17 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
 
         resolve_auto_schedule(args, log=lambda line: _log_rank0(args, line))
     if not terapipe_selected(args):
-        integration.deselect()
-        integration.set_schedule_wrapper(None)
-        integration.use_slice_attention_in_gpt_models(False)
-        integration.install()
+        selection.deselect()
+        selection.set_schedule_wrapper(None)
+        install.use_slice_attention_in_gpt_models(False)
+        install.install()
         return None
     provider = ArgsPlanProvider(args, measure=measure)
-    integration.select(provider)
-    integration.use_slice_attention_in_gpt_models(True)
-    integration.set_schedule_wrapper(
-        integration.MegatronLMCells(trace=getattr(args, "terapipe_trace", None)))
-    integration.install()
+    selection.select(provider)
+    install.use_slice_attention_in_gpt_models(True)
+    selection.set_schedule_wrapper(
+        lm_cells.MegatronLMCells(trace=getattr(args, "terapipe_trace", None)))
+    install.install()
     if getattr(args, "terapipe_slices", None):
         how = f"--terapipe-slices {' '.join(map(str, args.terapipe_slices))}"
     elif getattr(args, "terapipe_num_slices", None) is not None:

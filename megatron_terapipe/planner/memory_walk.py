@@ -1,5 +1,5 @@
 """Live bytes on one stage over an iteration: its actions walked in order with a StageMemory
-(memory.py says what each action allocates and frees, as the runtime does).
+(cost/stage_memory.py says what each action allocates and frees, as the runtime does).
 
 TeraPipe cells:
 - F: the cell's activations; the forward of a sequence's first token slice also allocates the

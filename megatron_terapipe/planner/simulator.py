@@ -51,11 +51,6 @@ class SimulationResult:
         return len(self.busy)
 
     @property
-    def idle(self) -> tuple[float, ...]:
-        """Seconds each stage waits during the iteration."""
-        return tuple(self.iteration_time - b for b in self.busy)
-
-    @property
     def bubble_fraction(self) -> float:
         """Share of all stages' time spent waiting: 1 - busy / (stages x iteration time)."""
         if self.iteration_time <= 0:

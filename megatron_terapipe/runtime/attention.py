@@ -167,7 +167,7 @@ def _lower_right_mask(queries: int, keys: int, like: torch.Tensor) -> torch.Tens
 
 def rope_offset_pre_hook(module, args, kwargs):
     """Forward pre-hook for a rotary embedding module whose forward takes `offset` (Megatron's
-    RotaryEmbedding: megatron/rope.py hooks it): a slice's positions start at its first token."""
+    RotaryEmbedding: megatron/hooks/rope.py hooks it): a slice's positions start at its first token."""
     active = active_cell()
     if active is not None and active.cell.token_start:
         kwargs = dict(kwargs)

@@ -1,7 +1,7 @@
 """Counting, besides autograd's saved tensors, the buffers the runtime keeps itself: the K/V
 gradient buffers of the slice attention (kv_cache.py) and the pieces deferred weight gradients
 wait with (wgrad.py). Together they are what a stage holds for backward, as the planner's
-memory model (planner/memory.py) predicts it.
+memory model (planner/cost/stage_memory.py) predicts it.
 
     with RuntimeMemoryMeter(exclude=params) as meter, meter.counting_runtime_buffers():
         ... run the stage ...

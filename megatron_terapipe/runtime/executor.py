@@ -4,7 +4,7 @@ The executor is one loop over the lowered actions. Compute actions run a cell's 
 backward or deferred weight gradients; communication actions move what a compute action left
 in the outbox to the neighbour, or put what arrived into the inbox for the compute that uses
 it. Everything Megatron-specific (process groups, the model config, Megatron's per-microbatch
-hooks, gradient finalisation) is the caller's: megatron/forward_backward.py.
+hooks, gradient finalisation) is the caller's: megatron/hooks/forward_backward.py.
 """
 
 from __future__ import annotations

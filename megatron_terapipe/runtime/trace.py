@@ -30,7 +30,7 @@ class CellEvent:
 @dataclass
 class RunRecord:
     """One schedule call on one stage. The schedule hands it to `on_run` callbacks (see
-    megatron/forward_backward.py) instead of keeping it anywhere."""
+    megatron/hooks/forward_backward.py) instead of keeping it anywhere."""
 
     schedule: Schedule
     stage: int

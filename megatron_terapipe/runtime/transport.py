@@ -11,7 +11,7 @@ stage never waits on its own sends, so any schedule that passes `schedule.valida
 without deadlock. On gloo, receives are posted early (POST actions): gloo moves a message only
 once its receive is posted (1.2-2 ms for 512 KiB over loopback, measured), which a stage
 waiting on a blocking receive would otherwise spend idle at every cell. Megatron's own
-communicator (CUDA) lives in megatron/p2p.py.
+communicator (CUDA) lives in megatron/hooks/p2p.py.
 """
 
 from __future__ import annotations

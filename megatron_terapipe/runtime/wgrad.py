@@ -24,7 +24,7 @@ Megatron's own gradient-accumulation fusion does.
 
 Outside a TeraPipe cell, and for frozen parameters, parameters that are not leaves, Megatron-FSDP
 parameters and the output layer's own `defer_embedding_wgrad_compute` buffer, the layers run
-their original code unchanged (megatron/linear_deferral.py makes that choice and patches them).
+their original code unchanged (megatron/hooks/param_deferral.py makes that choice and patches them).
 """
 
 from __future__ import annotations
@@ -205,12 +205,6 @@ def summed(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # a plain rule: torch.promote_types would be one more dispatched op per call
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece]) -> Optional[torch.Tensor]:
-    """The linear weight's gradient over all pieces, or None when it went into main_grad."""
-    grad = _linear_weight_grad(weight, pieces, [_rows(p.grad_output) for p in pieces])
-    return None if grad is IN_MAIN_GRAD else grad
 
 
 def _linear_weight_grad(weight: torch.Tensor, pieces: list[WeightGradPiece],

@@ -1,7 +1,7 @@
 """Measured memory per stage, for comparing with the planner's prediction: each run's peak of
 what the stage keeps for backward (autograd's saved tensors, K/V gradient buffers, deferred
 weight-gradient pieces: runtime/buffer_meter.py), and a memory profile of the same model
-measured as the planner's FittedMemory is (megatron/measure_memory.py)."""
+measured as the planner's FittedMemory is (megatron/measure/memory.py)."""
 
 from __future__ import annotations
 

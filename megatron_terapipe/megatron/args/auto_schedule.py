@@ -1,5 +1,5 @@
 """--pipeline-schedule auto: at start-up, before the model is built, every rank times the
-candidate schedules for the run the flags describe (planner/schedules.py: Megatron's 1F1B,
+candidate schedules for the run the flags describe (planner/schedule_choice.py: Megatron's 1F1B,
 its interleaved 1F1B for each chunk count dividing a stage's layers, TeraPipe's best plan per
 order), keeps those that fit --terapipe-memory-budget and runs the fastest, except that
 TeraPipe must be predicted at least 3% faster than Megatron's best. The choice is written into

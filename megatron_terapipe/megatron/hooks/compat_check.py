@@ -1,4 +1,4 @@
-"""Every check of megatron/compat.py on the installed megatron-core, as a report:
+"""Every check of megatron/hooks/compat.py on the installed megatron-core, as a report:
 
     python -m megatron_terapipe.megatron.hooks.compat_check
 

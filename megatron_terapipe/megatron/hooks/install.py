@@ -1,6 +1,6 @@
 """Glue to Megatron: route get_forward_backward_func to TeraPipe while a plan is selected, and
 give GPT models built by an unmodified script slice-aware attention. What is selected lives in
-selection.py (re-exported here); Megatron-LM's per-cell wrapper in lm_cells.py."""
+selection.py; Megatron-LM's per-cell wrapper in lm_cells.py."""
 
 from __future__ import annotations
 
@@ -8,18 +8,7 @@ import functools
 from typing import Callable, Optional
 
 from . import compat
-from .selection import (  # noqa: F401  (the public names of the glue, in one place)
-    STATE,
-    VIRTUAL_STAGES_UNSUPPORTED,
-    check_config,
-    configure,
-    default_plan_source,
-    deselect,
-    select,
-    selected,
-    set_schedule_wrapper,
-)
-from .lm_cells import CellBatches, MegatronLMCells, is_causal_cut, megatron_lm_args, megatron_lm_cell_args  # noqa: F401
+from .selection import STATE, VIRTUAL_STAGES_UNSUPPORTED
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SLICE_ATTENTION_IN_GPT_MODELS = False
@@ -62,12 +51,6 @@ def install() -> None:
     # Includes modules that did `from ... import get_forward_backward_func` before install().
     for module in modules:
         module.get_forward_backward_func = _terapipe_or_megatron
-
-
-def original_get_forward_backward_func() -> Callable:
-    from megatron.core.pipeline_parallel import schedules
-
-    return _ORIGINAL_GET_FORWARD_BACKWARD or schedules.get_forward_backward_func
 
 
 # ---------------------------------------------------------------------------------------------

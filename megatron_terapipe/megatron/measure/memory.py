@@ -6,7 +6,7 @@ the output layer and loss. Each runs real token slices, as the executor runs the
 meter the tests use (runtime/buffer_meter.py: autograd's saved tensors, K/V gradient buffers
 and deferred weight-gradient pieces), and the bytes each slice adds are recorded; whole
 microbatches without cells (what Megatron's own schedules keep) and what a deferred backward
-leaves for the W action too. planner/memory_fit.py fits them.
+leaves for the W action too. planner/profile/memory_fit.py fits them.
 
     python -m megatron_terapipe.megatron.measure memory --hidden-size 512 \\
         --num-attention-heads 8 --seq-length 2048 --vocab-size 1024 --dtype float32 \\

@@ -12,7 +12,7 @@ prices each cell on the slowest kind of stage (layers plus the heavier edge).
 
 Implementations:
 - AnalyticCostModel (analytic.py): FLOP and byte counts of a GPT layer on a named GPU type.
-- ProfiledCostModel (profiled.py): fits measurements of a real Megatron layer.
+- ProfiledCostModel (planner/profile/profiled_cost.py): fits measurements of a real Megatron layer.
 - FunctionCostModel (here): wraps your own functions (tests, quick what-ifs).
 Both layer-stack models share LayerStackCostModel (layer_stack.py).
 """

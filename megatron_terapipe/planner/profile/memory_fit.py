@@ -1,11 +1,11 @@
 """FittedMemory: a StageMemory fitted to bytes measured on the device
-(megatron/measure_memory.py counts what autograd saves, with the same meter as the tests).
+(megatron/measure/memory.py counts what autograd saves, with the same meter as the tests).
 
 The measurement runs cells through stage models of one and two layers, with and without the
 embedding or the output layer and loss, so that each part separates: per layer, shared by the
 cell's layers (the causal mask of a slice with context, RoPE's angles), the embedding, the
 output layer and loss. Each part is linear in a few products of the cell's rows r, tokens t
-and context c (`CELL_FEATURES`); with the counts exact, least squares recovers the bytes
+and context c (`cell_features`, `hold_features`, `whole_features`); with the counts exact, least squares recovers the bytes
 exactly, and `max_fit_error` says how close it came. K/V buffers are 2 x kv width x dtype
 bytes per row, token and layer, measured too.
 """

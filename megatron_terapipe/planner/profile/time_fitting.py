@@ -1,5 +1,5 @@
 """Fitting layer profiles: least squares from measurements to SliceTimeFit, LayerTimeFit and
-EdgeTimeFit (fits.py). Weighted to minimise relative error, because short slices take a few
+EdgeTimeFit (planner/profile/time_fit.py). Weighted to minimise relative error, because short slices take a few
 hundred microseconds and long ones seconds."""
 
 from __future__ import annotations
