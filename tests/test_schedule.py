@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_terapipe import ScheduleError, TeraPipePlan, build_schedule, timeline, validate
-from megatron_terapipe.schedule import Action, Schedule
+from megatron_terapipe.schedule import Action, Cell, Schedule
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -176,3 +176,17 @@ def test_shared_timeline_limits(plan, microbatches, stages, costs):
     assert max(s.end for s in shared_timeline(schedule, cost, cores=stages)) == pytest.approx(alone)
     work = sum(cost(k, a) for k, acts in enumerate(schedule.stages) for a in acts)
     assert max(s.end for s in shared_timeline(schedule, cost, cores=1.0)) == pytest.approx(work)
+
+
+def test_action_kinds_are_an_enum_that_reads_as_its_names():
+    from megatron_terapipe.schedule import ActionKind
+    from megatron_terapipe.schedule.actions import send_recv
+
+    cell = Cell(0, 0, 0, 0, 1, 0, 8, 1)
+    action = Action("F", cell)
+    assert action.kind is ActionKind.F and action.kind == "F" and action.is_compute
+    fused = send_recv("B", cell, cell)
+    assert fused.kind is ActionKind.SEND_B_RECV_F and fused.operation == "SEND_RECV"
+    assert str(fused) == "SEND_B_RECV_F(m0b0t0, m0b0t0)" and f"{action.kind:>3}" == "  F"
+    with pytest.raises(ValueError, match="unknown action kind 'FWD': one of F, B, W, SEND_F"):
+        Action("FWD", cell)

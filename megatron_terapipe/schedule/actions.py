@@ -9,17 +9,44 @@ the next stage) and gradients (direction "B", to the previous stage) between the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from enum import Enum
+from typing import Optional, Union
 
 from ..plan import TeraPipePlan
 
-COMPUTE_KINDS = ("F", "B", "W")
+
+class ActionKind(str, Enum):
+    """What an action does. A str enum: a kind equals, hashes and prints as its name ("F",
+    "SEND_F", ...), so traces, grids and JSON read as before, while a misspelt kind is an error
+    where the action is made."""
+
+    F = "F"  # forward of a cell
+    B = "B"  # backward of a cell
+    W = "W"  # the deferred weight gradients of a sequence
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    POST_F = "POST_F"  # post the receive early, before the compute it overlaps
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    POST_B = "POST_B"
+    SEND_F_RECV_B = "SEND_F_RECV_B"  # fused: send an activation, receive a gradient
+    SEND_B_RECV_F = "SEND_B_RECV_F"  # fused: send a gradient, receive an activation
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.W)
 # Communication kinds -> (operation, direction of the message). A fused SEND_x_RECV_y sends in
 # direction x and receives the opposite message from the same neighbour in one call.
 COMM_KINDS = {
-    "SEND_F": ("SEND", "F"), "RECV_F": ("RECV", "F"), "POST_F": ("POST", "F"),
-    "SEND_B": ("SEND", "B"), "RECV_B": ("RECV", "B"), "POST_B": ("POST", "B"),
-    "SEND_F_RECV_B": ("SEND_RECV", "F"), "SEND_B_RECV_F": ("SEND_RECV", "B"),
+    ActionKind.SEND_F: ("SEND", "F"), ActionKind.RECV_F: ("RECV", "F"),
+    ActionKind.POST_F: ("POST", "F"), ActionKind.SEND_B: ("SEND", "B"),
+    ActionKind.RECV_B: ("RECV", "B"), ActionKind.POST_B: ("POST", "B"),
+    ActionKind.SEND_F_RECV_B: ("SEND_RECV", "F"), ActionKind.SEND_B_RECV_F: ("SEND_RECV", "B"),
 }
 
 
@@ -77,9 +104,13 @@ class Action:
     recv_cell: for the fused kinds, the cell whose message the call receives (`cell` is the
     one it sends)."""
 
-    kind: str
+    kind: ActionKind  # a kind's name ("F", "SEND_B", ...) is taken too
     cell: Cell
     recv_cell: Optional[Cell] = None
+
+    def __post_init__(self) -> None:
+        if type(self.kind) is not ActionKind:  # a name: checked here, once
+            object.__setattr__(self, "kind", _kind(self.kind))
 
     @property
     def is_compute(self) -> bool:
@@ -101,21 +132,29 @@ class Action:
         return f"{self.kind}({cells})"
 
 
+def _kind(name: Union[str, ActionKind]) -> ActionKind:
+    try:
+        return ActionKind(name)
+    except ValueError:
+        raise ValueError(f"unknown action kind {name!r}: one of "
+                         f"{', '.join(k.value for k in ActionKind)}") from None
+
+
 def send(direction: str, cell: Cell) -> Action:
-    return Action("SEND_" + direction, cell)
+    return Action(ActionKind("SEND_" + direction), cell)
 
 
 def recv(direction: str, cell: Cell) -> Action:
-    return Action("RECV_" + direction, cell)
+    return Action(ActionKind("RECV_" + direction), cell)
 
 
 def post(direction: str, cell: Cell) -> Action:
     """Post the receive of `cell`'s message before the compute that overlaps its transfer."""
-    return Action("POST_" + direction, cell)
+    return Action(ActionKind("POST_" + direction), cell)
 
 
 def send_recv(direction: str, cell: Cell, recv_cell: Cell) -> Action:
-    return Action(f"SEND_{direction}_RECV_{opposite(direction)}", cell, recv_cell)
+    return Action(ActionKind(f"SEND_{direction}_RECV_{opposite(direction)}"), cell, recv_cell)
 
 
 @dataclass(frozen=True)

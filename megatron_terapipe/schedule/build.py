@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..plan import TeraPipePlan
-from .actions import Action, Cell, Schedule, microbatch_cells
+from .actions import Action, ActionKind, Cell, Schedule, microbatch_cells
 
 
 def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
@@ -19,13 +19,13 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     """
     _check_sizes(plan, num_microbatches, num_stages, micro_batch_size)
     per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
-    forwards = [Action("F", c) for cells in per_mb for c in cells]
+    forwards = [Action(ActionKind.F, c) for cells in per_mb for c in cells]
     stages = []
     for k in range(num_stages):
         if forward_only:
             stages.append(tuple(forwards))
         elif plan.order == "gpipe":
-            backwards = [Action("B", a.cell) for a in reversed(forwards)]
+            backwards = [Action(ActionKind.B, a.cell) for a in reversed(forwards)]
             stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k)))
         else:
             warmup = min(len(forwards), len(per_mb[0]) - 1 + (num_stages - k - 1))
@@ -52,7 +52,7 @@ def _check_sizes(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
 def _one_forward_one_backward(forwards: list[Action], per_mb: list[list[Cell]],
                               warmup: int) -> list[Action]:
     """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
-    backwards = [Action("B", c) for cells in per_mb for c in reversed(cells)]
+    backwards = [Action(ActionKind.B, c) for cells in per_mb for c in reversed(cells)]
     order = list(forwards[:warmup])
     steady = len(forwards) - warmup
     for f, b in zip(forwards[warmup:], backwards[:steady]):
@@ -71,5 +71,5 @@ def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int) ->
     for a in actions:
         out.append(a)
         if a.kind == "B" and (a.cell.is_first_token_slice or a.cell.token_slice in early):
-            out.append(Action("W", a.cell))
+            out.append(Action(ActionKind.W, a.cell))
     return out
