@@ -116,7 +116,7 @@ def test_a_multi_module_collection_is_refused_when_terapipe_is_selected():
     from megatron.core import process_groups_config
 
     from megatron_terapipe import TeraPipePlan
-    from megatron_terapipe.megatron.hooks import install
+    from megatron_terapipe.megatron.hooks import install, selection
 
     multi = getattr(process_groups_config, "MultiModuleProcessGroupCollection", None)
     if multi is None:
@@ -125,12 +125,12 @@ def test_a_multi_module_collection_is_refused_when_terapipe_is_selected():
     assert compat.is_multi_module_collection(collection)
     assert not compat.is_multi_module_collection(None)
     install.install()
-    install.select(TeraPipePlan(seq_slices=(4, 4)))
+    selection.select(TeraPipePlan(seq_slices=(4, 4)))
     try:
         with pytest.raises(ValueError, match="multi-module"):
             install._terapipe_or_megatron(schedule_pg_collection=collection)
     finally:
-        install.deselect()
+        selection.deselect()
 
 
 def test_set_current_microbatch_comes_from_the_lines_home():

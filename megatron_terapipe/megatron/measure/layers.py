@@ -23,15 +23,13 @@ import torch
 
 from ...planner.cost.dims import ModelDims
 from ...planner.profile.time_fit import LayerTimeFit
-from ...planner.profile.time_fitting import fit_layer_times
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
 from ...runtime.context import running_cell
 from ...runtime.kv_cache import KVCache
 from ...runtime.wgrad import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral
-from .device_setup import (POSITION_EMBEDDING_TYPES, MeasureDevice, check_position_type,
-                             check_repeats, timed_rounds)
+from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 from .edges import edge_points_for, measure_edge_times
 from ..hooks.spec import get_gpt_layer_spec
 

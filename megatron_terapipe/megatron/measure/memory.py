@@ -18,12 +18,12 @@ from __future__ import annotations
 import contextlib
 import gc
 from dataclasses import replace
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 from ...planner.cost.dims import ModelDims
-from ...planner.profile.memory_fit import FittedMemory, MemoryMeasurements
+from ...planner.profile.memory_fit import MemoryMeasurements
 from ...schedule import Cell
-from .device_setup import POSITION_EMBEDDING_TYPES, MeasureDevice, check_position_type
+from .device_setup import MeasureDevice, check_position_type
 
 #: stage kind -> (layers, first stage, last stage)
 STAGE_KINDS = {"layers1": (1, False, False), "layers2": (2, False, False),
