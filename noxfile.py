@@ -2,6 +2,8 @@
 
     pip install nox
     nox -s tests-0.16                # megatron-core 0.16.x, Python 3.11, the CPU build of torch
+                                     # (every test: the default run and the `slow` ones)
+    nox -s slow-0.16                 # only the `slow` tests (what .ci/run adds to the default)
     nox -s tests-0.19                # megatron-core 0.19.x, Python 3.12 (torch's CUDA build)
     nox -s equivalence-0.19          # 0.19: the equivalence, launcher and compatibility tests
                                      # (what .ci/run runs after the README's 0.16 command)
@@ -63,26 +65,38 @@ def install(session: nox.Session, line: str) -> None:
     session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.hooks.compat_check")
 
 
-def run_tests(session: nox.Session, line: str, tests: tuple[str, ...] = ()) -> None:
+#: pytest's default run leaves out `slow` (pyproject.toml); an empty -m selects every test.
+EVERY_TEST = ("-m", "")
+ONLY_SLOW = ("-m", "slow")
+
+
+def run_tests(session: nox.Session, line: str, pytest_args: tuple[str, ...] = ()) -> None:
     env = {}
     checkout = os.environ.get("MEGATRON_LM_" + line.replace(".", "_"))
     if checkout:
         env["MEGATRON_LM_PATH"] = checkout
-    session.run("python", "-m", "pytest", "-q", *tests, *session.posargs, env=env)
+    session.run("python", "-m", "pytest", "-q", *pytest_args, *session.posargs, env=env)
 
 
 @nox.session(name="tests-0.16", python=interpreter(LINES["0.16"][0]))
 def tests_016(session: nox.Session) -> None:
     """The whole suite on megatron-core 0.16.x (Python 3.11, CPU torch)."""
     install(session, "0.16")
-    run_tests(session, "0.16")
+    run_tests(session, "0.16", EVERY_TEST)
+
+
+@nox.session(name="slow-0.16", python=interpreter(LINES["0.16"][0]))
+def slow_016(session: nox.Session) -> None:
+    """Only the `slow` tests on megatron-core 0.16.x."""
+    install(session, "0.16")
+    run_tests(session, "0.16", ONLY_SLOW)
 
 
 @nox.session(name="tests-0.19", python=interpreter(LINES["0.19"][0]))
 def tests_019(session: nox.Session) -> None:
     """The whole suite on megatron-core 0.19.x (Python 3.12)."""
     install(session, "0.19")
-    run_tests(session, "0.19")
+    run_tests(session, "0.19", EVERY_TEST)
 
 
 @nox.session(name="equivalence-0.19", python=interpreter(LINES["0.19"][0]))
