@@ -7,13 +7,14 @@ either way gets the same plan (tests/test_planner_inputs.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
-from .cost.stage_memory import MemoryBudget, ModelStateConfig, StageMemory, model_state_bytes
+from .cost.stage_memory import (MemoryBudget, MemoryBudgetError, ModelStateConfig, StageMemory,
+                                model_state_bytes)
 from .memory_search import search_within_budget
 from .schedule_choice import ScheduleTable, compare_schedules
 from .search import SearchResult, SearchSpace, pipeline_link
@@ -28,20 +29,33 @@ class PlannerInputs:
     space: SearchSpace  # the run's shape, the choices open to the search, the stage memory
     budget: MemoryBudget  # per GPU (None: no limit), with the model state per stage
     notes: list[str] = field(default_factory=list)  # guesses made on the way, for the log
+    _searches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
 
     @property
     def layers_per_stage(self) -> int:
         return self.model.num_layers // self.space.num_stages
 
-    def search(self) -> SearchResult:
-        """The plan search, within the budget when there is one (raises MemoryBudgetError)."""
-        return search_within_budget(self.cost_model, self.space, self.budget)
+    def search(self, order: Optional[str] = None) -> SearchResult:
+        """The plan search in `order` (default: the space's), within the budget when there is
+        one (raises MemoryBudgetError). Made once per order: the schedule table asks again."""
+        order = order or self.space.order
+        if order not in self._searches:
+            try:
+                self._searches[order] = search_within_budget(
+                    self.cost_model, replace(self.space, order=order), self.budget)
+            except MemoryBudgetError as error:
+                self._searches[order] = error
+        found = self._searches[order]
+        if isinstance(found, MemoryBudgetError):
+            raise found
+        return found
 
     def schedule_table(self, interleaved: bool = True) -> ScheduleTable:
         """Megatron's schedules and TeraPipe's, timed and held against the budget;
         interleaved: whether Megatron's interleaved 1F1B is open to the run."""
         return compare_schedules(self.cost_model, self.space, self.budget,
-                                 self.layers_per_stage if interleaved else 1)
+                                 self.layers_per_stage if interleaved else 1, search=self.search)
 
 
 def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,

@@ -23,7 +23,7 @@ from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from .refine import fewer_cells
 from .refine import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
-from .simulator import ListEstimate, estimate_lists
+from .list_estimate import ListCaches, ListEstimate, estimate_lists
 
 MAX_CANDIDATES = 120  # simulations of step 2
 
@@ -77,10 +77,11 @@ def leaner_candidates(cost_model: CostModel, space: SearchSpace) -> list[Candida
             for name, plan in leaner_plans(space)]
 
 
-def _estimate(cost_model: CostModel, space: SearchSpace, plan: TeraPipePlan) -> ListEstimate:
+def _estimate(cost_model: CostModel, space: SearchSpace, plan: TeraPipePlan,
+              caches: ListCaches) -> ListEstimate:
     schedule = build_schedule(plan, space.num_microbatches, space.num_stages,
                               space.micro_batch_size)
-    return estimate_lists(schedule, cost_model, space.memory)
+    return estimate_lists(schedule, cost_model, space.memory, caches)
 
 
 def fastest_leaner(cost_model: CostModel, space: SearchSpace,
@@ -91,7 +92,8 @@ def fastest_leaner(cost_model: CostModel, space: SearchSpace,
     order of that bound until the bound passes the fastest found. The same choice as timing
     every plan (`leaner_candidates`), ties going to the earlier plan as there."""
     plans = leaner_plans(space)
-    estimates = [_estimate(cost_model, space, plan) for _, plan in plans]
+    caches = ListCaches()
+    estimates = [_estimate(cost_model, space, plan, caches) for _, plan in plans]
 
     def timed(i: int) -> Candidate:
         return Candidate(plans[i][0], plans[i][1], space.simulate(plans[i][1], cost_model))

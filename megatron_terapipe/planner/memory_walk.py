@@ -40,10 +40,13 @@ class StagePeaks:
     total: float  # peak of the two together
 
 
-class _Walk:
+class MemoryWalk:
     """One stage's running totals and the StageMemory's answers for its cells."""
 
-    def __init__(self, memory: StageMemory, schedule: Schedule, stage: int, megatron: bool):
+    def __init__(self, memory: StageMemory, schedule: Schedule, stage: int, megatron: bool,
+                 cache: Optional[dict] = None):
+        """`cache`: answers of `memory` to share with other walks (every stage, other plans);
+        its keys hold everything an answer depends on."""
         self.memory, self.schedule, self.stage = memory, schedule, stage
         self.megatron = megatron
         self.seq_lengths = [sum(ts) for ts in schedule.plan.token_slices]
@@ -51,7 +54,8 @@ class _Walk:
         self.peak_a = self.peak_kv = self.peak_t = 0.0
         self.points: list[MemoryPoint] = []
         self.held: dict[tuple[int, int], float] = {}  # sequence -> bytes waiting for its W
-        self._cache: dict[tuple, float] = {}
+        self._cache: dict[tuple, float] = {} if cache is None else cache
+        self._stage_where = (stage == 0, stage == schedule.num_stages - 1, None)  # TeraPipe cells
 
     def record(self, time: float) -> None:
         self.peak_a = max(self.peak_a, self.act)
@@ -68,13 +72,15 @@ class _Walk:
                     self.stage == K - 1 and cell.chunk == cell.num_chunks - 1, layers)
         return self.stage == 0, self.stage == K - 1, None
 
-    def _bytes(self, what: str, cell: Cell) -> float:
-        key = (what, cell.rows, cell.tokens, cell.context, cell.batch_slice, type(cell),
-               getattr(cell, "chunk", 0))
+    def cell_value(self, what: str, cell: Cell) -> float:
+        """`what` (cell, kv, kv_grad, hold, whole, rise) of `cell` on this stage, cached."""
+        first, last, layers = (self._stage_where if type(cell) is Cell else self._where(cell))
+        seq = self.seq_lengths[cell.batch_slice]
+        key = (what, cell.rows, cell.tokens, cell.context, seq, first, last, layers,
+               self.schedule.defer_wgrad)
         value = self._cache.get(key)
         if value is None:
-            first, last, layers = self._where(cell)
-            m, seq = self.memory, self.seq_lengths[cell.batch_slice]
+            m = self.memory
             value = {
                 "cell": lambda: m.cell_bytes(cell.rows, cell.tokens, cell.context, first, last, layers),
                 "kv": lambda: m.kv_buffer_bytes(cell.rows, seq, layers),
@@ -92,7 +98,7 @@ class _Walk:
 
     def whole(self, ta: TimedAction) -> None:
         """Megatron's schedules: a microbatch's activations from its forward to its backward."""
-        size = self._bytes("whole", ta.action.cell)
+        size = self.cell_value("whole", ta.action.cell)
         if ta.action.kind == "F":
             self.act += size
             self.record(ta.start)
@@ -110,38 +116,38 @@ class _Walk:
             self.act -= self.held.pop(seq, 0.0)
             self.record(ta.end)
         elif a.kind == "F":
-            self.act += self._bytes("cell", c)
+            self.act += self.cell_value("cell", c)
             if c.is_first_token_slice:
-                self.kv += self._bytes("kv", c)
+                self.kv += self.cell_value("kv", c)
             self.record(ta.start)
             if self.schedule.forward_only:
-                self.act -= self._bytes("cell", c)
+                self.act -= self.cell_value("cell", c)
                 if c.is_last_token_slice:
-                    self.kv -= self._bytes("kv", c)
+                    self.kv -= self.cell_value("kv", c)
                 self.record(ta.end)
         else:
             if c.is_last_token_slice:
                 # The K/V gradient buffers appear layer by layer as this backward frees the
                 # cell's activations from the top: the point where the two together peak.
-                grads, rise = self._bytes("kv_grad", c), self._bytes("rise", c)
+                grads, rise = self.cell_value("kv_grad", c), self.cell_value("rise", c)
                 self.kv += grads
                 self.act -= grads - rise
                 self.record(ta.start)
                 self.act += grads - rise
-            self.act -= self._bytes("cell", c)
+            self.act -= self.cell_value("cell", c)
             if self.schedule.defer_wgrad:
-                hold = self._bytes("hold", c)
+                hold = self.cell_value("hold", c)
                 self.act += hold
                 self.held[seq] = self.held.get(seq, 0.0) + hold
             if c.is_first_token_slice:
-                self.kv -= self._bytes("kv", c) + self._bytes("kv_grad", c)
+                self.kv -= self.cell_value("kv", c) + self.cell_value("kv_grad", c)
             self.record(ta.end)
 
 
 def walk_stage(timed: list[TimedAction], stage: int, schedule: Schedule, memory: StageMemory,
                megatron: bool = False) -> StagePeaks:
     """Walk one stage's timed actions (in its own order) and return its memory over time."""
-    walk = _Walk(memory, schedule, stage, megatron)
+    walk = MemoryWalk(memory, schedule, stage, megatron)
     for ta in timed:
         if megatron or isinstance(ta.action.cell, ChunkCell):
             walk.whole(ta)

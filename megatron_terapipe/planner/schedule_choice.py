@@ -10,14 +10,14 @@ or Megatron's schedule runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from ..plan import ORDERS, TeraPipePlan
 from ..schedule import build_interleaved_schedule, build_schedule
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError
 from .memory_search import search_within_budget
-from .search import SearchSpace
+from .search import SearchResult, SearchSpace
 from .simulator import SimulationResult, simulate
 
 #: TeraPipe must be predicted at least this much faster than Megatron's best schedule.
@@ -128,12 +128,15 @@ def _option(name, family, order, chunks, result, budget, plan, note) -> Schedule
                           note if fits else (note + "; " if note else "") + "does not fit")
 
 
-def _terapipe_option(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                     order: str) -> ScheduleOption:
+#: A search for one order within the budget (raises MemoryBudgetError as search_within_budget).
+OrderSearch = Callable[[str], SearchResult]
+
+
+def _terapipe_option(order: str, search: OrderSearch, budget: MemoryBudget) -> ScheduleOption:
     name = f"TeraPipe {order}"
     lean = ""
     try:
-        chosen = search_within_budget(cost_model, replace(space, order=order), budget).chosen
+        chosen = search(order).chosen
     except MemoryBudgetError as exc:  # the leanest plan found, marked as not fitting
         chosen, lean = exc.leanest, "leanest: "  # type: ignore[attr-defined]
     plan = chosen.plan
@@ -145,12 +148,17 @@ def _terapipe_option(cost_model: CostModel, space: SearchSpace, budget: MemoryBu
 
 
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                      layers_per_stage: int, orders: Sequence[str] = ORDERS) -> ScheduleTable:
+                      layers_per_stage: int, orders: Sequence[str] = ORDERS,
+                      search: Optional[OrderSearch] = None) -> ScheduleTable:
     """Every candidate schedule for the run `space` describes, timed and held against
     `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
-    those that cannot run."""
+    those that cannot run. `search`: TeraPipe's plan search per order (default:
+    search_within_budget; PlannerInputs passes the searches it already made)."""
+    if search is None:
+        def search(order: str) -> SearchResult:
+            return search_within_budget(cost_model, replace(space, order=order), budget)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    options += [_terapipe_option(cost_model, space, budget, order) for order in orders]
+    options += [_terapipe_option(order, search, budget) for order in orders]
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
                                             round((o.time or 0.0) * 1e6),

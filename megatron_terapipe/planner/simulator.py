@@ -66,26 +66,33 @@ class SimulationResult:
                 f"{100 * self.bubble_fraction:.1f}%, peak memory per stage (GiB) {peaks}{more}")
 
 
-class _CellCosts:
+class CellCosts:
     """Cost-model calls cached per cell shape (schedules repeat the same shapes a lot)."""
 
-    def __init__(self, cost_model: CostModel, schedule: Schedule):
+    def __init__(self, cost_model: CostModel, schedule: Schedule, cache: Optional[dict] = None):
+        """`cache`: the cost model's answers to share with other schedules (its keys hold
+        everything an answer depends on)."""
         self.cost_model = cost_model
+        self.schedule = schedule
         self.num_stages = schedule.num_stages
         self.defer_wgrad = schedule.defer_wgrad
         self.token_slices = schedule.plan.token_slices
-        self._cache: dict[tuple, float] = {}
-        # (stage, W cell) -> token slices whose weight gradients it computes: as the executor's
-        # store, every slice of the sequence backwarded since the sequence's previous W.
-        self._w_slices: dict[tuple[int, Cell], tuple[int, ...]] = {}
-        if self.defer_wgrad:
-            for k, actions in enumerate(schedule.stages):
+        self._cache: dict[tuple, float] = {} if cache is None else cache
+        self._w_slices: Optional[dict[tuple[int, Cell], tuple[int, ...]]] = None
+
+    def w_slices(self) -> dict[tuple[int, Cell], tuple[int, ...]]:
+        """(stage, W cell) -> token slices whose weight gradients it computes: as the
+        executor's store, every slice of the sequence backwarded since its previous W."""
+        if self._w_slices is None:
+            self._w_slices = {}
+            for k, actions in enumerate(self.schedule.stages):
                 pending: dict[tuple[int, int], list[int]] = {}
                 for a in actions:
                     if a.kind == "B":
                         pending.setdefault(a.cell.sequence_key, []).append(a.cell.token_slice)
                     elif a.kind == "W":
                         self._w_slices[(k, a.cell)] = tuple(pending.pop(a.cell.sequence_key, ()))
+        return self._w_slices
 
     def _get(self, key: tuple, fn, *args) -> float:
         value = self._cache.get(key)
@@ -108,8 +115,8 @@ class _CellCosts:
             # computes them: one gradient per weight over all those tokens (context plays no
             # part).
             shapes = self._sequence(c)
-            tokens = sum(shapes[t][0] for t in self._w_slices.get((stage, c), ()))
-            return self._wgrad(c.rows, tokens, 0, first, last) if tokens else 0.0
+            tokens = sum(shapes[t][0] for t in self.w_slices().get((stage, c), ()))
+            return self.wgrad(c.rows, tokens, 0, first, last) if tokens else 0.0
         if action.kind == "F":
             layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
                                c.rows, c.tokens, c.context)
@@ -140,7 +147,7 @@ class _CellCosts:
                                 c.rows, c.tokens, first, last)
         return layers
 
-    def _wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
+    def wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
         return self._get(("WG", rows, tokens, context, first, last), self.cost_model.wgrad_time,
                          rows, tokens, context, first, last)
 
@@ -183,7 +190,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     model's `CostModelMemory`). `megatron`: the cells are whole microbatches through
     Megatron's own layers (its 1F1B schedule): memory per microbatch, not per TeraPipe cell.
     """
-    costs = _CellCosts(cost_model, schedule)
+    costs = CellCosts(cost_model, schedule)
     if timed is None and cores is not None and cores < schedule.num_stages:
         from ..schedule import shared_timeline
 
@@ -208,32 +215,3 @@ def simulate(schedule: Schedule, cost_model: CostModel,
                             peak_kv_bytes=tuple(p.kv for p in peaks),
                             peak_memory_bytes=tuple(p.total for p in peaks),
                             memory=tuple(p.points for p in peaks))
-
-
-@dataclass(frozen=True)
-class ListEstimate:
-    """What a schedule's per-stage lists tell without timing them: the busiest stage's compute
-    (a lower bound of the simulated iteration time, as a stage runs its actions one after
-    another) and each stage's peak of activations + K/V (the memory walk depends on a stage's
-    own order only, so it equals `simulate`'s)."""
-
-    busiest_compute: float
-    peak_memory_bytes: tuple[float, ...]
-
-
-def estimate_lists(schedule: Schedule, cost_model: CostModel,
-                   memory: Optional[StageMemory] = None) -> ListEstimate:
-    """`ListEstimate` of `schedule` (no lowering, no replay: a few times cheaper than
-    `simulate`); used to skip timing plans that cannot fit or cannot be faster."""
-    costs = _CellCosts(cost_model, schedule)
-    memory = memory if memory is not None else CostModelMemory(cost_model)
-    busy, peaks = [], []
-    for k, actions in enumerate(schedule.stages):
-        clock, timed = 0.0, []
-        for a in actions:
-            duration = costs.compute(k, a)
-            timed.append(TimedAction(k, a, clock, clock + duration))
-            clock += duration
-        busy.append(clock)
-        peaks.append(walk_stage(timed, k, schedule, memory).total)
-    return ListEstimate(max(busy, default=0.0), tuple(peaks))

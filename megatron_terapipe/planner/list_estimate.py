@@ -1,0 +1,196 @@
+"""What a schedule's per-stage lists tell without timing them, with numpy: each stage's peak of
+activations + K/V and its busiest stage's compute.
+
+The budget search (memory_search.py) asks this of every leaner plan, tens of thousands of
+actions each, so the memory walk (memory_walk.py) runs here as arrays: every action's changes
+to the live activation and K/V bytes become one slot each of two arrays, in the walk's own
+order, and a running sum (numpy's cumsum adds in order, as the walk does) gives the bytes after
+every change; the walk's recorded points are a subset of those slots, and the others repeat a
+recorded value, so the peaks are the walk's exactly. Byte and time values come from the
+walk's and the simulator's own per-shape answers (one call per cell shape and stage kind).
+Forward-only schedules and model chunks take the walk itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..schedule import Action, ChunkCell, Schedule, TimedAction
+from .cost.cost_model import CostModel
+from .cost.stage_memory import CostModelMemory, StageMemory
+from .memory_walk import MemoryWalk, walk_stage
+from .simulator import CellCosts
+
+_F, _B, _W = 0, 1, 2
+_CODES = {"F": _F, "B": _B, "W": _W}
+
+
+@dataclass(frozen=True)
+class ListEstimate:
+    """The busiest stage's compute (a lower bound of the simulated iteration time, as a stage
+    runs its actions one after another) and each stage's peak of activations + K/V (the memory
+    walk depends on a stage's own order only, so it equals `simulate`'s)."""
+
+    busiest_compute: float
+    peak_memory_bytes: tuple[float, ...]
+
+
+@dataclass
+class ListCaches:
+    """The cost model's and the memory model's answers, shared by the estimates of many plans
+    of one run (their keys hold everything an answer depends on)."""
+
+    costs: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)  # a cell shape on a stage kind -> its _VALUES
+
+
+@dataclass
+class _Shapes:
+    """The schedule's cells by shape: cells of different microbatches share their sizes."""
+
+    cells: list  # one representative cell per shape
+    of_cell: dict[int, int]  # id(cell) -> shape index
+    first: np.ndarray  # per shape: the sequence's first token slice
+    last: np.ndarray  # per shape: its last token slice
+    tokens: np.ndarray
+
+
+def _shapes(schedule: Schedule) -> _Shapes:
+    index: dict[tuple, int] = {}
+    cells, of_cell = [], {}
+    for actions in schedule.stages:
+        for a in actions:
+            if id(a.cell) in of_cell:
+                continue
+            c = a.cell
+            key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
+            if key not in index:
+                index[key] = len(cells)
+                cells.append(c)
+            of_cell[id(c)] = index[key]
+    return _Shapes(cells, of_cell, np.array([c.is_first_token_slice for c in cells], bool),
+                   np.array([c.is_last_token_slice for c in cells], bool),
+                   np.array([c.tokens for c in cells], np.int64))
+
+
+_VALUES = ("cell", "kv", "kv_grad", "hold", "rise", "F", "B")
+
+
+def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, shapes: _Shapes,
+               cache: dict) -> dict:
+    """Bytes and seconds of every shape on `stage` (the walk's and simulator's answers)."""
+    seq_lengths = [sum(t) for t in costs.token_slices]
+    kind = (stage == 0, stage == costs.num_stages - 1, costs.defer_wgrad)
+    rows = []
+    for c in shapes.cells:
+        key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], c.is_first_token_slice,
+               c.is_last_token_slice, kind)
+        row = cache.get(key)
+        if row is None:
+            row = cache[key] = tuple(walk.cell_value(what, c) for what in _VALUES[:5]) + tuple(
+                costs.compute(stage, Action(k, c)) for k in _VALUES[5:])
+        rows.append(row)
+    table = np.array(rows, dtype=float).reshape(len(rows), len(_VALUES))
+    return {what: table[:, i] for i, what in enumerate(_VALUES)}
+
+
+def _held(kinds: np.ndarray, seqs: list, hold: np.ndarray) -> np.ndarray:
+    """Per action: what its W frees, summed in order as the walk does (0 but at W actions)."""
+    out = np.zeros(len(kinds))
+    pending: dict = {}
+    for i in np.flatnonzero(kinds != _F):
+        if kinds[i] == _B:
+            pending[seqs[i]] = pending.get(seqs[i], 0.0) + hold[i]
+        else:
+            out[i] = pending.pop(seqs[i], 0.0)
+    return out
+
+
+def _w_times(costs: CellCosts, stage: int, kinds, seqs, cells, tokens) -> np.ndarray:
+    """Per action: a W's time over the tokens its sequence backwarded since its last W."""
+    out = np.zeros(len(kinds))
+    pending: dict = {}
+    for i in np.flatnonzero(kinds != _F):
+        if kinds[i] == _B:
+            pending[seqs[i]] = pending.get(seqs[i], 0) + int(tokens[i])
+        else:
+            n = pending.pop(seqs[i], 0)
+            first, last = stage == 0, stage == costs.num_stages - 1
+            out[i] = costs.wgrad(cells[i].rows, n, 0, first, last) if n else 0.0
+    return out
+
+
+def _stage(schedule: Schedule, stage: int, shapes: _Shapes, values: dict,
+           costs: CellCosts) -> tuple[float, float]:
+    """(compute, peak of activations + K/V) of one stage's list."""
+    actions = schedule.stages[stage]
+    kinds = np.array([_CODES[a.kind] for a in actions], np.int8)
+    shape = np.array([shapes.of_cell[id(a.cell)] for a in actions], np.int64)
+    is_f, is_b, is_w = kinds == _F, kinds == _B, kinds == _W
+    first, last = shapes.first[shape], shapes.last[shape]
+    v = {k: a[shape] for k, a in values.items()}
+    seqs = [a.cell.sequence_key for a in actions]
+    cells = [a.cell for a in actions]
+    times = np.where(is_f, v["F"], np.where(is_b, v["B"], 0.0))
+    if is_w.any():
+        times = times + _w_times(costs, stage, kinds, seqs, cells, shapes.tokens[shape])
+    compute = float(np.cumsum(times)[-1]) if len(times) else 0.0
+    n, drop = len(actions), v["kv_grad"] - v["rise"]
+    act = np.zeros((n, 4))  # the walk's changes to the activation bytes, in its order
+    kv = np.zeros((n, 2))  # and to the K/V bytes
+    act[:, 0] = np.where(is_f, v["cell"], np.where(is_b & last, -drop, 0.0))
+    if schedule.defer_wgrad and is_w.any():
+        act[:, 0] -= _held(kinds, seqs, np.where(is_b, v["hold"], 0.0))
+    act[:, 1] = np.where(is_b & last, drop, 0.0)
+    act[:, 2] = np.where(is_b, -v["cell"], 0.0)
+    if schedule.defer_wgrad:
+        act[:, 3] = np.where(is_b, v["hold"], 0.0)
+    kv[:, 0] = np.where(is_f & first, v["kv"], np.where(is_b & last, v["kv_grad"], 0.0))
+    kv[:, 1] = np.where(is_b & first, -(v["kv"] + v["kv_grad"]), 0.0)
+    act_after = np.cumsum(act.ravel()).reshape(n, 4)
+    kv_after = np.cumsum(kv.ravel()).reshape(n, 2)
+    # recorded: after a forward or a W, before a last slice's backward ends, after a backward
+    totals = np.concatenate([act_after[:, 0] + kv_after[:, 0], act_after[:, 3] + kv_after[:, 1]])
+    return compute, max(0.0, float(totals.max())) if n else 0.0
+
+
+def estimate_lists(schedule: Schedule, cost_model: CostModel,
+                   memory: Optional[StageMemory] = None,
+                   caches: Optional[ListCaches] = None) -> ListEstimate:
+    """`ListEstimate` of `schedule` (no lowering, no replay); used to skip timing plans that
+    cannot fit or cannot be faster. `caches`: shared with other plans' estimates."""
+    caches = caches if caches is not None else ListCaches()
+    costs = CellCosts(cost_model, schedule, caches.costs)
+    memory = memory if memory is not None else CostModelMemory(cost_model)
+    if schedule.forward_only or any(isinstance(a.cell, ChunkCell)
+                                    for actions in schedule.stages for a in actions[:1]):
+        return _walked(schedule, costs, memory)
+    shapes = _shapes(schedule)
+    busy, peaks, by_kind = [], [], {}
+    for k in range(schedule.num_stages):
+        kind = (k == 0, k == schedule.num_stages - 1)
+        if kind not in by_kind:
+            walk = MemoryWalk(memory, schedule, k, False, caches.memory)
+            by_kind[kind] = _per_shape(walk, costs, k, shapes, caches.shapes)
+        compute, peak = _stage(schedule, k, shapes, by_kind[kind], costs)
+        busy.append(compute)
+        peaks.append(peak)
+    return ListEstimate(max(busy, default=0.0), tuple(peaks))
+
+
+def _walked(schedule: Schedule, costs: CellCosts, memory: StageMemory) -> ListEstimate:
+    """The same from the walk itself, action by action."""
+    busy, peaks = [], []
+    for k, actions in enumerate(schedule.stages):
+        clock, timed = 0.0, []
+        for a in actions:
+            duration = costs.compute(k, a)
+            timed.append(TimedAction(k, a, clock, clock + duration))
+            clock += duration
+        busy.append(clock)
+        peaks.append(walk_stage(timed, k, schedule, memory).total)
+    return ListEstimate(max(busy, default=0.0), tuple(peaks))
