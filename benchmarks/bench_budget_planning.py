@@ -80,6 +80,16 @@ def run(cases: list[str]) -> list[dict]:
     return rows
 
 
+def _commit() -> str:
+    """The checkout's commit, marked when it has uncommitted changes."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + (" (modified)" if git("status", "--porcelain") else "")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the small cases")
@@ -91,7 +101,8 @@ def main(argv=None) -> int:
     rows = run([CASES[i] for i in args.cases] if args.cases is not None else cases)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(date=time.strftime("%Y-%m-%d"), machine=platform.processor()
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=_commit(),
+                           machine=platform.processor()
                            or platform.machine(), python=platform.python_version(),
                            rows=rows), f, indent=1)
     return 0

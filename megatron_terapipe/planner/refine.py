@@ -42,9 +42,20 @@ def _neighbours(units: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 def _timer(cost_model: CostModel, num_microbatches: int, num_stages: int, micro_batch_size: int,
            cores: Optional[float]) -> Callable[[TeraPipePlan], float]:
-    """plan -> its simulated iteration time, for one run's shape."""
-    return lambda plan: plan_time(plan, cost_model, num_microbatches, num_stages,
-                                  micro_batch_size, cores)
+    """plan -> its simulated iteration time, for one run's shape; each plan simulated once
+    (a climb meets the same plan again), the cost model's answers shared."""
+    costs: dict = {}
+    times: dict = {}
+
+    def time(plan: TeraPipePlan) -> float:
+        key = (plan.token_slices, tuple(plan.batch_slices or ()), plan.order, plan.defer_wgrad,
+               tuple(tuple(p) for p in plan.wgrad_points))
+        if key not in times:
+            times[key] = plan_time(plan, cost_model, num_microbatches, num_stages,
+                                   micro_batch_size, cores, costs)
+        return times[key]
+
+    return time
 
 
 def _too_large(plan: TeraPipePlan, num_microbatches: int, num_stages: int) -> bool:

@@ -173,10 +173,21 @@ def simulate_plan(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: i
 
 
 def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
-              num_stages: int, micro_batch_size: int, cores: Optional[float] = None) -> float:
-    """Simulated iteration time of `plan`'s schedule (the planner's yardstick)."""
-    return simulate_plan(plan, cost_model, num_microbatches, num_stages, micro_batch_size,
-                         cores).iteration_time
+              num_stages: int, micro_batch_size: int, cores: Optional[float] = None,
+              cache: Optional[dict] = None) -> float:
+    """Simulated iteration time of `plan`'s schedule (the planner's yardstick): `simulate`'s,
+    without the memory walk. `cache`: the cost model's answers, shared across plans."""
+    schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
+    timed = _timed(schedule, CellCosts(cost_model, schedule, cache), cores)
+    return max(ta.end for ta in timed) - min(ta.start for ta in timed) if timed else 0.0
+
+
+def _timed(schedule: Schedule, costs: CellCosts, cores: Optional[float]) -> list[TimedAction]:
+    if cores is not None and cores < schedule.num_stages:
+        from ..schedule import shared_timeline
+
+        return shared_timeline(schedule, costs.compute, costs.transfer, cores)
+    return timeline(schedule, costs.compute, costs.transfer)
 
 
 def simulate(schedule: Schedule, cost_model: CostModel,
@@ -190,13 +201,8 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     model's `CostModelMemory`). `megatron`: the cells are whole microbatches through
     Megatron's own layers (its 1F1B schedule): memory per microbatch, not per TeraPipe cell.
     """
-    costs = CellCosts(cost_model, schedule)
-    if timed is None and cores is not None and cores < schedule.num_stages:
-        from ..schedule import shared_timeline
-
-        timed = shared_timeline(schedule, costs.compute, costs.transfer, cores)
     if timed is None:
-        timed = timeline(schedule, costs.compute, costs.transfer)
+        timed = _timed(schedule, CellCosts(cost_model, schedule), cores)
     memory = memory if memory is not None else CostModelMemory(cost_model)
     K = schedule.num_stages
     per_stage: list[list[TimedAction]] = [[] for _ in range(K)]
