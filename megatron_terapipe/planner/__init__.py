@@ -8,7 +8,8 @@
 Folders and modules, in the order they build on each other: cost/ (the CostModel interface,
 model and GPU shapes, the analytic model, a stage's memory), profile/ (measured time samples and
 memory, their fits, the profiled cost model); slicer (the DP), memory_walk and simulator (both
-replay the schedule's action lists), refine, search (the one plan search), memory_search (within
+replay the schedule's action lists), list_estimate (a plan's peaks and compute from its lists,
+as arrays), refine, search (the one plan search), memory_search (within
 a budget), schedule_choice (Megatron's schedules vs TeraPipe's), inputs (PlannerInputs: what
 every question to the planner starts from), report and timeline (text and pictures), cli and
 cli_inputs (terapipe-plan).

@@ -48,45 +48,72 @@ class ListCaches:
     shapes: dict = field(default_factory=dict)  # a cell shape on a stage kind -> its _VALUES
 
 
-@dataclass
-class _Shapes:
-    """The schedule's cells by shape: cells of different microbatches share their sizes."""
+_SHARED: dict[int, tuple[CostModel, Optional[StageMemory], ListCaches]] = {}
 
+
+def shared_caches(cost_model: CostModel, memory: Optional[StageMemory]) -> ListCaches:
+    """The caches of this cost model and memory model, shared by every search of a run (both
+    orders, the hill climbs): the few most recent pairs are kept, each with its models, so an
+    entry's ids cannot be reused by other objects while it lives."""
+    key = id(cost_model) ^ (id(memory) << 1)
+    entry = _SHARED.get(key)
+    if entry is None or entry[0] is not cost_model or entry[1] is not memory:
+        if len(_SHARED) >= 4:
+            _SHARED.pop(next(iter(_SHARED)))
+        entry = _SHARED[key] = (cost_model, memory, ListCaches())
+    return entry[2]
+
+
+@dataclass
+class _Actions:
+    """A schedule's distinct actions (stages share them) as arrays, and its cells by shape
+    (cells of different microbatches share their sizes)."""
+
+    position: dict[int, int]  # id(action) -> row of the per-action arrays
+    kind: np.ndarray  # per action: _F, _B or _W
+    shape: np.ndarray  # per action: its cell's shape
+    seq: list  # per action: its cell's sequence key
+    rows: list  # per action: its cell's rows
     cells: list  # one representative cell per shape
-    of_cell: dict[int, int]  # id(cell) -> shape index
     first: np.ndarray  # per shape: the sequence's first token slice
     last: np.ndarray  # per shape: its last token slice
-    tokens: np.ndarray
+    tokens: np.ndarray  # per shape
 
 
-def _shapes(schedule: Schedule) -> _Shapes:
+def _actions(schedule: Schedule) -> _Actions:
     index: dict[tuple, int] = {}
-    cells, of_cell = [], {}
+    position: dict[int, int] = {}
+    kind, shape, seq, rows, cells = [], [], [], [], []
     for actions in schedule.stages:
         for a in actions:
-            if id(a.cell) in of_cell:
+            if id(a) in position:
                 continue
             c = a.cell
             key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
             if key not in index:
                 index[key] = len(cells)
                 cells.append(c)
-            of_cell[id(c)] = index[key]
-    return _Shapes(cells, of_cell, np.array([c.is_first_token_slice for c in cells], bool),
-                   np.array([c.is_last_token_slice for c in cells], bool),
-                   np.array([c.tokens for c in cells], np.int64))
+            position[id(a)] = len(kind)
+            kind.append(_CODES[a.kind])
+            shape.append(index[key])
+            seq.append(c.sequence_key)
+            rows.append(c.rows)
+    return _Actions(position, np.array(kind, np.int8), np.array(shape, np.int64), seq, rows,
+                    cells, np.array([c.is_first_token_slice for c in cells], bool),
+                    np.array([c.is_last_token_slice for c in cells], bool),
+                    np.array([c.tokens for c in cells], np.int64))
 
 
 _VALUES = ("cell", "kv", "kv_grad", "hold", "rise", "F", "B")
 
 
-def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, shapes: _Shapes,
+def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
                cache: dict) -> dict:
     """Bytes and seconds of every shape on `stage` (the walk's and simulator's answers)."""
     seq_lengths = [sum(t) for t in costs.token_slices]
     kind = (stage == 0, stage == costs.num_stages - 1, costs.defer_wgrad)
     rows = []
-    for c in shapes.cells:
+    for c in known.cells:
         key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], c.is_first_token_slice,
                c.is_last_token_slice, kind)
         row = cache.get(key)
@@ -98,53 +125,59 @@ def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, shapes: _Shapes,
     return {what: table[:, i] for i, what in enumerate(_VALUES)}
 
 
-def _held(kinds: np.ndarray, seqs: list, hold: np.ndarray) -> np.ndarray:
+def _held(kinds: list, seqs: list, hold: list) -> np.ndarray:
     """Per action: what its W frees, summed in order as the walk does (0 but at W actions)."""
     out = np.zeros(len(kinds))
     pending: dict = {}
-    for i in np.flatnonzero(kinds != _F):
-        if kinds[i] == _B:
-            pending[seqs[i]] = pending.get(seqs[i], 0.0) + hold[i]
-        else:
-            out[i] = pending.pop(seqs[i], 0.0)
+    for i, (kind, seq) in enumerate(zip(kinds, seqs)):
+        if kind == _B:
+            pending[seq] = pending.get(seq, 0.0) + hold[i]
+        elif kind == _W:
+            out[i] = pending.pop(seq, 0.0)
     return out
 
 
-def _w_times(costs: CellCosts, stage: int, kinds, seqs, cells, tokens) -> np.ndarray:
+def _w_times(costs: CellCosts, stage: int, kinds: list, seqs: list, rows: list,
+             tokens: list) -> np.ndarray:
     """Per action: a W's time over the tokens its sequence backwarded since its last W."""
     out = np.zeros(len(kinds))
     pending: dict = {}
-    for i in np.flatnonzero(kinds != _F):
-        if kinds[i] == _B:
-            pending[seqs[i]] = pending.get(seqs[i], 0) + int(tokens[i])
-        else:
-            n = pending.pop(seqs[i], 0)
-            first, last = stage == 0, stage == costs.num_stages - 1
-            out[i] = costs.wgrad(cells[i].rows, n, 0, first, last) if n else 0.0
+    first, last = stage == 0, stage == costs.num_stages - 1
+    for i, (kind, seq) in enumerate(zip(kinds, seqs)):
+        if kind == _B:
+            pending[seq] = pending.get(seq, 0) + tokens[i]
+        elif kind == _W:
+            n = pending.pop(seq, 0)
+            out[i] = costs.wgrad(rows[i], n, 0, first, last) if n else 0.0
     return out
 
 
-def _stage(schedule: Schedule, stage: int, shapes: _Shapes, values: dict,
+def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
            costs: CellCosts) -> tuple[float, float]:
     """(compute, peak of activations + K/V) of one stage's list."""
     actions = schedule.stages[stage]
-    kinds = np.array([_CODES[a.kind] for a in actions], np.int8)
-    shape = np.array([shapes.of_cell[id(a.cell)] for a in actions], np.int64)
+    n = len(actions)
+    if n == 0:
+        return 0.0, 0.0
+    rows = np.fromiter(map(known.position.__getitem__, map(id, actions)), np.int64, n)
+    kinds, shape = known.kind[rows], known.shape[rows]
     is_f, is_b, is_w = kinds == _F, kinds == _B, kinds == _W
-    first, last = shapes.first[shape], shapes.last[shape]
+    first, last = known.first[shape], known.last[shape]
     v = {k: a[shape] for k, a in values.items()}
-    seqs = [a.cell.sequence_key for a in actions]
-    cells = [a.cell for a in actions]
     times = np.where(is_f, v["F"], np.where(is_b, v["B"], 0.0))
-    if is_w.any():
-        times = times + _w_times(costs, stage, kinds, seqs, cells, shapes.tokens[shape])
-    compute = float(np.cumsum(times)[-1]) if len(times) else 0.0
-    n, drop = len(actions), v["kv_grad"] - v["rise"]
+    has_w = bool(is_w.any())
+    if has_w:
+        kind_list, seqs = kinds.tolist(), [known.seq[r] for r in rows.tolist()]
+        times = times + _w_times(costs, stage, kind_list, seqs,
+                                 [known.rows[r] for r in rows.tolist()],
+                                 known.tokens[shape].tolist())
+    compute = float(np.cumsum(times)[-1])
+    drop = v["kv_grad"] - v["rise"]
     act = np.zeros((n, 4))  # the walk's changes to the activation bytes, in its order
     kv = np.zeros((n, 2))  # and to the K/V bytes
     act[:, 0] = np.where(is_f, v["cell"], np.where(is_b & last, -drop, 0.0))
-    if schedule.defer_wgrad and is_w.any():
-        act[:, 0] -= _held(kinds, seqs, np.where(is_b, v["hold"], 0.0))
+    if schedule.defer_wgrad and has_w:
+        act[:, 0] -= _held(kind_list, seqs, np.where(is_b, v["hold"], 0.0).tolist())
     act[:, 1] = np.where(is_b & last, drop, 0.0)
     act[:, 2] = np.where(is_b, -v["cell"], 0.0)
     if schedule.defer_wgrad:
@@ -155,7 +188,7 @@ def _stage(schedule: Schedule, stage: int, shapes: _Shapes, values: dict,
     kv_after = np.cumsum(kv.ravel()).reshape(n, 2)
     # recorded: after a forward or a W, before a last slice's backward ends, after a backward
     totals = np.concatenate([act_after[:, 0] + kv_after[:, 0], act_after[:, 3] + kv_after[:, 1]])
-    return compute, max(0.0, float(totals.max())) if n else 0.0
+    return compute, max(0.0, float(totals.max()))
 
 
 def estimate_lists(schedule: Schedule, cost_model: CostModel,
@@ -169,14 +202,14 @@ def estimate_lists(schedule: Schedule, cost_model: CostModel,
     if schedule.forward_only or any(isinstance(a.cell, ChunkCell)
                                     for actions in schedule.stages for a in actions[:1]):
         return _walked(schedule, costs, memory)
-    shapes = _shapes(schedule)
+    known = _actions(schedule)
     busy, peaks, by_kind = [], [], {}
     for k in range(schedule.num_stages):
         kind = (k == 0, k == schedule.num_stages - 1)
         if kind not in by_kind:
             walk = MemoryWalk(memory, schedule, k, False, caches.memory)
-            by_kind[kind] = _per_shape(walk, costs, k, shapes, caches.shapes)
-        compute, peak = _stage(schedule, k, shapes, by_kind[kind], costs)
+            by_kind[kind] = _per_shape(walk, costs, k, known, caches.shapes)
+        compute, peak = _stage(schedule, k, known, by_kind[kind], costs)
         busy.append(compute)
         peaks.append(peak)
     return ListEstimate(max(busy, default=0.0), tuple(peaks))

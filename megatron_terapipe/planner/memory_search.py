@@ -23,7 +23,7 @@ from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from .refine import fewer_cells
 from .refine import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
-from .list_estimate import ListCaches, ListEstimate, estimate_lists
+from .list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
 
 MAX_CANDIDATES = 120  # simulations of step 2
 
@@ -92,7 +92,7 @@ def fastest_leaner(cost_model: CostModel, space: SearchSpace,
     order of that bound until the bound passes the fastest found. The same choice as timing
     every plan (`leaner_candidates`), ties going to the earlier plan as there."""
     plans = leaner_plans(space)
-    caches = ListCaches()
+    caches = shared_caches(cost_model, space.memory)
     estimates = [_estimate(cost_model, space, plan, caches) for _, plan in plans]
 
     def timed(i: int) -> Candidate:

@@ -40,6 +40,17 @@ class StagePeaks:
     total: float  # peak of the two together
 
 
+#: what a StageMemory answer depends on: the cache key of each kind of answer
+_KEYS = {
+    "cell": lambda r, t, c, s, f, l, n, d: ("cell", r, t, c, f, l, n),
+    "kv": lambda r, t, c, s, f, l, n, d: ("kv", r, s, n),
+    "kv_grad": lambda r, t, c, s, f, l, n, d: ("kv_grad", r, s, n),
+    "hold": lambda r, t, c, s, f, l, n, d: ("hold", r, t, f, l, n),
+    "whole": lambda r, t, c, s, f, l, n, d: ("whole", r, t, f, l, n),
+    "rise": lambda r, t, c, s, f, l, n, d: ("rise", r, t, c, s, f, l, d),
+}
+
+
 class MemoryWalk:
     """One stage's running totals and the StageMemory's answers for its cells."""
 
@@ -76,8 +87,8 @@ class MemoryWalk:
         """`what` (cell, kv, kv_grad, hold, whole, rise) of `cell` on this stage, cached."""
         first, last, layers = (self._stage_where if type(cell) is Cell else self._where(cell))
         seq = self.seq_lengths[cell.batch_slice]
-        key = (what, cell.rows, cell.tokens, cell.context, seq, first, last, layers,
-               self.schedule.defer_wgrad)
+        key = _KEYS[what](cell.rows, cell.tokens, cell.context, seq, first, last, layers,
+                          self.schedule.defer_wgrad)
         value = self._cache.get(key)
         if value is None:
             m = self.memory

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 from ..plan import TeraPipePlan
 from .cost.cost_model import CostModel
+from .list_estimate import shared_caches
 from .simulator import plan_time
 
 #: Refinement simulates the whole schedule per candidate; past this many actions it is skipped.
@@ -44,7 +45,7 @@ def _timer(cost_model: CostModel, num_microbatches: int, num_stages: int, micro_
            cores: Optional[float]) -> Callable[[TeraPipePlan], float]:
     """plan -> its simulated iteration time, for one run's shape; each plan simulated once
     (a climb meets the same plan again), the cost model's answers shared."""
-    costs: dict = {}
+    costs = shared_caches(cost_model, None).costs
     times: dict = {}
 
     def time(plan: TeraPipePlan) -> float:

@@ -79,6 +79,9 @@ class CellCosts:
         self.token_slices = schedule.plan.token_slices
         self._cache: dict[tuple, float] = {} if cache is None else cache
         self._w_slices: Optional[dict[tuple[int, Cell], tuple[int, ...]]] = None
+        # (first stage, last stage, kind, id(cell)) -> seconds: the stages between the first
+        # and the last time their cells alike; ids hold while the schedule lives, as this does
+        self._by_cell: dict[tuple, float] = {}
 
     def w_slices(self) -> dict[tuple[int, Cell], tuple[int, ...]]:
         """(stage, W cell) -> token slices whose weight gradients it computes: as the
@@ -105,6 +108,15 @@ class CellCosts:
         return value
 
     def compute(self, stage: int, action: Action) -> float:
+        if action.kind == "W":
+            return self._compute(stage, action)
+        key = (stage == 0, stage == self.num_stages - 1, action.kind, id(action.cell))
+        value = self._by_cell.get(key)
+        if value is None:
+            value = self._by_cell[key] = self._compute(stage, action)
+        return value
+
+    def _compute(self, stage: int, action: Action) -> float:
         c = action.cell
         if isinstance(c, ChunkCell):
             return self._chunk(stage, action)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..plan import TeraPipePlan
-from .actions import Action, ActionKind, Cell, Schedule, microbatch_cells
+from .actions import Action, ActionKind, Schedule, microbatch_cells
 
 
 def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
@@ -19,18 +19,23 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     """
     _check_sizes(plan, num_microbatches, num_stages, micro_batch_size)
     per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
+    # Every stage shares the same Action objects (stages differ in order only).
     forwards = [Action(ActionKind.F, c) for cells in per_mb for c in cells]
+    if plan.order == "gpipe":
+        backwards = [Action(ActionKind.B, a.cell) for a in reversed(forwards)]
+    else:  # microbatch by microbatch, each microbatch's cells in reverse
+        backwards = [Action(ActionKind.B, c) for cells in per_mb for c in reversed(cells)]
+    weight_grads = {id(b): Action(ActionKind.W, b.cell) for b in backwards} if plan.defer_wgrad else {}
     stages = []
     for k in range(num_stages):
         if forward_only:
             stages.append(tuple(forwards))
         elif plan.order == "gpipe":
-            backwards = [Action(ActionKind.B, a.cell) for a in reversed(forwards)]
-            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k)))
+            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k, weight_grads)))
         else:
             warmup = min(len(forwards), len(per_mb[0]) - 1 + (num_stages - k - 1))
-            order = _one_forward_one_backward(forwards, per_mb, warmup)
-            stages.append(tuple(_with_weight_grads(order, plan, k)))
+            order = _one_forward_one_backward(forwards, backwards, warmup)
+            stages.append(tuple(_with_weight_grads(order, plan, k, weight_grads)))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
 
 
@@ -49,10 +54,9 @@ def _check_sizes(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             f"for {num_stages} stages (terapipe-plan --pipeline-stages {num_stages})")
 
 
-def _one_forward_one_backward(forwards: list[Action], per_mb: list[list[Cell]],
+def _one_forward_one_backward(forwards: list[Action], backwards: list[Action],
                               warmup: int) -> list[Action]:
     """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
-    backwards = [Action(ActionKind.B, c) for cells in per_mb for c in reversed(cells)]
     order = list(forwards[:warmup])
     steady = len(forwards) - warmup
     for f, b in zip(forwards[warmup:], backwards[:steady]):
@@ -60,7 +64,8 @@ def _one_forward_one_backward(forwards: list[Action], per_mb: list[list[Cell]],
     return order + backwards[steady:]
 
 
-def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int) -> list[Action]:
+def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int,
+                       weight_grads: dict[int, Action]) -> list[Action]:
     """A W right after each sequence's last backward (that of its first token slice), and after
     the backward of the stage's `wgrad_points` slices. A W computes every weight gradient its
     sequence deferred since the previous W."""
@@ -70,6 +75,7 @@ def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int) ->
     out = []
     for a in actions:
         out.append(a)
-        if a.kind == "B" and (a.cell.is_first_token_slice or a.cell.token_slice in early):
-            out.append(Action(ActionKind.W, a.cell))
+        w = weight_grads.get(id(a))  # backwards only
+        if w is not None and (a.cell.token_slice == 0 or a.cell.token_slice in early):
+            out.append(w)
     return out
