@@ -85,8 +85,9 @@ def _actions(schedule: Schedule) -> _Actions:
     position: dict[int, int] = {}
     kind, shape, seq, rows, cells = [], [], [], [], []
     for actions in schedule.stages:
-        for a in actions:
-            if id(a) in position:
+        unseen = set(map(id, actions)).difference(position)  # stages share most actions
+        for a in actions if unseen else ():
+            if id(a) not in unseen or id(a) in position:
                 continue
             c = a.cell
             key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
@@ -114,12 +115,14 @@ def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
     kind = (stage == 0, stage == costs.num_stages - 1, costs.defer_wgrad)
     rows = []
     for c in known.cells:
-        key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], c.is_first_token_slice,
-               c.is_last_token_slice, kind)
+        last = c.is_last_token_slice  # only a last slice's backward lifts the K/V gradients
+        key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], last, kind)
         row = cache.get(key)
         if row is None:
-            row = cache[key] = tuple(walk.cell_value(what, c) for what in _VALUES[:5]) + tuple(
-                costs.compute(stage, Action(k, c)) for k in _VALUES[5:])
+            row = cache[key] = (
+                *(walk.cell_value(what, c) for what in _VALUES[:4]),
+                walk.cell_value("rise", c) if last else 0.0,
+                *(costs.compute(stage, Action(k, c)) for k in _VALUES[5:]))
         rows.append(row)
     table = np.array(rows, dtype=float).reshape(len(rows), len(_VALUES))
     return {what: table[:, i] for i, what in enumerate(_VALUES)}

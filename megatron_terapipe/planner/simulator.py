@@ -82,6 +82,7 @@ class CellCosts:
         # (first stage, last stage, kind, id(cell)) -> seconds: the stages between the first
         # and the last time their cells alike; ids hold while the schedule lives, as this does
         self._by_cell: dict[tuple, float] = {}
+        self._sequences: dict[int, list[tuple[int, int]]] = {}
 
     def w_slices(self) -> dict[tuple[int, Cell], tuple[int, ...]]:
         """(stage, W cell) -> token slices whose weight gradients it computes: as the
@@ -165,10 +166,13 @@ class CellCosts:
 
     def _sequence(self, cell: Cell) -> list[tuple[int, int]]:
         """(tokens, context) of every token slice of the cell's batch slice."""
-        out, start = [], 0
-        for t in self.token_slices[cell.batch_slice]:
-            out.append((t, start))
-            start += t
+        out = self._sequences.get(cell.batch_slice)
+        if out is None:
+            out, start = [], 0
+            for t in self.token_slices[cell.batch_slice]:
+                out.append((t, start))
+                start += t
+            self._sequences[cell.batch_slice] = out
         return out
 
     def transfer(self, stage: int, action: Action) -> float:

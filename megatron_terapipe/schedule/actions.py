@@ -140,17 +140,20 @@ def _kind(name: Union[str, ActionKind]) -> ActionKind:
                          f"{', '.join(k.value for k in ActionKind)}") from None
 
 
+_BY_OPERATION = {(operation, direction): kind for kind, (operation, direction) in COMM_KINDS.items()}
+
+
 def send(direction: str, cell: Cell) -> Action:
-    return Action(ActionKind("SEND_" + direction), cell)
+    return Action(_BY_OPERATION["SEND", direction], cell)
 
 
 def recv(direction: str, cell: Cell) -> Action:
-    return Action(ActionKind("RECV_" + direction), cell)
+    return Action(_BY_OPERATION["RECV", direction], cell)
 
 
 def post(direction: str, cell: Cell) -> Action:
     """Post the receive of `cell`'s message before the compute that overlaps its transfer."""
-    return Action(ActionKind("POST_" + direction), cell)
+    return Action(_BY_OPERATION["POST", direction], cell)
 
 
 def send_recv(direction: str, cell: Cell, recv_cell: Cell) -> Action:

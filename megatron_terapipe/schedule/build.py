@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import compress
+
 from ..plan import TeraPipePlan
 from .actions import Action, ActionKind, Schedule, microbatch_cells
 
@@ -26,16 +28,18 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     else:  # microbatch by microbatch, each microbatch's cells in reverse
         backwards = [Action(ActionKind.B, c) for cells in per_mb for c in reversed(cells)]
     weight_grads = {id(b): Action(ActionKind.W, b.cell) for b in backwards} if plan.defer_wgrad else {}
+    # the W after each sequence's last backward (its first slice's); early ones per stage below
+    last_w = {i: w for i, w in weight_grads.items() if w.cell.token_slice == 0}
     stages = []
     for k in range(num_stages):
         if forward_only:
             stages.append(tuple(forwards))
         elif plan.order == "gpipe":
-            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k, weight_grads)))
+            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k, weight_grads, last_w)))
         else:
             warmup = min(len(forwards), len(per_mb[0]) - 1 + (num_stages - k - 1))
             order = _one_forward_one_backward(forwards, backwards, warmup)
-            stages.append(tuple(_with_weight_grads(order, plan, k, weight_grads)))
+            stages.append(tuple(_with_weight_grads(order, plan, k, weight_grads, last_w)))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
 
 
@@ -65,17 +69,19 @@ def _one_forward_one_backward(forwards: list[Action], backwards: list[Action],
 
 
 def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int,
-                       weight_grads: dict[int, Action]) -> list[Action]:
+                       weight_grads: dict[int, Action], last_w: dict[int, Action]) -> list[Action]:
     """A W right after each sequence's last backward (that of its first token slice), and after
     the backward of the stage's `wgrad_points` slices. A W computes every weight gradient its
     sequence deferred since the previous W."""
     if not plan.defer_wgrad:
         return actions
     early = set(plan.wgrad_points_of(stage))
-    out = []
-    for a in actions:
-        out.append(a)
-        w = weight_grads.get(id(a))  # backwards only
-        if w is not None and (a.cell.token_slice == 0 or a.cell.token_slice in early):
-            out.append(w)
-    return out
+    after = last_w if not early else {i: w for i, w in weight_grads.items()
+                                      if w.cell.token_slice == 0 or w.cell.token_slice in early}
+    out: list[Action] = []
+    start = 0
+    for i in compress(range(len(actions)), map(after.get, map(id, actions))):
+        out += actions[start:i + 1]
+        out.append(after[id(actions[i])])
+        start = i + 1
+    return out + actions[start:]

@@ -32,11 +32,24 @@ class Lowering:
 
 def lower(schedule: Schedule, lowering: Lowering = Lowering()) -> tuple[tuple[Action, ...], ...]:
     """Every stage's compute actions with their communication actions in place."""
-    return tuple(lower_stage(schedule, k, lowering) for k in range(schedule.num_stages))
+    made: dict = {}
+    return tuple(lower_stage(schedule, k, lowering, made) for k in range(schedule.num_stages))
 
 
-def lower_stage(schedule: Schedule, stage: int, lowering: Lowering = Lowering()) -> tuple[Action, ...]:
-    """One stage's lowered action list."""
+def _made(made: dict, make, direction: str, cell: Cell) -> Action:
+    """One communication action per (kind, direction, cell), shared by the stages."""
+    key = (make, direction, id(cell))
+    action = made.get(key)
+    if action is None:
+        action = made[key] = make(direction, cell)
+    return action
+
+
+def lower_stage(schedule: Schedule, stage: int, lowering: Lowering = Lowering(),
+                made: Optional[dict] = None) -> tuple[Action, ...]:
+    """One stage's lowered action list. `made`: communication actions other stages made
+    (the schedule's cells are alive as long as it is, so their ids name them)."""
+    made = {} if made is None else made
     actions = schedule.stages[stage]
     # Which compute kinds get their input from a neighbour (F: an activation, B: a gradient),
     # and which send their result to one.
@@ -50,7 +63,7 @@ def lower_stage(schedule: Schedule, stage: int, lowering: Lowering = Lowering())
         kind = action.kind
         if kind != "W" and receives[kind]:
             if i != received_by_fused:
-                out.append(recv(kind, action.cell))
+                out.append(_made(made, recv, kind, action.cell))
             posted[kind] = None
         if kind != "W" and upcoming is not None:
             for direction in ("F", "B"):
@@ -67,7 +80,7 @@ def lower_stage(schedule: Schedule, stage: int, lowering: Lowering = Lowering())
             received_by_fused = i + 1
             posted[following.kind] = None
         else:
-            out.append(send(kind, action.cell))
+            out.append(_made(made, send, kind, action.cell))
     return tuple(out)
 
 

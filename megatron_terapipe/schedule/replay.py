@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .actions import COMM_KINDS, Action, Cell, Schedule, ScheduleError, opposite, recv
+from .actions import COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError, opposite, recv
 from .lower import Lowering, lower
 
 Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list
@@ -20,6 +20,7 @@ Durations = Callable[[int, Action], float]
 _EPS = 1e-12
 # Step codes of the replay's compiled lists.
 _COMPUTE, _SEND, _RECV = range(3)
+_COMPUTE_KINDS = frozenset(COMPUTE_KINDS)
 
 
 @dataclass(frozen=True)
@@ -43,20 +44,24 @@ class _Replay:
         self.arrival = [{"F": {}, "B": {}} for _ in lowered]  # [stage][direction][cell id]
         self.computed = [{"F": set(), "B": set(), "W": set()} for _ in lowered]
         index: dict[Cell, int] = {}
-        self.steps = [self._compile(k, actions, index) for k, actions in enumerate(lowered)]
+        by_object: dict[int, int] = {}  # id(cell) -> cell id: schedules share their Cell objects
+        self.steps = [self._compile(k, actions, index, by_object)
+                      for k, actions in enumerate(lowered)]
         self.pos = [0] * self.num_stages
 
-    def _compile(self, k: int, actions: tuple[Action, ...], index: dict[Cell, int]) -> list[tuple]:
+    def _compile(self, k: int, actions: tuple[Action, ...], index: dict[Cell, int],
+                 by_object: dict[int, int]) -> list[tuple]:
         done, arrival = self.computed[k], self.arrival
         needs = {"F": None, "B": done["F"], "W": done["B"]}
-        by_object: dict[int, int] = {}  # id(cell) -> cell id: schedules share their Cell objects
         steps: list[tuple] = []
+        computed = None  # the last compute action: the one a send that follows it sends for
         for a in actions:
             cid = by_object.get(id(a.cell))
             if cid is None:
                 cid = by_object[id(a.cell)] = index.setdefault(a.cell, len(index))
-            if a.is_compute:
+            if a.kind in _COMPUTE_KINDS:
                 steps.append((_COMPUTE, done[a.kind], cid, a, needs[a.kind]))
+                computed = a
                 continue
             operation, direction = COMM_KINDS[a.kind]
             if operation == "RECV":
@@ -65,7 +70,9 @@ class _Replay:
                 # the next (F) or previous (B) stage; modulo: an interleaved schedule's last
                 # rank sends to the first rank's next model chunk (interleaved.py)
                 to = (k + 1 if direction == "F" else k - 1) % self.num_stages
-                steps.append((_SEND, arrival[to][direction], cid, Action(direction, a.cell), None))
+                sent = (computed if computed is not None and computed.cell is a.cell
+                        and computed.kind == direction else Action(direction, a.cell))
+                steps.append((_SEND, arrival[to][direction], cid, sent, None))
             if a.recv_cell is not None:  # fused: then its receive
                 back = opposite(direction)
                 rid = index.setdefault(a.recv_cell, len(index))
