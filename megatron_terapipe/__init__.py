@@ -6,15 +6,6 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
-from .megatron.args.flags import add_terapipe_args, combine_extra_args
-from .megatron.args.plan_provider import ArgsPlanProvider
-from .megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from .megatron.wiring import setup_from_args
-from .megatron.hooks.cpu import disable_cpu_mode, enable_cpu_mode, keep_freed_host_memory, pin_to_core
-from .megatron.hooks.forward_backward import forward_backward_terapipe
-from .megatron.hooks.install import install
-from .megatron.hooks.selection import configure, deselect, select
-from .megatron.launch import install_hooks
 from .plan import PlanTable, TeraPipePlan
 from .schedule import Action
 from .schedule import Cell
@@ -37,10 +28,42 @@ from .planner import (
     write_chrome_trace,
     write_png,
 )
-from .megatron.measure.layers import measure_layer_times
-from .megatron.hooks.spec import TorchNorm, get_gpt_decoder_block_spec, get_gpt_layer_spec
-
 from .version import __version__
+
+# What needs torch and Megatron-Core is imported on first use, so that the planner
+# (terapipe-plan: numpy only) starts without them.
+_LAZY = {
+    "add_terapipe_args": "megatron.args.flags", "combine_extra_args": "megatron.args.flags",
+    "ArgsPlanProvider": "megatron.args.plan_provider",
+    "TeraPipeArgumentError": "megatron.args.checks",
+    "validate_terapipe_args": "megatron.args.checks",
+    "setup_from_args": "megatron.wiring",
+    "disable_cpu_mode": "megatron.hooks.cpu", "enable_cpu_mode": "megatron.hooks.cpu",
+    "keep_freed_host_memory": "megatron.hooks.cpu", "pin_to_core": "megatron.hooks.cpu",
+    "forward_backward_terapipe": "megatron.hooks.forward_backward",
+    "install": "megatron.hooks.install",
+    "configure": "megatron.hooks.selection", "deselect": "megatron.hooks.selection",
+    "select": "megatron.hooks.selection",
+    "install_hooks": "megatron.launch",
+    "measure_layer_times": "megatron.measure.layers",
+    "TorchNorm": "megatron.hooks.spec", "get_gpt_decoder_block_spec": "megatron.hooks.spec",
+    "get_gpt_layer_spec": "megatron.hooks.spec",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_terapipe' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "Action",
