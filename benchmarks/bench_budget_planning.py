@@ -87,7 +87,8 @@ def _commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + (" (modified)" if git("status", "--porcelain") else "")
+    code = git("status", "--porcelain", "--", "../megatron_terapipe", ".")
+    return git("rev-parse", "--short", "HEAD") + (" (code modified)" if code else "")
 
 
 def main(argv=None) -> int:
