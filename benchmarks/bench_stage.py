@@ -10,7 +10,13 @@ through `forward_backward_terapipe` with K uniform token slices, and through Meg
 Per K it prints the median iteration time (CUDA events after warm-up on a GPU, perf_counter on
 CPU), the host time (the call's wall time up to its return, before the device is synchronised),
 the GPU-busy time (kernel time in torch.profiler), kernel launches (GPU) or dispatched aten ops
-(CPU) per cell, host syncs per cell, and the ratio to 1 slice. A JSON copy goes to --out.
+(CPU) per cell, host syncs per cell, the ratio to 1 slice, and how many graphs capturing each
+distinct cell once would take (cells alike in kind, rows, tokens and context share one). The
+JSON copy (--out) also has the aten ops per iteration. Host ops on a model too small for its
+compute to matter (benchmarks/results/host_ops.json):
+
+    python benchmarks/bench_stage.py --hidden-size 64 --seq-length 512 --num-layers 4 \
+        --slices 1,8,32 --out benchmarks/results/host_ops.json
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class StageRow:
     syncs_per_cell: float
     times_ms: list[float] = field(default_factory=list)
     ratio_to_1_slice: Optional[float] = None
+    ops_per_iteration: Optional[int] = None  # dispatched aten ops (CPU)
+    cell_graphs: Optional[int] = None  # distinct cells (kind, rows, tokens, context): one graph each
 
 
 class _OpCounter(TorchDispatchMode):
@@ -214,7 +222,14 @@ def measure(name: str, slices: int, run: Callable[[], None], args) -> StageRow:
             run()
         busy, launches, syncs = None, counter.ops, counter.syncs
     return StageRow(name, slices, statistics.median(times), host, busy,
-                    launches / slices, syncs / slices, times)
+                    launches / slices, syncs / slices, times,
+                    ops_per_iteration=launches if args.device == "cpu" else None)
+
+
+def cell_graphs(plan, args) -> int:
+    """How many graphs capturing each distinct cell of the plan once would take."""
+    schedule = mt.build_schedule(plan, 1, 1, args.micro_batch_size)
+    return len({(a.kind, a.cell.rows, a.cell.tokens, a.cell.context) for a in schedule.stages[0]})
 
 
 def run_all(args) -> list[StageRow]:
@@ -231,6 +246,7 @@ def run_all(args) -> list[StageRow]:
             plan = mt.TeraPipePlan(plan.seq_slices, defer_wgrad=args.defer_wgrad == "on")
         rows.append(measure(f"TeraPipe, {k} slices", k, lambda: iteration(
             mt.forward_backward_terapipe, ours, batch, args, plan=plan), args))
+        rows[-1].cell_graphs = cell_graphs(plan, args)
         print(_format(rows[-1]), flush=True)
     one = next((r.median_ms for r in rows if r.name.startswith("TeraPipe") and r.slices == 1), None)
     for r in rows:
@@ -241,14 +257,15 @@ def run_all(args) -> list[StageRow]:
 def _format(r: StageRow) -> str:
     busy = f"{r.gpu_busy_ms:9.2f}" if r.gpu_busy_ms is not None else "        -"
     ratio = f"{r.ratio_to_1_slice:6.2f}x" if r.ratio_to_1_slice is not None else "      -"
+    graphs = f"{r.cell_graphs:7d}" if r.cell_graphs is not None else "      -"
     return (f"{r.name:32s} {r.median_ms:10.2f} {r.host_ms:10.2f} {busy} "
-            f"{r.launches_per_cell:11.1f} {r.syncs_per_cell:9.2f} {ratio}")
+            f"{r.launches_per_cell:11.1f} {r.syncs_per_cell:9.2f} {ratio} {graphs}")
 
 
 def header(device: str) -> str:
     unit = "launches/cell" if device == "cuda" else "aten ops/cell"
     return (f"{'run':32s} {'median ms':>10s} {'host ms':>10s} {'GPU ms':>9s} "
-            f"{unit:>11s} {'syncs/cell':>9s} {'vs 1':>7s}")
+            f"{unit:>11s} {'syncs/cell':>9s} {'vs 1':>7s} {'graphs':>7s}")
 
 
 def main(argv=None) -> None:
