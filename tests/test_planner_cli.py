@@ -107,3 +107,14 @@ def test_profile_of_another_model_is_refused(tmp_path, capsys):
         main(BASE + ["--profile", str(path)])
     err = capsys.readouterr().err
     assert "--profile" in err and "profile.json" in err and "hidden_size" in err
+
+
+def test_terapipe_plan_starts_without_torch_or_megatron():
+    """The planner is numpy only: terapipe-plan must not pay torch's and Megatron-Core's import
+    (1.7 s on this machine); the package imports them on first use of a name that needs them."""
+    code = ("import sys, megatron_terapipe.planner.cli, megatron_terapipe as mt; "
+            "assert mt.TeraPipePlan and mt.solve; "
+            "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules)); "
+            "mt.get_gpt_layer_spec; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
