@@ -19,7 +19,7 @@ import torch
 from ..schedule import Action, Cell, Schedule, lower_stage, opposite
 from .batching import CellData
 from .buffer_pool import BufferPool
-from .context import current_action_or_outside, running_action, running_cell
+from .context import current_action_or_outside, eager_region, running_action, running_cell
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import CellEvent, RunRecord
@@ -202,7 +202,8 @@ class StageExecutor:
         if options.forward_only and cell.is_last_token_slice:
             self.cache.release_sequence(cell)
         if self.is_last:
-            self.loss.record(cell, output, loss_func, microbatch_done)
+            with eager_region():  # loss_func is the user's Python: cell graphs leave it out
+                self.loss.record(cell, output, loss_func, microbatch_done)
         else:
             self._check_output(cell, output)
         if microbatch_done:
@@ -228,7 +229,9 @@ class StageExecutor:
         options = self.options
         input_tensor = self.inputs.pop(cell, None)
         if self.is_last:
-            root = self.loss.backward_root(cell, options.per_token_loss, options.grad_scale_func)
+            with eager_region():
+                root = self.loss.backward_root(cell, options.per_token_loss,
+                                               options.grad_scale_func)
         else:
             root = self.outputs.pop(cell)
         with running_cell(cell, self.cache, "backward", wgrad=self.wgrad):
