@@ -2,7 +2,9 @@
 break or invalidate a CUDA graph capture of a compute action, planted one at a time, naming the
 op and the action, and finds nothing in the default plan's iterations on one stage (deferred
 weight gradients on and off, 4 and 8 slices; the stage's cells, W actions and K/V buffers
-included) once Megatron's loss runs eagerly, as per-layer graphs leave it (the executor runs the user's
+included), and on two stages in both orders with W on and off (received activations and
+gradients now come from the buffer pool, so they too sit at fixed addresses), once Megatron's
+loss runs eagerly, as per-layer graphs leave it (the executor runs the user's
 loss_func eagerly); with Megatron's loss inside the cells it finds it in every forward cell."""
 
 from __future__ import annotations
@@ -124,3 +126,15 @@ def test_megatrons_loss_inside_the_graph_is_found(stage_runs):
     found = stage_runs["loss_in_the_graph"]["violations"]
     assert {v.split(":")[0] for v in found} == {f"F m0 b0 t{t}" for t in range(4)}
     assert any("copy from the host (aten.lift_fresh" in v for v in found)
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs():
+    runs = [dict(order=o, defer_wgrad=d) for o in ("1f1b", "gpipe") for d in (True, False)]
+    return spawn(2, "harness.graph_runs:audit_pipeline", runs, timeout=600)
+
+
+@pytest.mark.parametrize("run", ["1f1b, W on", "1f1b, W off", "gpipe, W on", "gpipe, W off"])
+def test_the_default_plan_on_two_stages_passes(pipeline_runs, run):
+    for rank, found in enumerate(pipeline_runs):
+        assert found[run] == [], f"stage {rank}:\n" + "\n".join(found[run])

@@ -72,6 +72,9 @@ class StageExecutor:
         self.pool = pool if pool is not None else BufferPool()
         self.pool.label_of = current_action_or_outside
         self.cache = KVCache(seq_length=data.seq_length, pool=self.pool)
+        transport.pool = self.pool  # received messages too: a cell's inputs at fixed addresses
+        self.received: dict[Cell, list[torch.Tensor]] = {}  # messages until the cell is done
+        self.held_for_w: dict[tuple[int, int], list[torch.Tensor]] = {}  # ... or its W is
         # Linear layers defer weight gradients to the schedule's W actions when it has them.
         self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
         self.grad_sync = _GradSync(options, sync_at_last_backward=self.is_first)
@@ -99,6 +102,8 @@ class StageExecutor:
             self.grad_sync.at_end(self.model.module)
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
+        for held in (*self.received.values(), *self.held_for_w.values()):
+            self._give_back(held)  # every slot free again: the next iteration takes the same
         if self.wgrad is not None and len(self.wgrad):
             raise RuntimeError(f"TeraPipe: weight gradients of {len(self.wgrad)} sequences were "
                                "never computed (the schedule lacks their W actions)")
@@ -125,13 +130,30 @@ class StageExecutor:
             result = run_cell(action.cell, received)
         if result is not None:
             self.outbox[(action.kind, action.cell)] = result
+        if action.kind == "B" or self.options.forward_only:
+            self._done_with_messages(action.cell)
         self._record_span(action, start)
 
     def _weight_grads(self, action: Action) -> None:
         start = time.perf_counter()
         with running_action("W", action.cell):
             self.wgrad.flush(action.cell.sequence_key)
+        self._give_back(self.held_for_w.pop(action.cell.sequence_key, []))
         self._record_span(action, start)
+
+    def _done_with_messages(self, cell: Cell) -> None:
+        """The cell ran its last compute: its received messages go back to the pool, or, when
+        its weight gradients wait for a W action (which may read them), at that W."""
+        messages = self.received.pop(cell, [])
+        if self.wgrad is not None and not self.options.forward_only:
+            self.held_for_w.setdefault(cell.sequence_key, []).extend(messages)
+        else:
+            self._give_back(messages)
+
+    def _give_back(self, messages: list[torch.Tensor]) -> None:
+        for tensor in messages:
+            self.pool.give_back(tensor)
+        messages.clear()
 
     def _record_span(self, action: Action, start: float) -> None:
         self.record.events.append(
@@ -159,6 +181,7 @@ class StageExecutor:
 
     def _received(self, direction: str, cell: Cell, tensor: torch.Tensor) -> None:
         self.inbox[(direction, cell)] = tensor
+        self.received.setdefault(cell, []).append(tensor)
         position = self.output_send_position.pop(cell, None) if direction == "B" else None
         if position is not None:
             # The next stage ran this cell's backward, so it has every output sent up to it.

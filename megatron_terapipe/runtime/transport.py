@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Lowering, opposite
+from .buffer_pool import BufferPool
 
 # Tags keep the two directions apart on gloo, whose matching is per (peer, tag) in order.
 _TAGS = {"F": 7001, "B": 7002}
@@ -32,6 +33,9 @@ class Transport:
     """No neighbours (a one-stage pipeline); subclasses move tensors to and from them."""
 
     lowering = Lowering()
+    # Where received messages go: the executor's pool (fixed addresses for a fixed plan; it
+    # gives them back when their cell no longer needs them), or a new tensor each when None.
+    pool: Optional[BufferPool] = None
     receives = 0  # messages received (counted where the transport can tell)
     receives_posted_early = 0  # of which the receive was posted before it was needed
 
@@ -104,7 +108,13 @@ class TorchTransport(Transport):
         src = self._source(direction)
         if src is None:
             raise RuntimeError("TeraPipe: no neighbour stage to receive from")
-        buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+        if self.pool is not None:
+            buf = self.pool.take(tuple(shape), self.dtype, self.device)
+            # a pooled tensor's last use may have made it an input that needs a gradient
+            buf.requires_grad_(False)
+            buf.grad = None
+        else:
+            buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src, group=self.group, tag=_TAGS[direction]), buf
 
     def post(self, direction: str, shape: Sequence[int]) -> None:

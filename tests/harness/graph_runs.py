@@ -74,3 +74,42 @@ def audit_one_stage(rank: int, world_size: int) -> dict[str, Any]:
                      "actions": audit.actions_seen}
     parallel_state.destroy_model_parallel()
     return out
+
+
+def audit_pipeline(rank: int, world_size: int, runs: list[dict]) -> dict[str, list[str]]:
+    """Each run (order, deferral) on `world_size` pipeline stages, 2 microbatches of 4 slices:
+    this rank's findings over two audited iterations after a warm-up."""
+    from megatron.core import parallel_state
+
+    from megatron_terapipe import TeraPipePlan, configure
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.runtime.graph_audit import CaptureAudit
+
+    from .models import build_stage_model, forward_step
+
+    enable_cpu_mode()
+    model_cfg = TinyGPT(num_layers=world_size, hidden_size=64)
+    parallel_state.initialize_model_parallel(1, world_size)
+    batches = make_batches(2, 2, model_cfg.seq_length, model_cfg.vocab_size)
+    out: dict[str, list[str]] = {}
+    for run in runs:
+        config, model = build_stage_model(model_cfg, 1, world_size)
+        if parallel_state.is_pipeline_last_stage():
+            _loss_runs_eagerly(model)
+        slices = TeraPipePlan.uniform(model_cfg.seq_length, 4).seq_slices
+        configure(config, TeraPipePlan(slices, order=run["order"], defer_wgrad=run["defer_wgrad"]))
+        iteration = partial(forward_backward_terapipe, forward_step_func=forward_step,
+                            model=[model], num_microbatches=2,
+                            seq_length=model_cfg.seq_length, micro_batch_size=2)
+        iteration(data_iterator=iter(batches))  # warm-up
+        audit = CaptureAudit(torch.device("cpu"))
+        with audit:
+            iteration(data_iterator=iter(batches))
+            audit.next_iteration()
+            iteration(data_iterator=iter(batches))
+        audit.next_iteration()  # compares the two audited iterations
+        out[f"{run['order']}, W {'on' if run['defer_wgrad'] else 'off'}"] = list(
+            dict.fromkeys(str(v) for v in audit.violations))
+    parallel_state.destroy_model_parallel()
+    return out
