@@ -2,10 +2,11 @@
 break or invalidate a CUDA graph capture of a compute action, planted one at a time, naming the
 op and the action, and finds nothing in the default plan's iterations on one stage (deferred
 weight gradients on and off, 4 and 8 slices; the stage's cells, W actions and K/V buffers
-included), and on two stages in both orders with W on and off (received activations and
-gradients now come from the buffer pool, so they too sit at fixed addresses), once Megatron's
-loss runs eagerly, as per-layer graphs leave it (the executor runs the user's
-loss_func eagerly); with Megatron's loss inside the cells it finds it in every forward cell."""
+included), on two stages in both orders with W on and off (received activations and
+gradients come from the buffer pool, so they too sit at fixed addresses), with TP=2 x PP=2 and
+with DP=2 x PP=2 under Megatron's DDP, once Megatron's embedding and loss run eagerly, as its
+per-layer graphs leave them (the executor runs the user's loss_func eagerly); with Megatron's
+loss inside the cells it finds it in every forward cell."""
 
 from __future__ import annotations
 
@@ -128,13 +129,18 @@ def test_megatrons_loss_inside_the_graph_is_found(stage_runs):
     assert any("copy from the host (aten.lift_fresh" in v for v in found)
 
 
-@pytest.fixture(scope="module")
-def pipeline_runs():
-    runs = [dict(order=o, defer_wgrad=d) for o in ("1f1b", "gpipe") for d in (True, False)]
-    return spawn(2, "harness.graph_runs:audit_pipeline", runs, timeout=600)
+RUNS = [dict(order=o, defer_wgrad=d) for o in ("1f1b", "gpipe") for d in (True, False)]
+PIPELINES = {"PP=2": (2, 1, False), "TP=2 x PP=2": (4, 2, False), "DP=2 x PP=2, DDP": (4, 1, True)}
 
 
-@pytest.mark.parametrize("run", ["1f1b, W on", "1f1b, W off", "gpipe, W on", "gpipe, W off"])
-def test_the_default_plan_on_two_stages_passes(pipeline_runs, run):
+@pytest.fixture(scope="module", params=list(PIPELINES))
+def pipeline_runs(request):
+    world, tp, ddp = PIPELINES[request.param]
+    runs = RUNS if request.param == "PP=2" else RUNS[:1]  # both orders, W on and off: on PP=2
+    return spawn(world, "harness.graph_runs:audit_pipeline", runs, tp, ddp, timeout=600)
+
+
+def test_the_default_plan_on_pipelines_passes(pipeline_runs):
     for rank, found in enumerate(pipeline_runs):
-        assert found[run] == [], f"stage {rank}:\n" + "\n".join(found[run])
+        for run, violations in found.items():
+            assert violations == [], f"{run}, rank {rank}:\n" + "\n".join(violations)

@@ -25,16 +25,19 @@ RUNS = {"deferred": dict(slices=4, step="three_value"),
 
 
 def _loss_runs_eagerly(model) -> None:
-    """Megatron's loss (its vocab-parallel cross entropy) as a cell's graphs would leave it."""
+    """Megatron's embedding and loss (vocab-parallel: `masked_input[input_mask] = 0` with TP > 1,
+    `masked_target[target_mask] = 0`) run eagerly, as Megatron's per-layer graphs leave them."""
     from megatron_terapipe.runtime.context import eager_region
 
-    loss = model.compute_language_model_loss
+    def eager(fn):
+        def run(*args, **kwargs):
+            with eager_region():
+                return fn(*args, **kwargs)
+        return run
 
-    def eager_loss(*args, **kwargs):
-        with eager_region():
-            return loss(*args, **kwargs)
-
-    model.compute_language_model_loss = eager_loss
+    model.compute_language_model_loss = eager(model.compute_language_model_loss)
+    if getattr(model, "embedding", None) is not None:
+        model.embedding.forward = eager(model.embedding.forward)
 
 
 def audit_one_stage(rank: int, world_size: int) -> dict[str, Any]:
@@ -76,9 +79,11 @@ def audit_one_stage(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
-def audit_pipeline(rank: int, world_size: int, runs: list[dict]) -> dict[str, list[str]]:
-    """Each run (order, deferral) on `world_size` pipeline stages, 2 microbatches of 4 slices:
-    this rank's findings over two audited iterations after a warm-up."""
+def audit_pipeline(rank: int, world_size: int, runs: list[dict], tp: int = 1,
+                   ddp: bool = False) -> dict[str, list[str]]:
+    """Each run (order, deferral) on 2 pipeline stages (with `tp`-way tensor parallelism, and
+    data parallelism over the other ranks, under Megatron's DDP when `ddp`), 2 microbatches of
+    4 slices: this rank's findings over two audited iterations after a warm-up."""
     from megatron.core import parallel_state
 
     from megatron_terapipe import TeraPipePlan, configure
@@ -86,17 +91,15 @@ def audit_pipeline(rank: int, world_size: int, runs: list[dict]) -> dict[str, li
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.graph_audit import CaptureAudit
 
-    from .models import build_stage_model, forward_step
+    from .models import forward_step
 
     enable_cpu_mode()
-    model_cfg = TinyGPT(num_layers=world_size, hidden_size=64)
-    parallel_state.initialize_model_parallel(1, world_size)
+    model_cfg = TinyGPT(num_layers=2, hidden_size=64)
+    parallel_state.initialize_model_parallel(tp, 2)
     batches = make_batches(2, 2, model_cfg.seq_length, model_cfg.vocab_size)
     out: dict[str, list[str]] = {}
     for run in runs:
-        config, model = build_stage_model(model_cfg, 1, world_size)
-        if parallel_state.is_pipeline_last_stage():
-            _loss_runs_eagerly(model)
+        config, model = _stage(model_cfg, tp, ddp)
         slices = TeraPipePlan.uniform(model_cfg.seq_length, 4).seq_slices
         configure(config, TeraPipePlan(slices, order=run["order"], defer_wgrad=run["defer_wgrad"]))
         iteration = partial(forward_backward_terapipe, forward_step_func=forward_step,
@@ -113,3 +116,20 @@ def audit_pipeline(rank: int, world_size: int, runs: list[dict]) -> dict[str, li
             dict.fromkeys(str(v) for v in audit.violations))
     parallel_state.destroy_model_parallel()
     return out
+
+
+def _stage(model_cfg: TinyGPT, tp: int, ddp: bool):
+    """This rank's stage (Megatron's loss eager, as graphs leave it), under DDP when asked."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from .models import build_stage_model
+
+    config, model = build_stage_model(model_cfg, tp, 2)
+    _loss_runs_eagerly(model)
+    if ddp:
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        model.zero_grad_buffer()
+    return config, model
