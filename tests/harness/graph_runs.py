@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from megatron_terapipe.megatron.hooks.graph_scope import eager_outside_layers
+
 from .host_cost import STEPS, _build
 from .models import TinyGPT, make_batches
 
@@ -22,22 +24,6 @@ RUNS = {"deferred": dict(slices=4, step="three_value"),
         "deferred_k8": dict(slices=8, step="legacy"),
         "syncing_loss_func": dict(slices=4, step="syncing"),
         "loss_in_the_graph": dict(slices=4, step="three_value", loss_in_graph=True)}
-
-
-def _loss_runs_eagerly(model) -> None:
-    """Megatron's embedding and loss (vocab-parallel: `masked_input[input_mask] = 0` with TP > 1,
-    `masked_target[target_mask] = 0`) run eagerly, as Megatron's per-layer graphs leave them."""
-    from megatron_terapipe.runtime.context import eager_region
-
-    def eager(fn):
-        def run(*args, **kwargs):
-            with eager_region():
-                return fn(*args, **kwargs)
-        return run
-
-    model.compute_language_model_loss = eager(model.compute_language_model_loss)
-    if getattr(model, "embedding", None) is not None:
-        model.embedding.forward = eager(model.embedding.forward)
 
 
 def audit_one_stage(rank: int, world_size: int) -> dict[str, Any]:
@@ -56,7 +42,7 @@ def audit_one_stage(rank: int, world_size: int) -> dict[str, Any]:
     for name, run in RUNS.items():
         model = _build(model_cfg, ddp=False)
         if not run.get("loss_in_graph"):
-            _loss_runs_eagerly(model)
+            eager_outside_layers(model)
         plan = TeraPipePlan.uniform(model_cfg.seq_length, run["slices"])
         if "defer_wgrad" in run:
             plan = TeraPipePlan(plan.seq_slices, defer_wgrad=run["defer_wgrad"])
@@ -126,7 +112,7 @@ def _stage(model_cfg: TinyGPT, tp: int, ddp: bool):
     from .models import build_stage_model
 
     config, model = build_stage_model(model_cfg, tp, 2)
-    _loss_runs_eagerly(model)
+    eager_outside_layers(model)
     if ddp:
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.no_sync_func = model.no_sync
