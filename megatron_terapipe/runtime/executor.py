@@ -66,11 +66,17 @@ class StageExecutor:
         self.transport, self.options, self.device = transport, options, device
         self.actions = lower_stage(schedule, stage, transport.lowering)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
-        self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
-                             keep_for_backward=not options.forward_only)
-        # One pool kept across iterations (the caller's) puts the K/V buffers at fixed addresses.
+        # One pool kept across iterations (the caller's) puts every buffer cells read across
+        # their boundary at fixed addresses: K/V, received messages, staged data, loss totals.
         self.pool = pool if pool is not None else BufferPool()
         self.pool.label_of = current_action_or_outside
+        transport.pool = self.pool
+        if data.pool is None:
+            data.pool = self.pool
+        self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
+                             keep_for_backward=not options.forward_only, pool=self.pool)
+        # Received buffers a sequence's deferred pieces may still read, until its W action.
+        self.held: dict[tuple[int, int], list[Optional[torch.Tensor]]] = {}
         self.cache = KVCache(seq_length=data.seq_length, pool=self.pool)
         # Linear layers defer weight gradients to the schedule's W actions when it has them.
         self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
@@ -97,6 +103,7 @@ class StageExecutor:
         self.transport.finish()
         if not self.options.forward_only:
             self.grad_sync.at_end(self.model.module)
+        self._release_run_buffers()
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
         if self.wgrad is not None and len(self.wgrad):
@@ -112,25 +119,46 @@ class StageExecutor:
     def activation_shape(self, cell: Cell) -> tuple[int, int, int]:
         return (cell.tokens // self.options.seq_divisor, cell.rows, self.options.hidden_size)
 
+    def _release_run_buffers(self) -> None:
+        """Pooled buffers whose last reader has run; the loss total stays readable (for
+        finalize_model_grads) until the next iteration takes it again."""
+        self.data.release_staged()
+        self.pool.give_back(self.loss.total_num_tokens)
+        if self.pool.stage_reads_data is None:
+            self.pool.stage_reads_data = self.data.read_any
+
     # -- compute actions ------------------------------------------------------------------------
     def _compute(self, action: Action) -> None:
         """F or B: run the cell on what arrived for it (nothing on the first stage's forwards
         and the last stage's backwards) and leave the result for its SEND."""
+        cell = action.cell
         if action == self.last_backward:
             self.grad_sync.at_last_backward()
-        received = self.inbox.pop((action.kind, action.cell), None)
+        if action.kind == "F" and not self.forwarded.get(cell.microbatch) and self.pool.stage_reads_data:
+            self.data.prefetch(cell.microbatch)  # outside the cell, at a fixed address
+        received = self.inbox.pop((action.kind, cell), None)
+        held = [received, self.inputs.get(cell)] if action.kind == "B" else [received]
         start = time.perf_counter()
         run_cell = self._forward_cell if action.kind == "F" else self._backward_cell
-        with running_action(action.kind, action.cell):
-            result = run_cell(action.cell, received)
+        with running_action(action.kind, cell):
+            result = run_cell(cell, received)
         if result is not None:
-            self.outbox[(action.kind, action.cell)] = result
+            self.outbox[(action.kind, cell)] = result
+        if action.kind == "B" and self.wgrad is not None:
+            self.held.setdefault(cell.sequence_key, []).extend(held)
+        elif action.kind == "B" or self.options.forward_only:
+            self._give_back(held)
         self._record_span(action, start)
+
+    def _give_back(self, tensors: list[Optional[torch.Tensor]]) -> None:
+        for tensor in tensors:
+            self.pool.give_back(tensor)
 
     def _weight_grads(self, action: Action) -> None:
         start = time.perf_counter()
         with running_action("W", action.cell):
             self.wgrad.flush(action.cell.sequence_key)
+        self._give_back(self.held.pop(action.cell.sequence_key, []))
         self._record_span(action, start)
 
     def _record_span(self, action: Action, start: float) -> None:

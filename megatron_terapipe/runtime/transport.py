@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import Lowering, opposite
+from .buffer_pool import BufferPool
 
 # Tags keep the two directions apart on gloo, whose matching is per (peer, tag) in order.
 _TAGS = {"F": 7001, "B": 7002}
@@ -34,6 +35,9 @@ class Transport:
     lowering = Lowering()
     receives = 0  # messages received (counted where the transport can tell)
     receives_posted_early = 0  # of which the receive was posted before it was needed
+    # Where receive buffers come from, when the transport allocates them (set by the executor,
+    # which gives them back): at fixed addresses every iteration, as a CUDA graph needs.
+    pool: Optional[BufferPool] = None
 
     def send(self, direction: str, tensor: torch.Tensor) -> None:
         raise RuntimeError("TeraPipe: no neighbour stage to send to")
@@ -104,7 +108,10 @@ class TorchTransport(Transport):
         src = self._source(direction)
         if src is None:
             raise RuntimeError("TeraPipe: no neighbour stage to receive from")
-        buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+        if self.pool is not None:
+            buf = self.pool.take(tuple(shape), self.dtype, self.device)
+        else:
+            buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src, group=self.group, tag=_TAGS[direction]), buf
 
     def post(self, direction: str, shape: Sequence[int]) -> None:
