@@ -19,7 +19,8 @@ import torch
 from ..schedule import Action, Cell, Schedule, lower_stage, opposite
 from .batching import CellData
 from .buffer_pool import BufferPool
-from .context import current_action_or_outside, running_action, running_cell
+from .cell_graphs import CellGraphs
+from .context import action_label, current_action_or_outside, running_action, running_cell
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import CellEvent, RunRecord
@@ -61,8 +62,9 @@ class StageExecutor:
 
     def __init__(self, schedule: Schedule, stage: int, model: StageModel, data: CellData,
                  transport: Transport, options: StageOptions, device: torch.device,
-                 pool: Optional[BufferPool] = None) -> None:
+                 pool: Optional[BufferPool] = None, graphs: Optional[CellGraphs] = None) -> None:
         self.schedule, self.stage, self.model, self.data = schedule, stage, model, data
+        self.graphs = graphs  # CUDA graphs per compute action (cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
         self.actions = lower_stage(schedule, stage, transport.lowering)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
@@ -96,6 +98,8 @@ class StageExecutor:
 
     def run(self) -> list[Any]:
         self.record.start = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.start_iteration()
         if not self.options.forward_only:
             self.grad_sync.pause()
         for action in self.actions:
@@ -141,7 +145,10 @@ class StageExecutor:
         start = time.perf_counter()
         run_cell = self._forward_cell if action.kind == "F" else self._backward_cell
         with running_action(action.kind, cell):
-            result = run_cell(cell, received)
+            if self.graphs is None:
+                result = run_cell(cell, received)
+            else:
+                result = self._graphed(action, lambda: run_cell(cell, received), received)
         if result is not None:
             self.outbox[(action.kind, cell)] = result
         if action.kind == "B" and self.wgrad is not None:
@@ -157,9 +164,35 @@ class StageExecutor:
     def _weight_grads(self, action: Action) -> None:
         start = time.perf_counter()
         with running_action("W", action.cell):
-            self.wgrad.flush(action.cell.sequence_key)
+            if self.graphs is None:
+                self.wgrad.flush(action.cell.sequence_key)
+            else:
+                self._graphed(action, lambda: self.wgrad.flush(action.cell.sequence_key), None)
         self._give_back(self.held.pop(action.cell.sequence_key, []))
         self._record_span(action, start)
+
+    def _graphed(self, action: Action, run: Callable[[], Any], received: Optional[torch.Tensor]) -> Any:
+        """Run a compute action through its graph. A replay runs nothing inside the cell, so
+        the executor's own bookkeeping of a forward is done here: its count, the data it
+        released, its input kept for the backward, the loss reports it appended at capture."""
+        key = action_label(action.kind, action.cell)
+        reports_before = len(self.loss.results)
+        result, replayed = self.graphs.run(key, run)
+        if not replayed:
+            if self.graphs.captured(key):
+                self.graphs.reports[key] = self.loss.results[reports_before:]
+            return result
+        self.loss.results.extend(self.graphs.reports.get(key, []))
+        cell = action.cell
+        if action.kind == "F":
+            self.forwarded[cell.microbatch] = self.forwarded.get(cell.microbatch, 0) + 1
+            if self.forwarded[cell.microbatch] == self.schedule.plan.num_cells:
+                self.data.release(cell.microbatch)
+            if not self.options.forward_only:
+                self.inputs[cell] = received
+        elif action.kind == "B":
+            self.inputs.pop(cell, None)
+        return result
 
     def _record_span(self, action: Action, start: float) -> None:
         self.record.events.append(
@@ -186,6 +219,10 @@ class StageExecutor:
         self._received(opposite(action.direction), action.recv_cell, received)
 
     def _received(self, direction: str, cell: Cell, tensor: torch.Tensor) -> None:
+        if self.graphs is not None and self.pool.slot_of(tensor) is None:
+            # A transport's own buffer (Megatron's communicator): graphs read a pooled copy.
+            static = self.pool.take(tuple(tensor.shape), tensor.dtype, tensor.device)
+            tensor = static.copy_(tensor)
         self.inbox[(direction, cell)] = tensor
         position = self.output_send_position.pop(cell, None) if direction == "B" else None
         if position is not None:
@@ -200,8 +237,8 @@ class StageExecutor:
             return
         self.output_send_position[cell] = self.outputs_sent
         self.outputs_sent += 1
-        if not self.options.deallocate_outputs:
-            return
+        if not self.options.deallocate_outputs or self.graphs is not None:
+            return  # a graph's output lives in the graphs' pool: freeing its data frees nothing
         if tensor._base is not None:
             raise ValueError(
                 "TeraPipe: deallocate_pipeline_outputs frees a stage's output after its send, "
