@@ -74,8 +74,7 @@ def forward_backward_terapipe(
     device = _device_of(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    memory = plan_memory(model, config, device,
-                         (plan, num_microbatches, micro_batch_size, forward_only))
+    memory = plan_memory(model, config, device, plan, num_microbatches, micro_batch_size, forward_only)
     executor = StageExecutor(
         schedule, pp.rank() if pp is not None else 0,
         _stage_model(model, forward_step_func, first_val_step, forward_only),
@@ -84,9 +83,8 @@ def forward_backward_terapipe(
         _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
         pool=memory.pool, graphs=memory.graphs)
     result = executor.run()
-    for callback in (getattr(config, "terapipe_on_run", None), on_run):
-        if callback is not None:
-            callback(executor.record)
+    for callback in filter(None, (getattr(config, "terapipe_on_run", None), on_run)):
+        callback(executor.record)
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             [model], executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
@@ -111,8 +109,8 @@ class PlanMemory:
     graphs: Optional[CellGraphs] = None
 
 
-def plan_memory(model: torch.nn.Module, config, device: torch.device, key: tuple) -> PlanMemory:
-    """The model's PlanMemory for one plan and batch shape (runtime/buffer_pool.py,
+def plan_memory(model: torch.nn.Module, config, device: torch.device, *key) -> PlanMemory:
+    """The model's PlanMemory for one plan and batch shape, `key` (runtime/buffer_pool.py,
     runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL."""
     from .selection import cuda_graphs_enabled
 
