@@ -5,7 +5,8 @@ action (runtime/cell_graphs.py, --terapipe-cuda-graphs), on CPU.
   the same op outside a cell does not.
 - The default plan passes the audit on the local spec at PP=2 for both orders with deferral
   on and off, at TP=2 x PP=2 and at DP=2 x PP=2 with Megatron DDP, on fresh batches each
-  iteration; planted syncs and moved addresses in a real run are caught and attributed.
+  iteration, and the buffer pool allocates nothing after the warm-up; planted syncs and moved
+  addresses in a real run are caught and attributed.
 - With a recording graph factory, every compute action is captured once at the second
   iteration (numerically the same as the eager iteration) and only replayed after; without
   CUDA the option and the flag are refused, naming them.

@@ -4,7 +4,8 @@
 tp/pp; Megatron DDP when DP > 1) on fresh batches every iteration, as training does, and audits
 two iterations after a warm-up. A run may plant a violation in forward_step: "sync" (the loss
 reads its token count on the host) or "address" (the loss reads a tensor made anew each
-iteration outside the cell). Returns, per run, the violations as text.
+iteration outside the cell). Returns, per run, the violations as text, and a line if the buffer
+pool allocated after the warm-up (the steady state must take every buffer from it).
 """
 
 from __future__ import annotations
@@ -83,10 +84,20 @@ def audit_one(run: AuditRun, world_size: int) -> list[str]:
             forward_step_func=step, data_iterator=iter(batches), model=[model],
             num_microbatches=3, seq_length=model_cfg.seq_length, micro_batch_size=2, plan=plan)
 
-    report = audit_iterations(iteration)
+    iteration()  # warm-up: lazy set-up and the pool's first allocations
+    allocated_after_warmup = _pool_allocations(model)
+    report = audit_iterations(iteration, warmup=0)
     parallel_state.destroy_model_parallel()
     assert report.ops_in_cells > 0 and report.cells, f"{run.name}: the audit saw no cell"
-    return [str(v) for v in report.violations]
+    found = [str(v) for v in report.violations]
+    grown = _pool_allocations(model) - allocated_after_warmup
+    if grown:  # the steady state must take every buffer from the pool
+        found.append(f"the buffer pool allocated {grown} tensors after warm-up")
+    return found
+
+
+def _pool_allocations(model) -> int:
+    return sum(memory.pool.allocations for memory in model.__dict__["_terapipe_pools"].values())
 
 
 def audit_runs(rank: int, world_size: int, runs: list[AuditRun]) -> dict[str, Any]:
