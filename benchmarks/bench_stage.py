@@ -12,11 +12,8 @@ CPU), the host time (the call's wall time up to its return, before the device is
 the GPU-busy time (kernel time in torch.profiler), kernel launches (GPU) or dispatched aten ops
 (CPU) per cell, host syncs per cell, the ratio to 1 slice, and how many graphs capturing each
 distinct cell once would take (cells alike in kind, rows, tokens and context share one). The
-JSON copy (--out) also has the aten ops per iteration. Host ops on a model too small for its
-compute to matter (benchmarks/results/host_ops.json):
-
-    python benchmarks/bench_stage.py --hidden-size 64 --seq-length 512 --num-layers 4 \
-        --slices 1,8,32 --out benchmarks/results/host_ops.json
+JSON copy (--out) also has the aten ops per iteration. Host ops against Megatron on a tiny
+stage, with what a replayed iteration leaves: bench_host_ops.py.
 """
 
 from __future__ import annotations

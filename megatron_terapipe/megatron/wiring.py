@@ -46,7 +46,7 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
         install.install()
         return None
     provider = ArgsPlanProvider(args, measure=measure)
-    selection.select(provider)
+    selection.select(provider, cuda_graphs=bool(getattr(args, "terapipe_cuda_graphs", False)))
     install.use_slice_attention_in_gpt_models(True)
     selection.set_schedule_wrapper(
         lm_cells.MegatronLMCells(trace=getattr(args, "terapipe_trace", None)))

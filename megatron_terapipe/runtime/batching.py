@@ -7,6 +7,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..schedule import Cell
+from .buffer_pool import BufferPool
 
 
 def slice_tensor(x: Any, cell: Cell, seq_length: int, micro_batch_size: int) -> Any:
@@ -89,14 +90,22 @@ class CellData:
 
     The read is lazy: it happens when forward_step_func first calls next() for a microbatch, so
     stages whose forward_step never reads (middle stages in pretrain_gpt) never consume data.
+    With a `pool`, each batch's tensors are copied into pooled buffers (staged) as they are
+    read, so cells read their data at the same addresses every iteration (what a CUDA graph
+    replaying a cell needs); `prefetch` reads and stages a microbatch before its first cell,
+    outside it. Staged buffers go back to the pool with `release_staged`, after the last
+    backward that may read them (a loss mask is saved for the loss's backward).
     """
 
     def __init__(self, data_iterator: Optional[Iterator], seq_length: int, micro_batch_size: int,
-                 check_mask: bool = True) -> None:
+                 check_mask: bool = True, pool: Optional[BufferPool] = None) -> None:
         self.source = data_iterator
         self.seq_length = seq_length
         self.micro_batch_size = micro_batch_size
         self.check_mask = check_mask
+        self.pool = pool
+        self.staged: list[torch.Tensor] = []
+        self.read_any = False  # whether any microbatch was read on this stage
         self._batches: dict[int, Any] = {}
         self._next_microbatch = 0
 
@@ -111,9 +120,40 @@ class CellData:
             check_lengths(batch, self.seq_length, self.micro_batch_size)
             if self.check_mask:
                 check_causal_mask(batch, self.seq_length)
-            self._batches[microbatch] = batch
+            self._batches[microbatch] = self._staged(batch) if self.pool is not None else batch
             self._next_microbatch = microbatch + 1
+            self.read_any = True
         return self._batches[microbatch]
+
+    def prefetch(self, microbatch: int) -> None:
+        """Read (and stage) a microbatch now, before its first cell; an exhausted source is
+        left for the cell's own next() to report."""
+        if self.source is None or microbatch in self._batches:
+            return
+        try:
+            self._batch(microbatch)
+        except StopIteration:
+            pass
+
+    def _staged(self, batch: Any) -> Any:
+        if isinstance(batch, dict):
+            return {k: self._staged_tensor(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._staged_tensor(v) for v in batch)
+        return self._staged_tensor(batch)
+
+    def _staged_tensor(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.requires_grad:
+            return x
+        static = self.pool.take(tuple(x.shape), x.dtype, x.device)  # type: ignore[union-attr]
+        static.copy_(x)
+        self.staged.append(static)
+        return static
+
+    def release_staged(self) -> None:
+        for tensor in self.staged:
+            self.pool.give_back(tensor)  # type: ignore[union-attr]
+        self.staged.clear()
 
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)

@@ -77,24 +77,5 @@ def current_action() -> Optional[str]:
     return _ACTION
 
 
-_EAGER = 0
-
-
-@contextlib.contextmanager
-def eager_region() -> Iterator[None]:
-    """Code inside a compute action that a cell's CUDA graphs would leave out and run eagerly
-    (as Megatron's per-layer graphs leave out its loss): the capture audit skips it."""
-    global _EAGER
-    _EAGER += 1
-    try:
-        yield
-    finally:
-        _EAGER -= 1
-
-
-def in_eager_region() -> bool:
-    return _EAGER > 0
-
-
 def current_action_or_outside() -> str:
     return _ACTION or "outside a cell"

@@ -19,7 +19,8 @@ import torch
 from ..schedule import Action, Cell, Schedule, lower_stage, opposite
 from .batching import CellData
 from .buffer_pool import BufferPool
-from .context import current_action_or_outside, eager_region, running_action, running_cell
+from .cell_graphs import CellGraphs
+from .context import action_label, current_action_or_outside, running_action, running_cell
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import CellEvent, RunRecord
@@ -61,20 +62,24 @@ class StageExecutor:
 
     def __init__(self, schedule: Schedule, stage: int, model: StageModel, data: CellData,
                  transport: Transport, options: StageOptions, device: torch.device,
-                 pool: Optional[BufferPool] = None) -> None:
+                 pool: Optional[BufferPool] = None, graphs: Optional[CellGraphs] = None) -> None:
         self.schedule, self.stage, self.model, self.data = schedule, stage, model, data
+        self.graphs = graphs  # CUDA graphs per compute action (cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
         self.actions = lower_stage(schedule, stage, transport.lowering)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
-        self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
-                             keep_for_backward=not options.forward_only)
-        # One pool kept across iterations (the caller's) puts the K/V buffers at fixed addresses.
+        # One pool kept across iterations (the caller's) puts every buffer cells read across
+        # their boundary at fixed addresses: K/V, received messages, staged data, loss totals.
         self.pool = pool if pool is not None else BufferPool()
         self.pool.label_of = current_action_or_outside
+        transport.pool = self.pool
+        if data.pool is None:
+            data.pool = self.pool
+        self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
+                             keep_for_backward=not options.forward_only, pool=self.pool)
+        # Received buffers a sequence's deferred pieces may still read, until its W action.
+        self.held: dict[tuple[int, int], list[Optional[torch.Tensor]]] = {}
         self.cache = KVCache(seq_length=data.seq_length, pool=self.pool)
-        transport.pool = self.pool  # received messages too: a cell's inputs at fixed addresses
-        self.received: dict[Cell, list[torch.Tensor]] = {}  # messages until the cell is done
-        self.held_for_w: dict[tuple[int, int], list[torch.Tensor]] = {}  # ... or its W is
         # Linear layers defer weight gradients to the schedule's W actions when it has them.
         self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
         self.grad_sync = _GradSync(options, sync_at_last_backward=self.is_first)
@@ -93,6 +98,8 @@ class StageExecutor:
 
     def run(self) -> list[Any]:
         self.record.start = time.perf_counter()
+        if self.graphs is not None:
+            self.graphs.start_iteration()
         if not self.options.forward_only:
             self.grad_sync.pause()
         for action in self.actions:
@@ -100,10 +107,9 @@ class StageExecutor:
         self.transport.finish()
         if not self.options.forward_only:
             self.grad_sync.at_end(self.model.module)
+        self._release_run_buffers()
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
-        for held in (*self.received.values(), *self.held_for_w.values()):
-            self._give_back(held)  # every slot free again: the next iteration takes the same
         if self.wgrad is not None and len(self.wgrad):
             raise RuntimeError(f"TeraPipe: weight gradients of {len(self.wgrad)} sequences were "
                                "never computed (the schedule lacks their W actions)")
@@ -117,43 +123,76 @@ class StageExecutor:
     def activation_shape(self, cell: Cell) -> tuple[int, int, int]:
         return (cell.tokens // self.options.seq_divisor, cell.rows, self.options.hidden_size)
 
+    def _release_run_buffers(self) -> None:
+        """Pooled buffers whose last reader has run; the loss total stays readable (for
+        finalize_model_grads) until the next iteration takes it again."""
+        self.data.release_staged()
+        self.pool.give_back(self.loss.total_num_tokens)
+        if self.pool.stage_reads_data is None:
+            self.pool.stage_reads_data = self.data.read_any
+
     # -- compute actions ------------------------------------------------------------------------
     def _compute(self, action: Action) -> None:
         """F or B: run the cell on what arrived for it (nothing on the first stage's forwards
         and the last stage's backwards) and leave the result for its SEND."""
+        cell = action.cell
         if action == self.last_backward:
             self.grad_sync.at_last_backward()
-        received = self.inbox.pop((action.kind, action.cell), None)
+        if action.kind == "F" and not self.forwarded.get(cell.microbatch) and self.pool.stage_reads_data:
+            self.data.prefetch(cell.microbatch)  # outside the cell, at a fixed address
+        received = self.inbox.pop((action.kind, cell), None)
+        held = [received, self.inputs.get(cell)] if action.kind == "B" else [received]
         start = time.perf_counter()
         run_cell = self._forward_cell if action.kind == "F" else self._backward_cell
-        with running_action(action.kind, action.cell):
-            result = run_cell(action.cell, received)
+        with running_action(action.kind, cell):
+            if self.graphs is None:
+                result = run_cell(cell, received)
+            else:
+                result = self._graphed(action, lambda: run_cell(cell, received), received)
         if result is not None:
-            self.outbox[(action.kind, action.cell)] = result
-        if action.kind == "B" or self.options.forward_only:
-            self._done_with_messages(action.cell)
+            self.outbox[(action.kind, cell)] = result
+        if action.kind == "B" and self.wgrad is not None:
+            self.held.setdefault(cell.sequence_key, []).extend(held)
+        elif action.kind == "B" or self.options.forward_only:
+            self._give_back(held)
         self._record_span(action, start)
+
+    def _give_back(self, tensors: list[Optional[torch.Tensor]]) -> None:
+        for tensor in tensors:
+            self.pool.give_back(tensor)
 
     def _weight_grads(self, action: Action) -> None:
         start = time.perf_counter()
         with running_action("W", action.cell):
-            self.wgrad.flush(action.cell.sequence_key)
-        self._give_back(self.held_for_w.pop(action.cell.sequence_key, []))
+            if self.graphs is None:
+                self.wgrad.flush(action.cell.sequence_key)
+            else:
+                self._graphed(action, lambda: self.wgrad.flush(action.cell.sequence_key), None)
+        self._give_back(self.held.pop(action.cell.sequence_key, []))
         self._record_span(action, start)
 
-    def _done_with_messages(self, cell: Cell) -> None:
-        """The cell ran its last compute: its received messages go back to the pool, or, when
-        its weight gradients wait for a W action (which may read them), at that W."""
-        messages = self.received.pop(cell, [])
-        if self.wgrad is not None and not self.options.forward_only:
-            self.held_for_w.setdefault(cell.sequence_key, []).extend(messages)
-        else:
-            self._give_back(messages)
-
-    def _give_back(self, messages: list[torch.Tensor]) -> None:
-        for tensor in messages:
-            self.pool.give_back(tensor)
-        messages.clear()
+    def _graphed(self, action: Action, run: Callable[[], Any], received: Optional[torch.Tensor]) -> Any:
+        """Run a compute action through its graph. A replay runs nothing inside the cell, so
+        the executor's own bookkeeping of a forward is done here: its count, the data it
+        released, its input kept for the backward, the loss reports it appended at capture."""
+        key = action_label(action.kind, action.cell)
+        reports_before = len(self.loss.results)
+        result, replayed = self.graphs.run(key, run)
+        if not replayed:
+            if self.graphs.captured(key):
+                self.graphs.reports[key] = self.loss.results[reports_before:]
+            return result
+        self.loss.results.extend(self.graphs.reports.get(key, []))
+        cell = action.cell
+        if action.kind == "F":
+            self.forwarded[cell.microbatch] = self.forwarded.get(cell.microbatch, 0) + 1
+            if self.forwarded[cell.microbatch] == self.schedule.plan.num_cells:
+                self.data.release(cell.microbatch)
+            if not self.options.forward_only:
+                self.inputs[cell] = received
+        elif action.kind == "B":
+            self.inputs.pop(cell, None)
+        return result
 
     def _record_span(self, action: Action, start: float) -> None:
         self.record.events.append(
@@ -180,8 +219,11 @@ class StageExecutor:
         self._received(opposite(action.direction), action.recv_cell, received)
 
     def _received(self, direction: str, cell: Cell, tensor: torch.Tensor) -> None:
+        if self.graphs is not None and self.pool.slot_of(tensor) is None:
+            # A transport's own buffer (Megatron's communicator): graphs read a pooled copy.
+            static = self.pool.take(tuple(tensor.shape), tensor.dtype, tensor.device)
+            tensor = static.copy_(tensor)
         self.inbox[(direction, cell)] = tensor
-        self.received.setdefault(cell, []).append(tensor)
         position = self.output_send_position.pop(cell, None) if direction == "B" else None
         if position is not None:
             # The next stage ran this cell's backward, so it has every output sent up to it.
@@ -195,8 +237,8 @@ class StageExecutor:
             return
         self.output_send_position[cell] = self.outputs_sent
         self.outputs_sent += 1
-        if not self.options.deallocate_outputs:
-            return
+        if not self.options.deallocate_outputs or self.graphs is not None:
+            return  # a graph's output lives in the graphs' pool: freeing its data frees nothing
         if tensor._base is not None:
             raise ValueError(
                 "TeraPipe: deallocate_pipeline_outputs frees a stage's output after its send, "
@@ -225,8 +267,7 @@ class StageExecutor:
         if options.forward_only and cell.is_last_token_slice:
             self.cache.release_sequence(cell)
         if self.is_last:
-            with eager_region():  # loss_func is the user's Python: cell graphs leave it out
-                self.loss.record(cell, output, loss_func, microbatch_done)
+            self.loss.record(cell, output, loss_func, microbatch_done)
         else:
             self._check_output(cell, output)
         if microbatch_done:
@@ -252,9 +293,7 @@ class StageExecutor:
         options = self.options
         input_tensor = self.inputs.pop(cell, None)
         if self.is_last:
-            with eager_region():
-                root = self.loss.backward_root(cell, options.per_token_loss,
-                                               options.grad_scale_func)
+            root = self.loss.backward_root(cell, options.per_token_loss, options.grad_scale_func)
         else:
             root = self.outputs.pop(cell)
         with running_cell(cell, self.cache, "backward", wgrad=self.wgrad):

@@ -18,6 +18,7 @@ import torch
 
 from ..schedule import Cell
 from .batching import CellData, slice_tensor
+from .buffer_pool import BufferPool
 
 
 @dataclass
@@ -31,7 +32,8 @@ class _CellLoss:
 
 class LossBook:
     def __init__(self, data: CellData, num_microbatches: int, device: torch.device,
-                 collect_non_loss_data: bool = False, keep_for_backward: bool = True) -> None:
+                 collect_non_loss_data: bool = False, keep_for_backward: bool = True,
+                 pool: Optional[BufferPool] = None) -> None:
         self.data = data
         self.num_microbatches = num_microbatches
         self.collect_non_loss_data = collect_non_loss_data
@@ -40,7 +42,8 @@ class LossBook:
         self.tokens: dict[int, torch.Tensor] = {}  # per microbatch
         self.weights: dict[int, Union[float, torch.Tensor]] = {}  # per microbatch, mean losses
         self.reports: dict[int, list[tuple[Any, Any]]] = {}
-        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=device)
+        # Every cell adds into it: from the pool, it sits at the same address every iteration.
+        self.total_num_tokens = (pool or BufferPool()).take((), torch.int, device, zeroed=True)
         self.results: list[Any] = []  # what the schedule returns: one entry per microbatch
 
     def record(self, cell: Cell, output: Any, loss_func: Optional[Callable],

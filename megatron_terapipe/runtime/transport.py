@@ -33,11 +33,11 @@ class Transport:
     """No neighbours (a one-stage pipeline); subclasses move tensors to and from them."""
 
     lowering = Lowering()
-    # Where received messages go: the executor's pool (fixed addresses for a fixed plan; it
-    # gives them back when their cell no longer needs them), or a new tensor each when None.
-    pool: Optional[BufferPool] = None
     receives = 0  # messages received (counted where the transport can tell)
     receives_posted_early = 0  # of which the receive was posted before it was needed
+    # Where receive buffers come from, when the transport allocates them (set by the executor,
+    # which gives them back): at fixed addresses every iteration, as a CUDA graph needs.
+    pool: Optional[BufferPool] = None
 
     def send(self, direction: str, tensor: torch.Tensor) -> None:
         raise RuntimeError("TeraPipe: no neighbour stage to send to")
@@ -110,9 +110,6 @@ class TorchTransport(Transport):
             raise RuntimeError("TeraPipe: no neighbour stage to receive from")
         if self.pool is not None:
             buf = self.pool.take(tuple(shape), self.dtype, self.device)
-            # a pooled tensor's last use may have made it an input that needs a gradient
-            buf.requires_grad_(False)
-            buf.grad = None
         else:
             buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src, group=self.group, tag=_TAGS[direction]), buf

@@ -32,6 +32,8 @@ def validate_terapipe_args(args) -> None:
                                           ("--terapipe-num-slices", num_slices),
                                           ("--terapipe-memory-budget", _memory_flag(args)))
                  if value not in (None, [], ())]
+        if getattr(args, "terapipe_cuda_graphs", False):
+            given.append("--terapipe-cuda-graphs")
         if given:
             _fail(f"{given[0]} needs --pipeline-schedule terapipe or auto (the schedule is "
                   f"{getattr(args, 'pipeline_schedule', '1f1b')}): add --pipeline-schedule "
@@ -57,6 +59,7 @@ def validate_terapipe_args(args) -> None:
     _check_planner_flags(args)
     _check_memory_flags(args)
     _check_megatron_features(args, seq)
+    _check_cuda_graphs(args)
 
 
 def _memory_flag(args):
@@ -77,6 +80,22 @@ def _check_memory_flags(args) -> None:
         _fail(f"--terapipe-memory-profile {profile}: no such file; measure one with python -m "
               "megatron_terapipe.megatron.measure memory, or drop the flag to use the cost "
               "model's estimate")
+
+
+def _check_cuda_graphs(args) -> None:
+    if not getattr(args, "terapipe_cuda_graphs", False):
+        return
+    import torch
+
+    if getattr(args, "terapipe_cpu", False) or not torch.cuda.is_available():
+        where = "--terapipe-cpu runs on CPU" if getattr(args, "terapipe_cpu", False) else \
+            "this process sees no CUDA device"
+        _fail(f"--terapipe-cuda-graphs captures cells as CUDA graphs, but {where}: drop "
+              "--terapipe-cuda-graphs (on CPU, megatron_terapipe.runtime.graph_audit."
+              "audit_iterations checks that cells could be captured)")
+    if getattr(args, "overlap_grad_reduce", False):
+        _fail("--terapipe-cuda-graphs replays the W actions without Python, so "
+              "--overlap-grad-reduce would never see gradients ready: drop one of the two")
 
 
 def _check_auto(args) -> None:

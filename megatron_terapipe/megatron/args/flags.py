@@ -64,6 +64,11 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--terapipe-profile-points", type=int, default=DEFAULT_PROFILE_POINTS,
                        metavar="N", help="slice lengths and contexts measured per axis with "
                                          "--terapipe-cost-model profile (keep it small)")
+    group.add_argument("--terapipe-cuda-graphs", action="store_true",
+                       help="capture each compute action (a cell's forward, its backward, a W "
+                            "action) as a CUDA graph at the second iteration and replay it "
+                            "after, so a cell's host work does not grow with the slices (needs "
+                            "CUDA; not with --overlap-grad-reduce)")
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; needs --clip-grad 0.0; see megatron/hooks/lm_cpu.py)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
@@ -19,6 +20,7 @@ from ...plan import TeraPipePlan
 from ...runtime.attention import SliceAttention
 from ...runtime.batching import CellData
 from ...runtime.buffer_pool import BufferPool
+from ...runtime.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.executor import StageExecutor, StageModel, StageOptions
 from ...runtime.trace import RunRecord
 from ...schedule import Cell, build_schedule
@@ -72,17 +74,17 @@ def forward_backward_terapipe(
     device = _device_of(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    memory = plan_memory(model, config, device, plan, num_microbatches, micro_batch_size, forward_only)
     executor = StageExecutor(
         schedule, pp.rank() if pp is not None else 0,
         _stage_model(model, forward_step_func, first_val_step, forward_only),
         CellData(data_iterator, seq_length, micro_batch_size),
         make_transport(pp, config, device, p2p_communicator),
         _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
-        pool=buffer_pool(model, (plan, num_microbatches, micro_batch_size, forward_only)))
+        pool=memory.pool, graphs=memory.graphs)
     result = executor.run()
-    for callback in (getattr(config, "terapipe_on_run", None), on_run):
-        if callback is not None:
-            callback(executor.record)
+    for callback in filter(None, (getattr(config, "terapipe_on_run", None), on_run)):
+        callback(executor.record)
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             [model], executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
@@ -97,15 +99,32 @@ def forward_backward_terapipe(
 POOLS_PER_MODEL = 4
 
 
-def buffer_pool(model: torch.nn.Module, key: tuple) -> BufferPool:
-    """The model's pool for one plan and batch shape, kept across iterations so that the K/V
-    buffers of every cell sit at the same addresses each iteration (runtime/buffer_pool.py)."""
-    pools = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
-    pool = pools.pop(key, None) or BufferPool()
-    pools[key] = pool
-    while len(pools) > POOLS_PER_MODEL:
-        pools.popitem(last=False)
-    return pool
+@dataclass
+class PlanMemory:
+    """What a stage keeps across iterations for one plan and batch shape: the pool that puts
+    cells' buffers at fixed addresses, and the CUDA graphs captured on those addresses (they
+    go together: graphs of a dropped pool would read freed memory)."""
+
+    pool: BufferPool
+    graphs: Optional[CellGraphs] = None
+
+
+def plan_memory(model: torch.nn.Module, config, device: torch.device, *key) -> PlanMemory:
+    """The model's PlanMemory for one plan and batch shape, `key` (runtime/buffer_pool.py,
+    runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL."""
+    from .selection import cuda_graphs_enabled
+
+    kept = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
+    memory = kept.pop(key, None)
+    if memory is None:
+        memory = PlanMemory(BufferPool())
+        if cuda_graphs_enabled(config):
+            factory = getattr(config, "terapipe_graph_factory", None) or cuda_graph_factory(device)
+            memory.graphs = CellGraphs(factory)
+    kept[key] = memory
+    while len(kept) > POOLS_PER_MODEL:
+        kept.popitem(last=False)
+    return memory
 
 
 def _single_chunk(model, data_iterator):
@@ -197,7 +216,19 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
                          "is not supported")
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
+    _check_graphs(config, model)
     prepare_model(model)
+
+
+def _check_graphs(config, model: torch.nn.Module) -> None:
+    from .selection import cuda_graphs_enabled
+
+    ddp_config = getattr(model, "ddp_config", None)
+    if cuda_graphs_enabled(config) and getattr(ddp_config, "overlap_grad_reduce", False):
+        raise ValueError(
+            "TeraPipe: CUDA graphs (--terapipe-cuda-graphs) replay the W actions without "
+            "Python, so Megatron DDP's overlap_grad_reduce would never see its gradients "
+            "ready: drop --overlap-grad-reduce, or drop --terapipe-cuda-graphs")
 
 
 def prepare_model(model: torch.nn.Module) -> None:

@@ -15,6 +15,7 @@ class SelectionState:
     selected: bool = False  # get_forward_backward_func returns TeraPipe's schedule
     default_source: object = None  # plan or provider used when a model config carries none
     schedule_wrapper: Optional[Callable[[Callable], Callable]] = None  # e.g. MegatronLMCells
+    cuda_graphs: bool = False  # --terapipe-cuda-graphs: a CUDA graph per compute action
 
 
 STATE = SelectionState()
@@ -23,11 +24,13 @@ VIRTUAL_STAGES_UNSUPPORTED = (
     "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
 
 
-def select(source) -> None:
-    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from flags."""
+def select(source, cuda_graphs: bool = False) -> None:
+    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from
+    flags; `cuda_graphs`: capture and replay every compute action (--terapipe-cuda-graphs)."""
     if not isinstance(source, TeraPipePlan) and not hasattr(source, "plan_for"):
         raise ValueError(f"select() takes a TeraPipePlan or a plan provider, got {type(source).__name__}")
     STATE.default_source = source
+    STATE.cuda_graphs = cuda_graphs
     STATE.selected = True
 
 
@@ -35,13 +38,29 @@ def default_plan_source():
     return STATE.default_source
 
 
-def configure(config, plan) -> None:
+def configure(config, plan, cuda_graphs: Optional[bool] = None,
+              graph_factory: Optional[Callable[[str], object]] = None) -> None:
     """Validate `plan` against the model config and attach it (config.terapipe_plan).
 
     `plan` is a TeraPipePlan, or a provider with `plan_for(seq_length, micro_batch_size)` for
     runs whose sequence length changes. Also selects TeraPipe for `get_forward_backward_func`
-    once `install()` has run.
+    once `install()` has run. `cuda_graphs`: capture every compute action (a cell's forward,
+    its backward, a W action) as a CUDA graph once and replay it (runtime/cell_graphs.py);
+    needs CUDA; None leaves the choice to the flags (`select`). `graph_factory(label)` makes each graph instead of torch.cuda.CUDAGraph
+    (tests pass runtime.cell_graphs.RecordingGraph).
     """
+    if cuda_graphs and graph_factory is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "TeraPipe: configure(..., cuda_graphs=True) captures cells as CUDA graphs, but "
+                "this process sees no CUDA device: drop cuda_graphs=True (on CPU, "
+                "megatron_terapipe.runtime.graph_audit.audit_iterations checks that cells "
+                "could be captured)")
+    if cuda_graphs is not None:
+        config.terapipe_cuda_graphs = cuda_graphs
+    config.terapipe_graph_factory = graph_factory
     if isinstance(plan, TeraPipePlan):
         check_config(config, plan)
     elif not hasattr(plan, "plan_for"):
@@ -81,10 +100,17 @@ def deselect() -> None:
     STATE.selected = False
     STATE.default_source = None
     STATE.schedule_wrapper = None
+    STATE.cuda_graphs = False
 
 
 def selected() -> bool:
     return STATE.selected
+
+
+def cuda_graphs_enabled(config) -> bool:
+    """configure(..., cuda_graphs=...) for this model's config, else the flags' choice."""
+    own = getattr(config, "terapipe_cuda_graphs", None)
+    return STATE.cuda_graphs if own is None else bool(own)
 
 
 def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> None:

@@ -1,0 +1,166 @@
+"""Host work per iteration and per cell on CPU, where compute is negligible: does a cell's host
+work stay flat as the number of token slices K grows?
+
+    python benchmarks/bench_host_ops.py          # hidden 64, seq 512, 4 layers, one process
+
+One process runs a whole tiny GPT as one stage (PP=1, one microbatch) through Megatron's
+`forward_backward_no_pipelining` with Megatron's local spec (unsliced), and through
+`forward_backward_terapipe` with K uniform token slices and the default plan (deferred weight
+gradients). Per row: aten ops dispatched in one iteration (a TorchDispatchMode), per cell
+(ops / K), the median host time of an iteration (perf_counter; on CPU that is all of it), and
+for TeraPipe how many graphs `--terapipe-cuda-graphs` would capture for the plan and the aten
+ops a replayed iteration still dispatches outside them (counted with runtime/cell_graphs.py's
+RecordingGraph, whose replays run nothing). Targets: TeraPipe at K = 1 no more ops than
+Megatron's unsliced iteration; ops per cell at K = 32 within 1.1x of K = 1. Writes
+benchmarks/results/host_ops.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bench_stage  # noqa: E402  (its models, batch, iteration and op counter)
+import megatron_terapipe as mt  # noqa: E402
+from megatron_terapipe.runtime.cell_graphs import RecordingGraph  # noqa: E402
+
+
+@dataclass
+class HostOpsRow:
+    name: str
+    slices: int
+    ops_per_iteration: int
+    ops_per_cell: float
+    host_ms: float
+    graphs: Optional[int] = None  # graphs the plan would capture (TeraPipe rows)
+    ops_outside_graphs: Optional[int] = None  # aten ops of a replayed iteration
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--slices", default="1,8,32")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "host_ops.json"))
+    args = p.parse_args(argv)
+    args.slice_counts = [int(k) for k in args.slices.split(",")]
+    if any(k <= 0 or args.seq_length % k for k in args.slice_counts):
+        p.error(f"--slices: each count must be positive and divide --seq-length {args.seq_length}")
+    # bench_stage's model options
+    args.device, args.num_attention_heads, args.micro_batch_size, args.vocab_size = "cpu", 4, 1, 1024
+    args.bf16 = False
+    return args
+
+
+def count_ops(run: Callable[[], None]) -> int:
+    with bench_stage._OpCounter() as counter:
+        run()
+    return counter.ops
+
+
+def host_ms(run: Callable[[], None], warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def graph_counts(model, plan, batch, args) -> tuple[int, int]:
+    """(graphs captured, aten ops of a replayed iteration) with recording graphs, on the
+    model's own plan memory set aside for the count."""
+    config = model.config
+    saved = model.__dict__.pop("_terapipe_pools", None)
+    graphs: list[RecordingGraph] = []
+    config.terapipe_cuda_graphs = True
+    config.terapipe_graph_factory = lambda key: graphs.append(RecordingGraph(key)) or graphs[-1]
+    run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, model, batch, args, plan=plan)  # noqa: E731
+    try:
+        run()  # eager warm-up
+        run()  # capture
+        replayed_ops = count_ops(run)
+    finally:
+        config.terapipe_cuda_graphs = False
+        config.terapipe_graph_factory = None
+        model.__dict__.pop("_terapipe_pools", None)
+        if saved is not None:
+            model._terapipe_pools = saved
+    return len(graphs), replayed_ops
+
+
+def run_all(args) -> list[HostOpsRow]:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    ours, megatron = bench_stage.build_models(args)
+    batch = bench_stage.make_batch(args)
+    run = lambda: bench_stage.iteration(forward_backward_no_pipelining, megatron, batch, args)  # noqa: E731
+    ms = host_ms(run, args.warmup, args.iters)
+    ops = count_ops(run)
+    rows = [HostOpsRow("Megatron local spec, unsliced", 1, ops, float(ops), ms)]
+    print(_format(rows[-1]), flush=True)
+    for k in args.slice_counts:
+        plan = mt.TeraPipePlan.uniform(args.seq_length, k)
+        run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, ours, batch, args, plan=plan)  # noqa: E731
+        ms = host_ms(run, args.warmup, args.iters)
+        ops = count_ops(run)
+        graphs, outside = graph_counts(ours, plan, batch, args)
+        rows.append(HostOpsRow(f"TeraPipe, {k} slices", k, ops, ops / k, ms, graphs, outside))
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def _format(r: HostOpsRow) -> str:
+    graphs = "-" if r.graphs is None else str(r.graphs)
+    outside = "-" if r.ops_outside_graphs is None else str(r.ops_outside_graphs)
+    return (f"{r.name:32s} {r.ops_per_iteration:10d} {r.ops_per_cell:10.1f} {r.host_ms:9.2f} "
+            f"{graphs:>7s} {outside:>10s}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    bench_stage.init_process("cpu")
+    torch.set_num_threads(1)
+    print(f"{'run':32s} {'ops/iter':>10s} {'ops/cell':>10s} {'host ms':>9s} {'graphs':>7s} "
+          f"{'replay ops':>10s}", flush=True)
+    rows = run_all(args)
+    one = next(r for r in rows if r.name.startswith("TeraPipe") and r.slices == 1)
+    targets = {
+        "k1_ops_vs_megatron": one.ops_per_iteration / rows[0].ops_per_iteration,
+        "ops_per_cell_vs_k1": {r.slices: r.ops_per_cell / one.ops_per_cell
+                               for r in rows if r.name.startswith("TeraPipe")}}
+    print(f"> TeraPipe K=1 / Megatron ops: {targets['k1_ops_vs_megatron']:.3f}; ops per cell vs "
+          f"K=1: {targets['ops_per_cell_vs_k1']}")
+    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                         f"Python {platform.python_version()}, 1 thread",
+              "shape": {"hidden_size": args.hidden_size, "seq_length": args.seq_length,
+                        "num_layers": args.num_layers, "num_attention_heads": 4,
+                        "vocab_size": args.vocab_size, "micro_batch_size": 1},
+              "rows": [asdict(r) for r in rows], "targets": targets}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"> wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""One CUDA graph per compute action of a fixed plan: captured once, replayed every iteration.
+
+On a GPU a token-sliced stage is host-bound: every cell launches about as many kernels as a
+whole unsliced pass. A plan fixes every cell's shape, and the buffer pool (buffer_pool.py)
+puts everything a cell reads across its boundary at the same address every iteration, so each
+compute action (a cell's forward, its backward, a sequence's W action) can be captured once
+and replayed: its host work then no longer grows with the number of slices.
+
+Each action gets its own graph (the key is its label, "F m0 b0 t1"): forwards of different
+microbatches are alive together and keep their saved activations in their graph's memory, so
+they cannot share one. The graphs share one memory pool and are captured in the order they
+run, one iteration after `warmup_iterations` eager ones (lazy set-up, the pool's first
+allocations, cuBLAS workspaces), and then replayed in that same order.
+
+What the executor does around a replay: a replayed action runs no Python inside the cell, so
+the executor keeps its own bookkeeping (forward counts, receive buffers, the loss reports the
+captured forward produced: `reports`) and the transports, data prefetch and gradient sync run
+eagerly between graphs.
+
+Why torch.cuda.CUDAGraph and not Megatron's CudaGraphManager (`--cuda-graph-impl local`):
+Megatron's manager graphs each TransformerLayer call and ties it to autograd through its own
+function, keyed on Megatron's microbatch order; a TeraPipe cell also runs the embedding, the
+loss, the K/V cache's writes and the deferring layers' hand-over to the W store, and the W
+actions run outside any layer. A graph per action holds all of it.
+
+`graph_factory` makes the graphs: `cuda_graph_factory()` on a GPU; tests and CPU benchmarks use
+`RecordingGraph`, which runs the action once at capture and records the ops it would capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CellGraph(Protocol):
+    def capture(self, run: Callable[[], Any]) -> Any:
+        """Capture `run()`'s device work; returns its result (tensors at the graph's addresses)."""
+
+    def replay(self) -> None:
+        ...
+
+
+GraphFactory = Callable[[str], CellGraph]
+
+
+@dataclass
+class CellGraphs:
+    """The graphs of one stage for one plan and batch shape (kept with its buffer pool).
+
+    `start_iteration()` once per iteration, then `run(key, action)` for each compute action:
+    eager during warm-up, captured (and replayed once, since a capture runs nothing) the
+    first time after it, replayed afterwards. Returns (result, replayed)."""
+
+    factory: GraphFactory
+    warmup_iterations: int = 1
+    graphs: dict[str, CellGraph] = field(default_factory=dict)
+    results: dict[str, Any] = field(default_factory=dict)  # what each captured action returned
+    reports: dict[str, list] = field(default_factory=dict)  # loss reports a forward appended
+    iteration: int = 0
+
+    def start_iteration(self) -> None:
+        self.iteration += 1
+
+    def run(self, key: str, action: Callable[[], Any]) -> tuple[Any, bool]:
+        if self.iteration <= self.warmup_iterations:
+            return action(), False
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return self.results[key], True
+        graph = self.factory(key)
+        result = graph.capture(action)
+        graph.replay()
+        self.graphs[key] = graph
+        self.results[key] = result
+        return result, False
+
+    def captured(self, key: str) -> bool:
+        return key in self.graphs
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self, ops: list[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class RecordingGraph:
+    """A stand-in for a CUDA graph on CPU: `capture` runs the action once and records the aten
+    ops it dispatched (what a CUDA graph would hold); `replay` only counts (nothing runs)."""
+
+    key: str
+    ops: list[str] = field(default_factory=list)
+    calls: int = 0  # captures: the action really ran
+    replays: int = 0
+
+    def capture(self, run: Callable[[], Any]) -> Any:
+        self.calls += 1
+        with _OpRecorder(self.ops):
+            return run()
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+class TorchCUDAGraph:
+    """torch.cuda.CUDAGraph capturing one action into a memory pool shared by the stage's graphs."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, run: Callable[[], Any]) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return run()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def cuda_graph_factory(device: Optional[torch.device] = None) -> GraphFactory:
+    """Graphs on the CUDA device the stage runs on; a clear error anywhere else."""
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        where = f"on {device}" if device is not None else "in a process that sees no CUDA device"
+        raise ValueError(
+            f"TeraPipe: CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True)) "
+            f"need a CUDA device, but the stage runs {where}: drop the option (on CPU, check "
+            "that cells could be captured with megatron_terapipe.runtime.graph_audit."
+            "audit_iterations)")
+    pool = torch.cuda.graph_pool_handle()
+    return lambda key: TorchCUDAGraph(pool)
