@@ -30,7 +30,7 @@ actions run outside any layer. A graph per action holds all of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -51,9 +51,10 @@ GraphFactory = Callable[[str], CellGraph]
 class CellGraphs:
     """The graphs of one stage for one plan and batch shape (kept with its buffer pool).
 
-    `start_iteration()` once per iteration, then `run(key, action)` for each compute action:
-    eager during warm-up, captured (and replayed once, since a capture runs nothing) the
-    first time after it, replayed afterwards. Returns (result, replayed)."""
+    `start_iteration(parameters)` once per iteration, then `run(key, action)` for each compute
+    action: eager during warm-up, captured (and replayed once, since a capture runs nothing) the
+    first time after it, replayed afterwards. Returns (result, replayed). `end_iteration`
+    notes, after the capture, which tensor each parameter's .grad is: the replays write there."""
 
     factory: GraphFactory
     warmup_iterations: int = 1
@@ -61,9 +62,26 @@ class CellGraphs:
     results: dict[str, Any] = field(default_factory=dict)  # what each captured action returned
     reports: dict[str, list] = field(default_factory=dict)  # loss reports a forward appended
     iteration: int = 0
+    #: After the capture, per parameter without Megatron DDP's main_grad, its .grad tensor.
+    grad_homes: dict[str, Optional[torch.Tensor]] = field(default_factory=dict)
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, parameters: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+        """Count the iteration; once graphs replay, refuse gradients that moved (before any work)."""
+        if self.grad_homes:
+            for name, param in parameters:
+                if name in self.grad_homes and param.grad is not self.grad_homes[name]:
+                    raise ValueError(
+                        f"TeraPipe: CUDA graphs (--terapipe-cuda-graphs) replay parameter "
+                        f"gradients into the tensors the capture accumulated them in, but {name}"
+                        f".grad was {'set to None' if param.grad is None else 'replaced'} since: "
+                        "zero gradients in place (zero_grad(set_to_none=False)), or wrap the "
+                        "model in Megatron's DistributedDataParallel (its main_grad is zeroed in place)")
         self.iteration += 1
+
+    def end_iteration(self, parameters: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.iteration == self.warmup_iterations + 1 and self.graphs:  # the capture iteration
+            self.grad_homes = {name: param.grad for name, param in parameters
+                               if getattr(param, "main_grad", None) is None}
 
     def run(self, key: str, action: Callable[[], Any]) -> tuple[Any, bool]:
         if self.iteration <= self.warmup_iterations:

@@ -99,7 +99,7 @@ class StageExecutor:
     def run(self) -> list[Any]:
         self.record.start = time.perf_counter()
         if self.graphs is not None:
-            self.graphs.start_iteration()
+            self.graphs.start_iteration(self.model.module.named_parameters())
         if not self.options.forward_only:
             self.grad_sync.pause()
         for action in self.actions:
@@ -108,6 +108,8 @@ class StageExecutor:
         if not self.options.forward_only:
             self.grad_sync.at_end(self.model.module)
         self._release_run_buffers()
+        if self.graphs is not None:
+            self.graphs.end_iteration(self.model.module.named_parameters())
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
         if self.wgrad is not None and len(self.wgrad):

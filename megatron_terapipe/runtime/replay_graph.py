@@ -1,0 +1,128 @@
+"""A CPU stand-in for a CUDA graph that replays like one: fixed addresses, no Python.
+
+A CUDA graph records the kernels of one capture and, on replay, runs them again on the same
+memory: it reads whatever its input addresses hold now and writes where the capture wrote. No
+Python runs, so anything a cell computes on the host, or reads from a tensor made anew outside
+it, is frozen at capture. `ReplayGraph` does the same with aten ops, so that the numbers of a
+graphed run can be checked against eager runs on a machine without a GPU:
+
+- `capture(run)` runs the action once under a dispatch mode and keeps, per dispatched op, the
+  op, its tensor arguments and its results (aliases of the very storages they used);
+- `replay()` runs those ops again on those storages, in order, each result written into the
+  storage its capture result had; views are not re-made (they alias storages that are) and
+  in-place ops write where they wrote.
+
+A capture runs the action, where a CUDA capture runs nothing, so the replay that follows each
+capture (CellGraphs replays once after capturing) is skipped: memory then holds what capture
+plus replay would leave on a GPU. Reading a value on the host inside the action is an error,
+as it is under CUDA capture. Random ops replay with the global generator: compare against eager
+runs only without dropout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+#: Ops that read a value on the host: a CUDA capture fails on them, and a replay could not redo them.
+HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+#: Results that are never read before being written: nothing to redo.
+UNINITIALISED = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                 torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+                 torch.ops.aten.new_empty_strided.default)
+
+
+def _alias(value: Any) -> Any:
+    """A tensor's storage at its place (a new Python object: `x.data = ...` on the original
+    later does not move it), or the value itself."""
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class _Step:
+    """One dispatched op: what to call again, and where its fresh results go."""
+
+    func: Any
+    args: tuple
+    kwargs: dict
+    fresh: list[tuple[int, torch.Tensor]]  # (position among the flat results, where it was)
+
+    def replay(self) -> None:
+        results, _ = tree_flatten(self.func(*self.args, **self.kwargs))
+        for result in results:
+            # A collective's Work: its tensors are written once it is done (a stream orders
+            # that on a GPU; gloo runs it on its own thread).
+            if not isinstance(result, torch.Tensor) and hasattr(result, "wait"):
+                result.wait()
+        for position, target in self.fresh:
+            target.copy_(results[position])
+
+
+def _fresh_positions(func: Any, out: Any) -> list[int]:
+    """Positions, among the flat results, of the new tensors (not views or in-place writes of
+    inputs; a list result takes its return's annotation). c10d's collectives annotate nothing:
+    their written tensors count as new, so that the replay writes them after the collective."""
+    returns = func._schema.returns
+    per_return = [out] if len(returns) == 1 else list(out)
+    fresh, position = [], 0
+    for declared, value in zip(returns, per_return):
+        for result in tree_flatten(value)[0]:
+            if isinstance(result, torch.Tensor) and declared.alias_info is None:
+                fresh.append(position)
+            position += 1
+    return fresh
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, steps: list[_Step], key: str) -> None:
+        super().__init__()
+        self.steps = steps
+        self.key = key
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in HOST_READS:
+            raise RuntimeError(
+                f"TeraPipe: {func} reads a tensor's value on the host inside the captured "
+                f"action {self.key}: a CUDA graph capture fails there (run the capture audit, "
+                "megatron_terapipe.runtime.graph_audit.audit_iterations, to find the line)")
+        out = func(*args, **kwargs)
+        if func in UNINITIALISED:
+            return out
+        results, _ = tree_flatten(out)
+        mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+        fresh = [(p, _alias(results[p])) for p in _fresh_positions(func, out)]
+        if fresh or mutates or func.namespace == "c10d":  # a send returns only its Work
+            self.steps.append(_Step(func, tree_map(_alias, args), tree_map(_alias, kwargs), fresh))
+        return out
+
+
+@dataclass
+class ReplayGraph:
+    """A graph (runtime/cell_graphs.py's CellGraph) whose replays redo the captured ops on the
+    captured storages, as a CUDA graph would: `configure(..., cuda_graphs=True,
+    graph_factory=ReplayGraph)` runs a whole plan that way on CPU."""
+
+    key: str
+    steps: list[_Step] = field(default_factory=list)
+    replays: int = 0
+    _captured_now: bool = False
+
+    def capture(self, run: Callable[[], Any]) -> Any:
+        with _Recorder(self.steps, self.key):
+            result = run()
+        self._captured_now = True
+        return result
+
+    def replay(self) -> None:
+        self.replays += 1
+        if self._captured_now:  # the capture ran the ops already (a CUDA capture runs none)
+            self._captured_now = False
+            return
+        with torch.no_grad():
+            for step in self.steps:
+                step.replay()

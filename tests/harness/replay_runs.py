@@ -1,0 +1,113 @@
+"""Training with every compute action replayed as a CUDA graph would (runtime/replay_graph.py),
+against the same training run eager.
+
+`replay_vs_eager` trains one stage model per run twice from the same weights: eager, and with
+`configure(..., cuda_graphs=True, graph_factory=ReplayGraph)` (one warm-up iteration, one
+capture, replays after). Every iteration takes fresh batches and ends with an in-place SGD step,
+as training does, so a replay that read a stale input, a stale weight or a value frozen at
+capture would give other numbers. Returns per run and iteration the losses and every parameter
+gradient of both, and the graphs' counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from .models import TinyGPT, build_stage_model, forward_step, make_batches
+
+LEARNING_RATE = 0.05
+
+
+@dataclass(frozen=True)
+class ReplayRun:
+    name: str
+    tp: int = 1
+    pp: int = 2
+    order: str = "1f1b"
+    defer_wgrad: bool = True
+    slices: int = 4
+    iterations: int = 4
+    microbatches: int = 3
+
+
+def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from megatron_terapipe import TeraPipePlan, configure
+    from megatron_terapipe.runtime.replay_graph import ReplayGraph
+
+    config, model = build_stage_model(model_cfg, run.tp, run.pp)
+    if dp > 1:
+        model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+    plan = TeraPipePlan(TeraPipePlan.uniform(model_cfg.seq_length, run.slices).seq_slices,
+                        order=run.order, defer_wgrad=run.defer_wgrad)
+    if graphs is None:
+        configure(config, plan)
+    else:
+        configure(config, plan, cuda_graphs=True,
+                  graph_factory=lambda key: graphs.append(ReplayGraph(key)) or graphs[-1])
+    return model
+
+
+def _gradients(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as the optimizer reads it (DDP's main_grad, else .grad)."""
+    out = {}
+    for name, param in model.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        out[name] = grad.clone() if grad is not None else None
+    return out
+
+
+def _zero_and_step(model, dp: int) -> None:
+    """SGD in place, then gradients zeroed in place (a graph writes where the capture found them)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                param.add_(grad, alpha=-LEARNING_RATE)
+    if dp > 1:
+        model.zero_grad_buffer()
+    else:
+        model.zero_grad(set_to_none=False)
+
+
+def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]]:
+    from megatron.core import parallel_state
+
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
+
+    dp = world_size // (run.tp * run.pp)
+    parallel_state.initialize_model_parallel(run.tp, run.pp)
+    model_cfg = TinyGPT(num_layers=2 * run.pp)
+    graphs: Optional[list] = [] if graphed else None
+    model = _model(model_cfg, run, dp, graphs)
+    iterations = []
+    for iteration in range(run.iterations):
+        seed = 100 * iteration + parallel_state.get_data_parallel_rank()
+        batches = make_batches(run.microbatches, 2, model_cfg.seq_length, model_cfg.vocab_size, seed=seed)
+        reports = forward_backward_terapipe(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=run.microbatches, seq_length=model_cfg.seq_length, micro_batch_size=2)
+        iterations.append({"losses": [r["lm loss"].clone() for r in reports],
+                           "grads": _gradients(model),
+                           "graphs": len(graphs) if graphs is not None else 0,
+                           "replays": sum(g.replays for g in graphs) if graphs is not None else 0})
+        _zero_and_step(model, dp)
+    parallel_state.destroy_model_parallel()
+    return iterations
+
+
+def replay_vs_eager(rank: int, world_size: int, runs: list[ReplayRun]) -> dict[str, Any]:
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    return {run.name: {"eager": train(run, world_size, False), "graphed": train(run, world_size, True)}
+            for run in runs}
