@@ -140,6 +140,19 @@ def test_cuda_graphs_refused_without_cuda():
         configure(argparse.Namespace(), _plan(), cuda_graphs=True)
 
 
+@pytest.mark.parametrize("config, model, message", [
+    ({"num_moe_experts": 4}, None, r"cuda_graphs=True\).*MoE layers"),
+    ({}, argparse.Namespace(ddp_config=argparse.Namespace(overlap_grad_reduce=True)),
+     "overlap_grad_reduce would never see"),
+])
+def test_graph_option_refused_for_what_cannot_replay(config, model, message):
+    from megatron_terapipe.megatron.hooks.forward_backward import _check_graphs
+
+    with pytest.raises(ValueError, match=message):
+        _check_graphs(argparse.Namespace(terapipe_cuda_graphs=True, **config), model)
+    _check_graphs(argparse.Namespace(terapipe_cuda_graphs=False, **config), model)  # graphs off
+
+
 def _plan():
     from megatron_terapipe import TeraPipePlan
 
@@ -159,6 +172,10 @@ def _flags(*argv, **megatron) -> argparse.Namespace:
     (["--pipeline-schedule", "terapipe", "--terapipe-cuda-graphs", "--terapipe-cpu"], {},
      "--terapipe-cpu runs on CPU"),
     (["--terapipe-cuda-graphs"], {}, "--terapipe-cuda-graphs needs --pipeline-schedule terapipe"),
+    (["--pipeline-schedule", "terapipe", "--terapipe-cuda-graphs"], {"overlap_grad_reduce": True},
+     "--overlap-grad-reduce would never see gradients ready"),
+    (["--pipeline-schedule", "terapipe", "--terapipe-cuda-graphs"], {"num_experts": 4},
+     r"MoE layers \(--num-experts\) route tokens with counts read on the host"),
 ])
 def test_flag_refused_naming_it(argv, megatron, message):
     if torch.cuda.is_available() and "no CUDA" in message:

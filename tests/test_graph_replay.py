@@ -4,9 +4,11 @@ A `ReplayGraph` replays like a CUDA graph: the captured ops again, on the captur
 with no Python. Training with `configure(..., cuda_graphs=True, graph_factory=ReplayGraph)`
 (warm-up, capture, then replays; fresh batches and an in-place SGD step every iteration) gives
 the eager run's losses and every parameter gradient exactly (torch.equal: the same aten ops on
-the same values), at PP=2 in both orders with deferral on and off, and at DP=2 x PP=2 with
-Megatron DDP and TP=2 x PP=2 (slow). The stand-in itself: replays see in-place changes of their
-inputs, keep what was computed on the host at capture, and refuse host reads.
+the same values), at PP=2 in both orders with deferral on and off, with full and selective
+recompute, per-token loss with RMSNorm and grouped queries, and (slow) at DP=2 x PP=2 with
+Megatron DDP and TP=2 x PP=2 with and without sequence parallelism. The stand-in itself: replays
+see in-place changes of their inputs, keep what was computed on the host at capture, and refuse
+host reads; gradients set to None after the capture are refused before the iteration.
 """
 
 from __future__ import annotations
@@ -89,7 +91,12 @@ def _assert_replays_match(result: dict, name: str, graphs: int) -> None:
 
 
 PP2_RUNS = [ReplayRun(f"{order}_defer_{'on' if defer else 'off'}", order=order, defer_wgrad=defer)
-            for order in ("1f1b", "gpipe") for defer in (True, False)]
+            for order in ("1f1b", "gpipe") for defer in (True, False)] + [
+    ReplayRun("recompute_full", model=(("recompute_granularity", "full"),)),
+    ReplayRun("recompute_selective", model=(("recompute_granularity", "selective"),)),
+    ReplayRun("per_token_loss_rmsnorm_gqa", model=(
+        ("calculate_per_token_loss", True), ("normalization", "RMSNorm"), ("num_query_groups", 2))),
+]
 
 
 @pytest.mark.parametrize("run", PP2_RUNS, ids=[r.name for r in PP2_RUNS])
@@ -105,7 +112,8 @@ def pp2_replays():
     return spawn(2, "harness.replay_runs:replay_vs_eager", PP2_RUNS, timeout=600)
 
 
-FOUR_RUNS = [ReplayRun("dp2_pp2_ddp"), ReplayRun("tp2_pp2", tp=2)]
+FOUR_RUNS = [ReplayRun("dp2_pp2_ddp"), ReplayRun("tp2_pp2", tp=2),
+             ReplayRun("tp2_pp2_sequence_parallel", tp=2, model=(("sequence_parallel", True),))]
 
 
 @pytest.mark.slow

@@ -15,14 +15,18 @@ graphed run can be checked against eager runs on a machine without a GPU:
 A capture runs the action, where a CUDA capture runs nothing, so the replay that follows each
 capture (CellGraphs replays once after capturing) is skipped: memory then holds what capture
 plus replay would leave on a GPU. Reading a value on the host inside the action is an error,
-as it is under CUDA capture. Random ops replay with the global generator: compare against eager
+as it is under CUDA capture (unless the tensor was made there from Python values: on a GPU run
+that is a host tensor, read without a sync). Host reads that dispatch no op (`tolist()`,
+`numpy()` on a CPU tensor) are not seen: the capture audit's rules are the check for those. Random ops replay with the global generator: compare against eager
 runs only without dropout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,10 +86,22 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.steps = steps
         self.key = key
+        self.thread = threading.get_ident()
+        self.waiting = 0  # inside a collective's Work.wait()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in HOST_READS:
+        if self.waiting or threading.get_ident() != self.thread:
+            # A collective's own work, on its backend's thread (gloo carries the dispatch mode
+            # there) or in its wait (gloo finishes a reduce-scatter there): the collective
+            # redoes it when replayed.
+            return func(*args, **kwargs)
+        if func is torch.ops.aten.lift_fresh.default:
+            # torch.tensor(<Python values>) without a device: a host tensor on a GPU run too,
+            # whose value a capture may read (Megatron's selective recompute does .item() on one,
+            # again when the backward's capture recomputes): the tensor is marked.
+            args[0]._made_from_python_values = True
+        elif func in HOST_READS and not getattr(args[0], "_made_from_python_values", False):
             raise RuntimeError(
                 f"TeraPipe: {func} reads a tensor's value on the host inside the captured "
                 f"action {self.key}: a CUDA graph capture fails there (run the capture audit, "
@@ -93,12 +109,38 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in UNINITIALISED:
             return out
+        if getattr(args[0] if args else None, "_made_from_python_values", False) and \
+                isinstance(out, torch.Tensor) and func._schema.returns[0].alias_info is not None:
+            out._made_from_python_values = True  # a view or detach of one: still Python values
         results, _ = tree_flatten(out)
         mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
         fresh = [(p, _alias(results[p])) for p in _fresh_positions(func, out)]
         if fresh or mutates or func.namespace == "c10d":  # a send returns only its Work
             self.steps.append(_Step(func, tree_map(_alias, args), tree_map(_alias, kwargs), fresh))
         return out
+
+
+@contextlib.contextmanager
+def _waits_noted(recorder: _Recorder) -> Iterator[None]:
+    """Count the recorder into every Work.wait() while it records."""
+    if not torch.distributed.is_available():
+        yield
+        return
+    work = torch.distributed.Work
+    original = work.wait
+
+    def wait(self, *args, **kwargs):
+        recorder.waiting += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            recorder.waiting -= 1
+
+    work.wait = wait
+    try:
+        yield
+    finally:
+        work.wait = original
 
 
 @dataclass
@@ -113,7 +155,8 @@ class ReplayGraph:
     _captured_now: bool = False
 
     def capture(self, run: Callable[[], Any]) -> Any:
-        with _Recorder(self.steps, self.key):
+        recorder = _Recorder(self.steps, self.key)
+        with _waits_noted(recorder), recorder:
             result = run()
         self._captured_now = True
         return result

@@ -31,6 +31,7 @@ class ReplayRun:
     slices: int = 4
     iterations: int = 4
     microbatches: int = 3
+    model: tuple[tuple[str, Any], ...] = ()  # TinyGPT fields other than its defaults
 
 
 def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
@@ -40,7 +41,12 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
     from megatron_terapipe import TeraPipePlan, configure
     from megatron_terapipe.runtime.replay_graph import ReplayGraph
 
-    config, model = build_stage_model(model_cfg, run.tp, run.pp)
+    spec = None
+    if model_cfg.sequence_parallel:  # its norms need the decoder block spec, as in the equivalence tests
+        from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(model_cfg.config(run.tp, run.pp))
+    config, model = build_stage_model(model_cfg, run.tp, run.pp, spec)
     if dp > 1:
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.no_sync_func = model.no_sync
@@ -86,7 +92,7 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
 
     dp = world_size // (run.tp * run.pp)
     parallel_state.initialize_model_parallel(run.tp, run.pp)
-    model_cfg = TinyGPT(num_layers=2 * run.pp)
+    model_cfg = TinyGPT(**{"num_layers": 2 * run.pp, **dict(run.model)})
     graphs: Optional[list] = [] if graphed else None
     model = _model(model_cfg, run, dp, graphs)
     iterations = []

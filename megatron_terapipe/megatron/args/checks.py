@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from ..hooks.selection import moe_problem
+from ..hooks.selection import MOE_GRAPHS, moe_problem
 from .flags import (COST_MODELS, DEFAULT_GRANULARITY, DEFAULT_PROFILE_POINTS, HARDWARE_CHOICES,
                     ORDERS, auto_selected, int_or_none, size_flag, slice_unit, terapipe_selected,
                     tp_size)
@@ -87,15 +87,17 @@ def _check_cuda_graphs(args) -> None:
         return
     import torch
 
+    if getattr(args, "overlap_grad_reduce", False):
+        _fail("--terapipe-cuda-graphs replays the W actions without Python, so "
+              "--overlap-grad-reduce would never see gradients ready: drop one of the two")
+    if getattr(args, "num_experts", None):
+        _fail(MOE_GRAPHS.format(option="--terapipe-cuda-graphs"))
     if getattr(args, "terapipe_cpu", False) or not torch.cuda.is_available():
         where = "--terapipe-cpu runs on CPU" if getattr(args, "terapipe_cpu", False) else \
             "this process sees no CUDA device"
         _fail(f"--terapipe-cuda-graphs captures cells as CUDA graphs, but {where}: drop "
               "--terapipe-cuda-graphs (on CPU, megatron_terapipe.runtime.graph_audit."
               "audit_iterations checks that cells could be captured)")
-    if getattr(args, "overlap_grad_reduce", False):
-        _fail("--terapipe-cuda-graphs replays the W actions without Python, so "
-              "--overlap-grad-reduce would never see gradients ready: drop one of the two")
 
 
 def _check_auto(args) -> None:

@@ -223,12 +223,18 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
 def _check_graphs(config, model: torch.nn.Module) -> None:
     from .selection import cuda_graphs_enabled
 
-    ddp_config = getattr(model, "ddp_config", None)
-    if cuda_graphs_enabled(config) and getattr(ddp_config, "overlap_grad_reduce", False):
+    if not cuda_graphs_enabled(config):
+        return
+    if getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False):
         raise ValueError(
             "TeraPipe: CUDA graphs (--terapipe-cuda-graphs) replay the W actions without "
             "Python, so Megatron DDP's overlap_grad_reduce would never see its gradients "
             "ready: drop --overlap-grad-reduce, or drop --terapipe-cuda-graphs")
+    if getattr(config, "num_moe_experts", None):
+        from .selection import MOE_GRAPHS
+
+        raise ValueError("TeraPipe: " + MOE_GRAPHS.format(
+            option="CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True))"))
 
 
 def prepare_model(model: torch.nn.Module) -> None:

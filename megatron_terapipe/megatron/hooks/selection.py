@@ -24,6 +24,13 @@ VIRTUAL_STAGES_UNSUPPORTED = (
     "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
 
 
+#: Why MoE layers and CUDA graphs per cell do not go together (flag and Python option).
+MOE_GRAPHS = ("{option} replays each cell's kernels as captured, but MoE layers (--num-experts) "
+              "route tokens with counts read on the host (the token dispatcher's split sizes): "
+              "a capture would fail on that sync, or replay the first iteration's routing; drop "
+              "{option} with MoE")
+
+
 def select(source, cuda_graphs: bool = False) -> None:
     """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from
     flags; `cuda_graphs`: capture and replay every compute action (--terapipe-cuda-graphs)."""
