@@ -14,6 +14,11 @@ the GPU-busy time (kernel time in torch.profiler), kernel launches (GPU) or disp
 distinct cell once would take (cells alike in kind, rows, tokens and context share one). The
 JSON copy (--out) also has the aten ops per iteration. Host ops against Megatron on a tiny
 stage, with what a replayed iteration leaves: bench_host_ops.py.
+
+--cuda-graphs captures every compute action of the TeraPipe runs as a CUDA graph at the second
+warm-up iteration and times the replays (`--terapipe-cuda-graphs`). On CPU it uses ReplayGraph,
+the stand-in that replays captured aten ops: that checks the path and counts ops, and says
+nothing about the speed of CUDA graphs.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ from harness import forward_step  # noqa: E402
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
                "aten::_local_scalar_dense")
-LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+# A replayed CUDA graph is one cudaGraphLaunch from the host.
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                 "cudaGraphLaunch")
 
 
 @dataclass
@@ -92,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--defer-wgrad", choices=("plan", "on", "off"), default="plan",
                    help="weight gradients in W actions: the plan's default, or forced")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay a CUDA graph per compute action (CPU: the ReplayGraph stand-in)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stage_<device>.json)")
@@ -100,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [k for k in args.slice_counts if k <= 0 or args.seq_length % k]
     if bad:
         p.error(f"--slices {bad}: each count must be positive and divide --seq-length {args.seq_length}")
+    if args.cuda_graphs and args.warmup < 2:
+        p.error("--cuda-graphs needs --warmup >= 2 (an eager iteration, then the capture)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     return args
@@ -162,7 +173,8 @@ def make_batch(args) -> dict[str, torch.Tensor]:
 
 
 def iteration(schedule: Callable, model: torch.nn.Module, batch: dict, args, **extra) -> None:
-    model.zero_grad(set_to_none=True)
+    # Graph replays accumulate into the captured .grad tensors, so they are zeroed in place.
+    model.zero_grad(set_to_none=not args.cuda_graphs)
     schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[model],
              num_microbatches=1, seq_length=args.seq_length,
              micro_batch_size=args.micro_batch_size, **extra)
@@ -229,6 +241,14 @@ def cell_graphs(plan, args) -> int:
     return len({(a.kind, a.cell.rows, a.cell.tokens, a.cell.context) for a in schedule.stages[0]})
 
 
+def _use_graphs(model: torch.nn.Module, plan, device: str) -> None:
+    """Turn on a graph per compute action for `plan` (CPU: the ReplayGraph stand-in)."""
+    from megatron_terapipe.runtime.replay_graph import ReplayGraph
+
+    mt.configure(model.config, plan, cuda_graphs=True,
+                 graph_factory=None if device == "cuda" else ReplayGraph)
+
+
 def run_all(args) -> list[StageRow]:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -241,7 +261,10 @@ def run_all(args) -> list[StageRow]:
         plan = mt.TeraPipePlan.uniform(args.seq_length, k)
         if args.defer_wgrad != "plan":
             plan = mt.TeraPipePlan(plan.seq_slices, defer_wgrad=args.defer_wgrad == "on")
-        rows.append(measure(f"TeraPipe, {k} slices", k, lambda: iteration(
+        if args.cuda_graphs:
+            _use_graphs(ours, plan, args.device)
+        name = f"TeraPipe, {k} slices" + (", graphs" if args.cuda_graphs else "")
+        rows.append(measure(name, k, lambda: iteration(
             mt.forward_backward_terapipe, ours, batch, args, plan=plan), args))
         rows[-1].cell_graphs = cell_graphs(plan, args)
         print(_format(rows[-1]), flush=True)

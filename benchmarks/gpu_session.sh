@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
+#   bash benchmarks/gpu_session.sh graphs       # bench_stage with a CUDA graph per compute action
+#   bash benchmarks/gpu_session.sh measure      # a measured layer profile, and a plan with it
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -31,6 +33,20 @@ pipeline() {
   python3 benchmarks/bench_gpu_pipeline.py --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
 }
 
+graphs() {
+  local model="--bf16 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --num-layers 4"
+  python3 benchmarks/bench_stage.py --device cuda $model --slices 1,8,16 --cuda-graphs --warmup 3 \
+    --out "$OUT/stage_cuda_graphs.json" 2>&1 | tee "$OUT/graphs.log"
+}
+
+measure() {
+  local model=(--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --vocab-size 50304)
+  python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16 \
+    --out "$OUT/h100_layer_profile.json" 2>&1 | tee "$OUT/measure.log"
+  python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
+    --hardware h100 --profile "$OUT/h100_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
+}
+
 megatron_lm() {
   local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
     --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
@@ -47,5 +63,7 @@ case "${1:-}" in
   stage) stage ;;
   pipeline) pipeline ;;
   megatron-lm) megatron_lm ;;
-  *) echo "usage: $0 stage|pipeline|megatron-lm" >&2; exit 2 ;;
+  graphs) graphs ;;
+  measure) measure ;;
+  *) echo "usage: $0 stage|pipeline|megatron-lm|graphs|measure" >&2; exit 2 ;;
 esac

@@ -52,11 +52,15 @@ def check_interleaved(num_microbatches: int, num_stages: int, num_chunks: int,
         raise ValueError(f"the interleaved schedule needs at least 2 pipeline stages, got {num_stages}")
     if num_chunks < 2:
         raise ValueError(f"the interleaved schedule needs at least 2 model chunks per stage, got {num_chunks}")
+    if num_microbatches < num_stages:
+        raise ValueError(
+            f"Megatron's interleaved schedule needs at least {num_stages} microbatches (one per "
+            f"pipeline stage), got {num_microbatches}: use at least {num_stages} microbatches")
     if group > num_microbatches or group < num_stages:
         raise ValueError(
             f"Megatron's interleaved schedule needs between {num_stages} (pipeline stages) and "
             f"{num_microbatches} (microbatches) contiguous microbatches per virtual stage, got "
-            f"{group}: use at least {num_stages} microbatches")
+            f"{group}: set --microbatch-group-size-per-virtual-pipeline-stage in that range")
     last = num_microbatches % group
     if 0 < last < num_stages:
         raise ValueError(
