@@ -13,6 +13,8 @@ host reads; gradients set to None after the capture are refused before the itera
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -121,3 +123,43 @@ def test_replayed_training_equals_eager_with_ddp_and_tp():
     for rank_result in spawn(4, "harness.replay_runs:replay_vs_eager", FOUR_RUNS, timeout=600):
         for run in FOUR_RUNS:
             _assert_replays_match(rank_result[run.name], run.name, 3 * 4 * 2 + 3)
+
+
+def test_cuda_capture_orders_streams_without_synchronizing_the_device(monkeypatch):
+    """A stage captures mid-iteration, with receives posted ahead that wait for a peer: a
+    device-wide synchronize (as `with torch.cuda.graph` does first) would deadlock. The capture
+    must only order its side stream after the current one, capture in thread_local mode, end
+    the capture when the action raises, and order the current stream after the side one."""
+    from megatron_terapipe.runtime import cell_graphs
+
+    calls = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            calls.append(f"{self.name} waits {other.name}")
+
+    class Graph:
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            calls.append(f"begin pool={pool} mode={capture_error_mode}")
+
+        def capture_end(self):
+            calls.append("end")
+
+    current, side = Stream("current"), Stream("side")
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(cuda, "current_stream", lambda: current)
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext(calls.append(f"on {s.name}")))
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(cuda, name, lambda *a, name=name: pytest.fail(f"torch.cuda.{name} called"))
+    graph = cell_graphs.TorchCUDAGraph(pool=(0, 7), stream=side)
+    assert graph.capture(lambda: calls.append("run") or "out") == "out"
+    assert calls == ["side waits current", "on side", "begin pool=(0, 7) mode=thread_local",
+                     "run", "end", "current waits side"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        graph.capture(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert calls[-1] == "end"

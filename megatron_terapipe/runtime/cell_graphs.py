@@ -131,15 +131,32 @@ class RecordingGraph:
 
 
 class TorchCUDAGraph:
-    """torch.cuda.CUDAGraph capturing one action into a memory pool shared by the stage's graphs."""
+    """torch.cuda.CUDAGraph capturing one action into a memory pool shared by the stage's graphs.
 
-    def __init__(self, pool: Any) -> None:
+    Not `with torch.cuda.graph(...)`: that synchronizes the whole device and empties the cache
+    before every capture, and a stage captures in the middle of a pipelined iteration, where a
+    receive posted ahead on the communication stream waits for a peer that waits for this
+    stage's next send: the synchronize would never return. So the capture only orders its
+    side stream after the current one. `thread_local`: other threads (the NCCL watchdog, the
+    autograd engine's device thread) may make CUDA calls during a capture, as Megatron's own
+    graphs allow."""
+
+    def __init__(self, pool: Any, stream: Any) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
+        self.stream = stream
 
     def capture(self, run: Callable[[], Any]) -> Any:
-        with torch.cuda.graph(self.graph, pool=self.pool):
-            return run()
+        current = torch.cuda.current_stream()
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                result = run()
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(self.stream)
+        return result
 
     def replay(self) -> None:
         self.graph.replay()
@@ -154,5 +171,5 @@ def cuda_graph_factory(device: Optional[torch.device] = None) -> GraphFactory:
             f"need a CUDA device, but the stage runs {where}: drop the option (on CPU, check "
             "that cells could be captured with megatron_terapipe.runtime.graph_audit."
             "audit_iterations)")
-    pool = torch.cuda.graph_pool_handle()
-    return lambda key: TorchCUDAGraph(pool)
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    return lambda key: TorchCUDAGraph(pool, stream)
