@@ -92,9 +92,9 @@ def _reference(candidates, budget):
 @pytest.mark.parametrize("order, defer", [("1f1b", False), ("gpipe", True), ("1f1b", None)])
 def test_fastest_leaner_times_fewer_plans_and_chooses_as_timing_every_one(order, defer):
     """The list estimates give every plan's simulated peaks exactly and a lower bound of its
-    time, so skipping plans changes nothing: the same plan as timing all of them, for budgets
+    time, and the compute floor a lower bound of that, so skipping plans changes nothing: the same plan as timing all of them, for budgets
     from nothing fitting to everything fitting."""
-    from megatron_terapipe.planner.memory_search import fastest_leaner, leaner_plans
+    from megatron_terapipe.planner.memory_search import compute_floor, fastest_leaner, leaner_plans
     from megatron_terapipe.planner.list_estimate import estimate_lists
     from megatron_terapipe.schedule import build_schedule
 
@@ -108,6 +108,7 @@ def test_fastest_leaner_times_fewer_plans_and_chooses_as_timing_every_one(order,
         estimate = estimate_lists(schedule, cost)
         assert estimate.peak_memory_bytes == c.result.peak_memory_bytes
         assert estimate.busiest_compute <= c.time + 1e-12
+        assert compute_floor(cost, space, c.plan) <= estimate.busiest_compute
     peaks = sorted(max(c.result.peak_memory_bytes) for c in candidates)
     for budget in (MemoryBudget(peaks[0] * 0.99), *(MemoryBudget(p) for p in peaks)):
         best, leanest = fastest_leaner(cost, space, budget)

@@ -82,6 +82,7 @@ class _Actions:
 
 def _actions(schedule: Schedule) -> _Actions:
     index: dict[tuple, int] = {}
+    by_cell: dict[int, int] = {}  # id(cell) -> its shape: a cell's F, B and W share it
     position: dict[int, int] = {}
     kind, shape, seq, rows, cells = [], [], [], [], []
     for actions in schedule.stages:
@@ -90,13 +91,17 @@ def _actions(schedule: Schedule) -> _Actions:
             if id(a) not in unseen or id(a) in position:
                 continue
             c = a.cell
-            key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
-            if key not in index:
-                index[key] = len(cells)
-                cells.append(c)
+            s = by_cell.get(id(c))
+            if s is None:
+                key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
+                s = index.get(key)
+                if s is None:
+                    s = index[key] = len(cells)
+                    cells.append(c)
+                by_cell[id(c)] = s
             position[id(a)] = len(kind)
             kind.append(_CODES[a.kind])
-            shape.append(index[key])
+            shape.append(s)
             seq.append(c.sequence_key)
             rows.append(c.rows)
     return _Actions(position, np.array(kind, np.int8), np.array(shape, np.int64), seq, rows,
@@ -128,31 +133,25 @@ def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
     return {what: table[:, i] for i, what in enumerate(_VALUES)}
 
 
-def _held(kinds: list, seqs: list, hold: list) -> np.ndarray:
-    """Per action: what its W frees, summed in order as the walk does (0 but at W actions)."""
-    out = np.zeros(len(kinds))
-    pending: dict = {}
-    for i, (kind, seq) in enumerate(zip(kinds, seqs)):
-        if kind == _B:
-            pending[seq] = pending.get(seq, 0.0) + hold[i]
-        elif kind == _W:
-            out[i] = pending.pop(seq, 0.0)
-    return out
-
-
-def _w_times(costs: CellCosts, stage: int, kinds: list, seqs: list, rows: list,
-             tokens: list) -> np.ndarray:
-    """Per action: a W's time over the tokens its sequence backwarded since its last W."""
-    out = np.zeros(len(kinds))
-    pending: dict = {}
+def _w_pass(costs: CellCosts, stage: int, known: _Actions, rows: list, kinds: list,
+            tokens: list, hold: list) -> tuple[list, list]:
+    """Per B or W action of a stage (`rows`: their rows of the per-action arrays, in order):
+    a W's time over the tokens its sequence backwarded since its last W, and what that W
+    frees (`hold` summed in order, as the walk does); 0 at B actions."""
+    times, freed = [0.0] * len(rows), [0.0] * len(rows)
+    tokens_since: dict = {}
+    held_since: dict = {}
     first, last = stage == 0, stage == costs.num_stages - 1
-    for i, (kind, seq) in enumerate(zip(kinds, seqs)):
+    for j, (r, kind) in enumerate(zip(rows, kinds)):
+        seq = known.seq[r]
         if kind == _B:
-            pending[seq] = pending.get(seq, 0) + tokens[i]
-        elif kind == _W:
-            n = pending.pop(seq, 0)
-            out[i] = costs.wgrad(rows[i], n, 0, first, last) if n else 0.0
-    return out
+            tokens_since[seq] = tokens_since.get(seq, 0) + tokens[j]
+            held_since[seq] = held_since.get(seq, 0.0) + hold[j]
+        else:
+            n = tokens_since.pop(seq, 0)
+            times[j] = costs.wgrad(known.rows[r], n, 0, first, last) if n else 0.0
+            freed[j] = held_since.pop(seq, 0.0)
+    return times, freed
 
 
 def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
@@ -169,18 +168,21 @@ def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
     v = {k: a[shape] for k, a in values.items()}
     times = np.where(is_f, v["F"], np.where(is_b, v["B"], 0.0))
     has_w = bool(is_w.any())
-    if has_w:
-        kind_list, seqs = kinds.tolist(), [known.seq[r] for r in rows.tolist()]
-        times = times + _w_times(costs, stage, kind_list, seqs,
-                                 [known.rows[r] for r in rows.tolist()],
-                                 known.tokens[shape].tolist())
+    freed = None
+    if has_w:  # W actions: a pass over the B and W actions, in order
+        bw = np.flatnonzero(~is_f)
+        w_times, w_freed = _w_pass(costs, stage, known, rows[bw].tolist(), kinds[bw].tolist(),
+                                   known.tokens[shape[bw]].tolist(), v["hold"][bw].tolist())
+        times[bw] += np.asarray(w_times)
+        freed = np.zeros(n)
+        freed[bw] = w_freed
     compute = float(np.cumsum(times)[-1])
     drop = v["kv_grad"] - v["rise"]
     act = np.zeros((n, 4))  # the walk's changes to the activation bytes, in its order
     kv = np.zeros((n, 2))  # and to the K/V bytes
     act[:, 0] = np.where(is_f, v["cell"], np.where(is_b & last, -drop, 0.0))
-    if schedule.defer_wgrad and has_w:
-        act[:, 0] -= _held(kind_list, seqs, np.where(is_b, v["hold"], 0.0).tolist())
+    if schedule.defer_wgrad and freed is not None:
+        act[:, 0] -= freed
     act[:, 1] = np.where(is_b & last, drop, 0.0)
     act[:, 2] = np.where(is_b, -v["cell"], 0.0)
     if schedule.defer_wgrad:
@@ -206,13 +208,18 @@ def estimate_lists(schedule: Schedule, cost_model: CostModel,
                                     for actions in schedule.stages for a in actions[:1]):
         return _walked(schedule, costs, memory)
     known = _actions(schedule)
-    busy, peaks, by_kind = [], [], {}
+    busy, peaks, by_kind, last_of_kind = [], [], {}, {}
     for k in range(schedule.num_stages):
         kind = (k == 0, k == schedule.num_stages - 1)
         if kind not in by_kind:
             walk = MemoryWalk(memory, schedule, k, False, caches.memory)
             by_kind[kind] = _per_shape(walk, costs, k, known, caches.shapes)
-        compute, peak = _stage(schedule, k, known, by_kind[kind], costs)
+        before = last_of_kind.get(kind)
+        if before is not None and before[0] == schedule.stages[k]:
+            compute, peak = before[1]  # middle stages often run the very same list
+        else:
+            compute, peak = _stage(schedule, k, known, by_kind[kind], costs)
+            last_of_kind[kind] = (schedule.stages[k], (compute, peak))
         busy.append(compute)
         peaks.append(peak)
     return ListEstimate(max(busy, default=0.0), tuple(peaks))
