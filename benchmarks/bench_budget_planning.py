@@ -87,7 +87,7 @@ def _commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    code = git("status", "--porcelain", "--", "../megatron_terapipe", ".")
+    code = git("status", "--porcelain", "--", "../megatron_terapipe", ".", ":!results")
     return git("rev-parse", "--short", "HEAD") + (" (code modified)" if code else "")
 
 
@@ -101,8 +101,9 @@ def main(argv=None) -> int:
     cases = QUICK if args.quick else CASES
     rows = run([CASES[i] for i in args.cases] if args.cases is not None else cases)
     if args.out:
+        commit = _commit()  # before opening the file: a results file rewritten is not code
         with open(args.out, "w") as f:
-            json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=_commit(),
+            json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit,
                            machine=platform.processor()
                            or platform.machine(), python=platform.python_version(),
                            rows=rows), f, indent=1)
