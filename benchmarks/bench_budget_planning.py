@@ -4,8 +4,8 @@
 
 For each terapipe-plan question with a --memory-budget it runs the whole command twice in this
 one process: with the budget search's step 2 as it was (every leaner plan timed:
-`leaner_candidates`) and as it is (`fastest_leaner`: list estimates first, then timing in order
-of the compute bound), and prints both wall times and the speed-up. The two outputs (chosen
+`leaner_candidates`) and as it is (`fastest_leaner`: plans in order of a compute floor, peaks
+from their lists, timing only those that fit until the floor passes the fastest), and prints both wall times and the speed-up. The two outputs (chosen
 plan, predicted times, peaks, the schedule table) must be identical but for the planner's own
 solve-time line; the run stops with an error otherwise.
 """

@@ -14,7 +14,7 @@ import pytest
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory, StageMemory
-from megatron_terapipe.planner.list_estimate import _walked, estimate_lists
+from megatron_terapipe.planner.list_estimate import ListEstimate, _walked, estimate_lists
 from megatron_terapipe.planner.simulator import CellCosts
 from megatron_terapipe.schedule import build_schedule
 
@@ -71,6 +71,8 @@ def test_estimates_equal_the_walk_and_the_simulators_peaks(memory: Optional[Stag
         walked = _walked(schedule, CellCosts(COST, schedule),
                          memory if memory is not None else CostModelMemory(COST))
         assert estimate == walked, plan
+        peaks_only = estimate_lists(schedule, COST, memory, with_times=False)
+        assert peaks_only == ListEstimate(None, estimate.peak_memory_bytes), plan
         result = simulate(schedule, COST, memory=memory)
         assert estimate.peak_memory_bytes == result.peak_memory_bytes, plan
         assert estimate.busiest_compute <= result.iteration_time * (1 + 1e-12)

@@ -31,10 +31,11 @@ _CODES = {"F": _F, "B": _B, "W": _W}
 @dataclass(frozen=True)
 class ListEstimate:
     """The busiest stage's compute (a lower bound of the simulated iteration time, as a stage
-    runs its actions one after another) and each stage's peak of activations + K/V (the memory
-    walk depends on a stage's own order only, so it equals `simulate`'s)."""
+    runs its actions one after another; None when not asked for) and each stage's peak of
+    activations + K/V (the memory walk depends on a stage's own order only, so it equals
+    `simulate`'s)."""
 
-    busiest_compute: float
+    busiest_compute: Optional[float]
     peak_memory_bytes: tuple[float, ...]
 
 
@@ -110,34 +111,45 @@ def _actions(schedule: Schedule) -> _Actions:
                     np.array([c.tokens for c in cells], np.int64))
 
 
-_VALUES = ("cell", "kv", "kv_grad", "hold", "rise", "F", "B")
+_BYTES = ("cell", "kv", "kv_grad", "hold", "rise")
+_TIMES = ("F", "B")
 
 
 def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
-               cache: dict) -> dict:
-    """Bytes and seconds of every shape on `stage` (the walk's and simulator's answers)."""
+               cache: dict, with_times: bool) -> dict:
+    """Bytes (and with_times, seconds) of every shape on `stage`: the walk's and the
+    simulator's answers. Times are asked only of plans that fit: most of the cost model's
+    calls are theirs."""
     seq_lengths = [sum(t) for t in costs.token_slices]
     kind = (stage == 0, stage == costs.num_stages - 1, costs.defer_wgrad)
-    rows = []
+    rows, times = [], []
     for c in known.cells:
         last = c.is_last_token_slice  # only a last slice's backward lifts the K/V gradients
         key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], last, kind)
         row = cache.get(key)
         if row is None:
-            row = cache[key] = (
-                *(walk.cell_value(what, c) for what in _VALUES[:4]),
-                walk.cell_value("rise", c) if last else 0.0,
-                *(costs.compute(stage, Action(k, c)) for k in _VALUES[5:]))
+            row = cache[key] = (*(walk.cell_value(what, c) for what in _BYTES[:4]),
+                                walk.cell_value("rise", c) if last else 0.0)
         rows.append(row)
-    table = np.array(rows, dtype=float).reshape(len(rows), len(_VALUES))
-    return {what: table[:, i] for i, what in enumerate(_VALUES)}
+        if with_times:
+            seconds = cache.get(("time",) + key)
+            if seconds is None:
+                seconds = cache[("time",) + key] = tuple(
+                    costs.compute(stage, Action(k, c)) for k in _TIMES)
+            times.append(seconds)
+    table = np.array(rows, dtype=float).reshape(len(rows), len(_BYTES))
+    values = {what: table[:, i] for i, what in enumerate(_BYTES)}
+    if with_times:
+        table = np.array(times, dtype=float).reshape(len(times), len(_TIMES))
+        values.update({what: table[:, i] for i, what in enumerate(_TIMES)})
+    return values
 
 
 def _w_pass(costs: CellCosts, stage: int, known: _Actions, rows: list, kinds: list,
-            tokens: list, hold: list) -> tuple[list, list]:
+            tokens: list, hold: list, with_times: bool) -> tuple[list, list]:
     """Per B or W action of a stage (`rows`: their rows of the per-action arrays, in order):
-    a W's time over the tokens its sequence backwarded since its last W, and what that W
-    frees (`hold` summed in order, as the walk does); 0 at B actions."""
+    a W's time over the tokens its sequence backwarded since its last W (with_times), and
+    what that W frees (`hold` summed in order, as the walk does); 0 at B actions."""
     times, freed = [0.0] * len(rows), [0.0] * len(rows)
     tokens_since: dict = {}
     held_since: dict = {}
@@ -149,34 +161,39 @@ def _w_pass(costs: CellCosts, stage: int, known: _Actions, rows: list, kinds: li
             held_since[seq] = held_since.get(seq, 0.0) + hold[j]
         else:
             n = tokens_since.pop(seq, 0)
-            times[j] = costs.wgrad(known.rows[r], n, 0, first, last) if n else 0.0
+            if with_times and n:
+                times[j] = costs.wgrad(known.rows[r], n, 0, first, last)
             freed[j] = held_since.pop(seq, 0.0)
     return times, freed
 
 
 def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
-           costs: CellCosts) -> tuple[float, float]:
-    """(compute, peak of activations + K/V) of one stage's list."""
+           costs: CellCosts) -> tuple[Optional[float], float]:
+    """(compute, or None when `values` hold no times; peak of activations + K/V) of one
+    stage's list."""
     actions = schedule.stages[stage]
     n = len(actions)
+    with_times = "F" in values
     if n == 0:
-        return 0.0, 0.0
+        return (0.0 if with_times else None), 0.0
     rows = np.fromiter(map(known.position.__getitem__, map(id, actions)), np.int64, n)
     kinds, shape = known.kind[rows], known.shape[rows]
     is_f, is_b, is_w = kinds == _F, kinds == _B, kinds == _W
     first, last = known.first[shape], known.last[shape]
     v = {k: a[shape] for k, a in values.items()}
-    times = np.where(is_f, v["F"], np.where(is_b, v["B"], 0.0))
+    times = np.where(is_f, v["F"], np.where(is_b, v["B"], 0.0)) if with_times else None
     has_w = bool(is_w.any())
     freed = None
     if has_w:  # W actions: a pass over the B and W actions, in order
         bw = np.flatnonzero(~is_f)
         w_times, w_freed = _w_pass(costs, stage, known, rows[bw].tolist(), kinds[bw].tolist(),
-                                   known.tokens[shape[bw]].tolist(), v["hold"][bw].tolist())
-        times[bw] += np.asarray(w_times)
+                                   known.tokens[shape[bw]].tolist(), v["hold"][bw].tolist(),
+                                   with_times)
+        if with_times:
+            times[bw] += np.asarray(w_times)
         freed = np.zeros(n)
         freed[bw] = w_freed
-    compute = float(np.cumsum(times)[-1])
+    compute = float(np.cumsum(times)[-1]) if with_times else None
     drop = v["kv_grad"] - v["rise"]
     act = np.zeros((n, 4))  # the walk's changes to the activation bytes, in its order
     kv = np.zeros((n, 2))  # and to the K/V bytes
@@ -198,22 +215,24 @@ def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
 
 def estimate_lists(schedule: Schedule, cost_model: CostModel,
                    memory: Optional[StageMemory] = None,
-                   caches: Optional[ListCaches] = None) -> ListEstimate:
+                   caches: Optional[ListCaches] = None, with_times: bool = True) -> ListEstimate:
     """`ListEstimate` of `schedule` (no lowering, no replay); used to skip timing plans that
-    cannot fit or cannot be faster. `caches`: shared with other plans' estimates."""
+    cannot fit. `caches`: shared with other plans' estimates. with_times=False: the peaks
+    alone (busiest_compute None), without most of the cost model's calls."""
     caches = caches if caches is not None else ListCaches()
     costs = CellCosts(cost_model, schedule, caches.costs)
     memory = memory if memory is not None else CostModelMemory(cost_model)
     if schedule.forward_only or any(isinstance(a.cell, ChunkCell)
                                     for actions in schedule.stages for a in actions[:1]):
-        return _walked(schedule, costs, memory)
+        walked = _walked(schedule, costs, memory)
+        return walked if with_times else ListEstimate(None, walked.peak_memory_bytes)
     known = _actions(schedule)
     busy, peaks, by_kind, last_of_kind = [], [], {}, {}
     for k in range(schedule.num_stages):
         kind = (k == 0, k == schedule.num_stages - 1)
         if kind not in by_kind:
             walk = MemoryWalk(memory, schedule, k, False, caches.memory)
-            by_kind[kind] = _per_shape(walk, costs, k, known, caches.shapes)
+            by_kind[kind] = _per_shape(walk, costs, k, known, caches.shapes, with_times)
         before = last_of_kind.get(kind)
         if before is not None and before[0] == schedule.stages[k]:
             compute, peak = before[1]  # middle stages often run the very same list
@@ -222,7 +241,7 @@ def estimate_lists(schedule: Schedule, cost_model: CostModel,
             last_of_kind[kind] = (schedule.stages[k], (compute, peak))
         busy.append(compute)
         peaks.append(peak)
-    return ListEstimate(max(busy, default=0.0), tuple(peaks))
+    return ListEstimate(max(busy, default=0.0) if with_times else None, tuple(peaks))
 
 
 def _walked(schedule: Schedule, costs: CellCosts, memory: StageMemory) -> ListEstimate:

@@ -83,7 +83,7 @@ def _estimate(cost_model: CostModel, space: SearchSpace, plan: TeraPipePlan,
               caches: ListCaches) -> ListEstimate:
     schedule = build_schedule(plan, space.num_microbatches, space.num_stages,
                               space.micro_batch_size)
-    return estimate_lists(schedule, cost_model, space.memory, caches)
+    return estimate_lists(schedule, cost_model, space.memory, caches, with_times=False)
 
 
 def compute_floor(cost_model: CostModel, space: SearchSpace, plan: TeraPipePlan) -> float:
@@ -113,11 +113,10 @@ def fastest_leaner(cost_model: CostModel, space: SearchSpace,
                    budget: MemoryBudget) -> tuple[Optional[Candidate], Optional[Candidate]]:
     """(the fastest of step 2's plans that fits, None; or None, the leanest), timing only
     what can matter. Plans are taken in order of their compute floor (`compute_floor`, no
-    schedule built) until it passes the fastest found; each one's peaks and busiest stage's
-    compute come from its lists (`estimate_lists`: exact peaks, a tighter lower bound of the
-    time), and only plans that fit and whose bound does not pass the fastest are timed. The
-    same choice as timing every plan (`leaner_candidates`), ties going to the earlier plan as
-    there; only when nothing fits are all plans estimated, for the leanest."""
+    schedule built) until it passes the fastest found; each one's exact peaks come from its
+    lists (`estimate_lists`, without times), and those that fit are timed. The same choice as
+    timing every plan (`leaner_candidates`), ties going to the earlier plan as there; only when
+    nothing fits are all plans estimated, for the leanest."""
     plans = leaner_plans(space)
     caches = shared_caches(cost_model, space.memory)
     floors = [compute_floor(cost_model, space, plan) for _, plan in plans]
@@ -136,8 +135,7 @@ def fastest_leaner(cost_model: CostModel, space: SearchSpace,
         if best is not None and floors[i] > best[0]:
             break  # this plan and every later one take longer than the fastest found
         found = estimate(i)
-        if not budget.fits(found.peak_memory_bytes) or (
-                best is not None and found.busiest_compute > best[0]):
+        if not budget.fits(found.peak_memory_bytes):
             continue
         candidate = timed(i)
         if best is None or (candidate.time, i) < best[:2]:
