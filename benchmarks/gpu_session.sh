@@ -6,14 +6,15 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     megatron-core==0.16.1 pybind11
+#     megatron-core==0.16.1 pybind11 pytest iniconfig pluggy packaging pygments
 #   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
 #     gpt_builders.py model_provider.py megatron/training megatron/legacy | tar -x -C .mlm
 # Then on the device (carry [".whl", ".mlm"]), one part per call:
 #   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
-#   bash benchmarks/gpu_session.sh graphs       # bench_stage with a CUDA graph per compute action
+#   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
+#                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # a measured layer profile, and a plan with it
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,6 +35,7 @@ pipeline() {
 }
 
 graphs() {
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tee "$OUT/graphs_test.log"
   local model="--bf16 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --num-layers 4"
   python3 benchmarks/bench_stage.py --device cuda $model --slices 1,8,16 --cuda-graphs --warmup 3 \
     --out "$OUT/stage_cuda_graphs.json" 2>&1 | tee "$OUT/graphs.log"

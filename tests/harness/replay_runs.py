@@ -6,7 +6,8 @@ against the same training run eager.
 capture, replays after). Every iteration takes fresh batches and ends with an in-place SGD step,
 as training does, so a replay that read a stale input, a stale weight or a value frozen at
 capture would give other numbers. Returns per run and iteration the losses and every parameter
-gradient of both, and the graphs' counts.
+gradient of both, and the graphs' counts. With `device="cuda"` (tests/test_gpu_graphs.py) the
+stage runs on the GPU and each action is a real torch.cuda.CUDAGraph.
 """
 
 from __future__ import annotations
@@ -32,6 +33,46 @@ class ReplayRun:
     iterations: int = 4
     microbatches: int = 3
     model: tuple[tuple[str, Any], ...] = ()  # TinyGPT fields other than its defaults
+    device: str = "cpu"  # "cuda": the stage on the GPU, graphs of torch.cuda.CUDAGraph
+
+
+class _Counted:
+    """A graph that counts its replays (torch.cuda.CUDAGraph does not)."""
+
+    def __init__(self, graph) -> None:
+        self.graph, self.replays = graph, 0
+
+    def capture(self, run):
+        return self.graph.capture(run)
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.graph.replay()
+
+
+def _graph_factory(run: ReplayRun, graphs: list):
+    """ReplayGraph on CPU, torch.cuda.CUDAGraph on a GPU; every graph made is kept in `graphs`."""
+    from megatron_terapipe.runtime.cell_graphs import cuda_graph_factory
+    from megatron_terapipe.runtime.replay_graph import ReplayGraph
+
+    make = cuda_graph_factory(torch.device("cuda")) if run.device == "cuda" else ReplayGraph
+
+    def factory(key: str):
+        graphs.append(_Counted(make(key)))
+        return graphs[-1]
+    return factory
+
+
+def _to_device(model, device: str):
+    """The model on `device`, with the rotary tables Megatron keeps outside the parameters."""
+    if device == "cpu":
+        return model
+    model = model.to(device)
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            module.inv_freq = inv_freq.to(device)
+    return model
 
 
 def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
@@ -39,7 +80,6 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
     from megatron_terapipe import TeraPipePlan, configure
-    from megatron_terapipe.runtime.replay_graph import ReplayGraph
 
     spec = None
     if model_cfg.sequence_parallel:  # its norms need the decoder block spec, as in the equivalence tests
@@ -47,6 +87,7 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
 
         spec = get_gpt_decoder_block_spec(model_cfg.config(run.tp, run.pp))
     config, model = build_stage_model(model_cfg, run.tp, run.pp, spec)
+    model = _to_device(model, run.device)
     if dp > 1:
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.no_sync_func = model.no_sync
@@ -56,8 +97,7 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
     if graphs is None:
         configure(config, plan)
     else:
-        configure(config, plan, cuda_graphs=True,
-                  graph_factory=lambda key: graphs.append(ReplayGraph(key)) or graphs[-1])
+        configure(config, plan, cuda_graphs=True, graph_factory=_graph_factory(run, graphs))
     return model
 
 
@@ -67,7 +107,7 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     for name, param in model.named_parameters():
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
-        out[name] = grad.clone() if grad is not None else None
+        out[name] = grad.detach().to("cpu", copy=True) if grad is not None else None
     return out
 
 
@@ -99,10 +139,12 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
     for iteration in range(run.iterations):
         seed = 100 * iteration + parallel_state.get_data_parallel_rank()
         batches = make_batches(run.microbatches, 2, model_cfg.seq_length, model_cfg.vocab_size, seed=seed)
+        batches = [{k: v.to(run.device) if v is not None else None for k, v in b.items()}
+                   for b in batches]
         reports = forward_backward_terapipe(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
             num_microbatches=run.microbatches, seq_length=model_cfg.seq_length, micro_batch_size=2)
-        iterations.append({"losses": [r["lm loss"].clone() for r in reports],
+        iterations.append({"losses": [r["lm loss"].detach().to("cpu", copy=True) for r in reports],
                            "grads": _gradients(model),
                            "graphs": len(graphs) if graphs is not None else 0,
                            "replays": sum(g.replays for g in graphs) if graphs is not None else 0})
@@ -114,6 +156,9 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
 def replay_vs_eager(rank: int, world_size: int, runs: list[ReplayRun]) -> dict[str, Any]:
     from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
 
-    enable_cpu_mode()
+    if any(run.device == "cuda" for run in runs):
+        torch.cuda.set_device(0)
+    else:
+        enable_cpu_mode()
     return {run.name: {"eager": train(run, world_size, False), "graphed": train(run, world_size, True)}
             for run in runs}
