@@ -113,7 +113,7 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
           f"uniform {info['uniform_slices']} slices", flush=True)
     speed = SpeedCase(case.name, model, case.num_microbatches, args.granularity, args.repeats,
-                      plans, mps=device == "cuda")
+                      plans, mps=device == "cuda", cuda_graphs=args.cuda_graphs)
     per_rank = spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600)
     rows = []
     for label, plan in plans.items():
@@ -169,6 +169,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     p.add_argument("--granularity", type=int, default=64)
     p.add_argument("--fp32", dest="bf16", action="store_false", help="float32 instead of bf16")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="TeraPipe replays a CUDA graph per compute action (CPU: the ReplayGraph "
+                        "stand-in, which checks the path, not the speed)")
     p.add_argument("--out", default="benchmarks/results/gpu_pipeline")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -177,7 +180,8 @@ def main() -> int:
         args.bf16 = False
     started = time.perf_counter()
     results = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "torch": torch.__version__, "command": " ".join(sys.argv), "rows": []}
+               "torch": torch.__version__, "command": " ".join(sys.argv),
+               "cuda_graphs": args.cuda_graphs, "rows": []}
     context = None
     if device == "cuda":
         from mps import MpsDaemon

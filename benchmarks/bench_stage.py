@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import megatron_terapipe as mt  # noqa: E402
-from harness import forward_step  # noqa: E402
+from harness import forward_step, to_device  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -139,17 +139,6 @@ def seed(device: str, value: int = 1234) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def _to_device(model: torch.nn.Module, device: str) -> torch.nn.Module:
-    """The model on `device`, with the rotary table Megatron keeps outside the parameters
-    (built on the host under use_cpu_initialization: a graph cannot read it there)."""
-    model = model.to(device)
-    for module in model.modules():
-        inv_freq = getattr(module, "inv_freq", None)
-        if isinstance(inv_freq, torch.Tensor):
-            module.inv_freq = inv_freq.to(device)
-    return model
-
-
 def build_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
     """The same GPT twice, same weights: with TeraPipe's spec, and with Megatron's local spec."""
     from megatron.core.models.gpt import GPTModel
@@ -167,7 +156,7 @@ def build_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
         seed(args.device)
         model = GPTModel(config, spec, vocab_size=args.vocab_size,
                          max_sequence_length=args.seq_length, position_embedding_type="rope")
-        models.append(_to_device(model, args.device))
+        models.append(to_device(model, args.device))
     missing, _ = models[1].load_state_dict(models[0].state_dict(), strict=False)
     if any(not k.endswith("_extra_state") for k in missing):
         raise RuntimeError(f"the two specs differ in parameters: {missing}")

@@ -12,6 +12,7 @@
 # Then on the device (carry [".whl", ".mlm"]), one part per call:
 #   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
+#   bash benchmarks/gpu_session.sh pipeline-graphs  # the same, TeraPipe with CUDA graphs
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
@@ -49,6 +50,11 @@ measure() {
     --hardware h100 --profile "$OUT/h100_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
 }
 
+pipeline_graphs() {
+  python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --out "$OUT/gpu_pipeline_graphs" 2>&1 \
+    | tee "$OUT/pipeline_graphs.log"
+}
+
 megatron_lm() {
   local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
     --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
@@ -64,8 +70,9 @@ megatron_lm() {
 case "${1:-}" in
   stage) stage ;;
   pipeline) pipeline ;;
+  pipeline-graphs) pipeline_graphs ;;
   megatron-lm) megatron_lm ;;
   graphs) graphs ;;
   measure) measure ;;
-  *) echo "usage: $0 stage|pipeline|megatron-lm|graphs|measure" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|graphs|measure" >&2; exit 2 ;;
 esac

@@ -31,13 +31,25 @@ class SpeedCase:
     repeats: int
     plans: dict = field(default_factory=dict)  # label -> TeraPipePlan (None: Megatron 1F1B)
     mps: bool = False  # stages share one GPU under CUDA MPS, transfers staged through the host
+    cuda_graphs: bool = False  # TeraPipe replays a graph per compute action (CPU: ReplayGraph)
+
+
+def _use_graphs(config, case: SpeedCase, device: str) -> None:
+    """A graph per compute action for TeraPipe's plans (`--terapipe-cuda-graphs`); on CPU the
+    ReplayGraph stand-in, which checks the path and says nothing about CUDA graph speed."""
+    from megatron_terapipe import configure
+    from megatron_terapipe.runtime.replay_graph import ReplayGraph
+
+    plan = next(p for p in case.plans.values() if p is not None)
+    configure(config, plan, cuda_graphs=True,
+              graph_factory=None if device == "cuda" else ReplayGraph)
 
 
 def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
     """This stage's model, batches and the communicator both schedules use (None: default)."""
     from megatron.core import parallel_state
 
-    from harness import build_stage_model, make_batches
+    from harness import build_stage_model, make_batches, to_device
 
     if case.mps:
         from mps import enter_stage
@@ -50,7 +62,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
     parallel_state.initialize_model_parallel(1, world_size)
     config, model = build_stage_model(case.model, 1, world_size)
-    model.to(device)
+    model = to_device(model, device)
     communicator = None
     if case.mps:
         from host_staged import HostStagedP2PCommunicator
@@ -79,6 +91,10 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     from megatron_terapipe import forward_backward_terapipe
 
     config, model, batches, communicator = _stage_setup(rank, world_size, case, device)
+    if case.cuda_graphs:
+        _use_graphs(config, case, device)
+    # Graph replays accumulate into the captured .grad tensors: zeroed in place then.
+    in_place = case.cuda_graphs
     transfers = {}
     if communicator is not None:  # Megatron takes a communicator with every process group
         transfers = {"p2p_communicator": communicator,
@@ -98,13 +114,14 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
             forward_backward_terapipe(data_iterator=iter(batches), plan=plan, on_run=runs.append,
                                       **common)
 
-    for label in case.plans:  # warm-up: allocator, kernels, connections; then each peak
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        run(label)
-        if device == "cuda":
-            times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
-        model.zero_grad(set_to_none=True)
+    for label in case.plans:  # warm-up: allocator, kernels, connections (graphs: and capture)
+        for _ in range(2 if case.cuda_graphs else 1):
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            run(label)
+            if device == "cuda":
+                times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
+            model.zero_grad(set_to_none=not in_place)
     labels = list(case.plans)
     for round_ in range(case.repeats):
         # Rotate the order every round, so each configuration follows each other one about
@@ -112,7 +129,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
         # to 5% apart (the row right after Megatron's run the slower one).
         shift = round_ % len(labels)
         for label in labels[shift:] + labels[:shift]:
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=not in_place)
             dist.barrier()
             start = time.perf_counter()
             run(label)

@@ -12,7 +12,7 @@ from .cases import Case, baseline, check_case, run_case, run_cases
 from .compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad_pairs,
                       load_full_state, max_relative_error, report_values, unwrap)
 from .models import (TinyGPT, build_stage_model, forward_step, legacy_forward_step, loss_func,
-                     make_batches)
+                     make_batches, to_device)
 from .spawn import WorkerError, free_port, spawn
 from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
                       measure_peak_activations, pinned_core, run_megatron_1f1b,
@@ -25,5 +25,5 @@ __all__ = [
     "load_full_state", "loss_func", "make_batches", "max_relative_error",
     "measure_peak_activations", "pinned_core", "report_values", "run_case", "run_cases",
     "run_megatron_1f1b", "run_variable_lengths", "run_with_failure", "run_with_mismatched_batch",
-    "spawn", "unwrap",
+    "spawn", "to_device", "unwrap",
 ]

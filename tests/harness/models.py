@@ -91,6 +91,17 @@ def build_stage_model(model_cfg: TinyGPT, tp: int, pp: int, spec=None):
     return config, model
 
 
+def to_device(model, device):
+    """`model` on `device`, with the rotary table Megatron keeps outside the parameters (built on
+    the host under use_cpu_initialization, which these small models use: `.to()` leaves it)."""
+    model = model.to(device)
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor):
+            module.inv_freq = inv_freq.to(device)
+    return model
+
+
 def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
                  with_mask: bool = False, masked_rows: bool = True) -> list[dict[str, torch.Tensor]]:
     """Megatron-GPTDataset-style dicts of [b, s] tensors, with zeros in the loss masks."""

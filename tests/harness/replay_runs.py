@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
 
 LEARNING_RATE = 0.05
 
@@ -63,18 +63,6 @@ def _graph_factory(run: ReplayRun, graphs: list):
     return factory
 
 
-def _to_device(model, device: str):
-    """The model on `device`, with the rotary tables Megatron keeps outside the parameters."""
-    if device == "cpu":
-        return model
-    model = model.to(device)
-    for module in model.modules():
-        inv_freq = getattr(module, "inv_freq", None)
-        if isinstance(inv_freq, torch.Tensor):
-            module.inv_freq = inv_freq.to(device)
-    return model
-
-
 def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -87,7 +75,7 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
 
         spec = get_gpt_decoder_block_spec(model_cfg.config(run.tp, run.pp))
     config, model = build_stage_model(model_cfg, run.tp, run.pp, spec)
-    model = _to_device(model, run.device)
+    model = to_device(model, run.device)
     if dp > 1:
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.no_sync_func = model.no_sync
