@@ -76,6 +76,18 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
     return config, model, batches, communicator
 
 
+def _warm_up(label: str, run, model, case: SpeedCase, device: str, times: dict) -> None:
+    """Allocator, kernels, connections (with graphs: the capture too); then the peak memory."""
+    for _ in range(2 if case.cuda_graphs else 1):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        run(label)
+        if device == "cuda":
+            times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
+        # Graph replays accumulate into the captured .grad tensors: zeroed in place then.
+        model.zero_grad(set_to_none=not case.cuda_graphs)
+
+
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
     """Every configuration of `case`, interleaved, `repeats` times: wall seconds per run, for
     TeraPipe runs this stage's busy seconds (its cells' spans, "busy:" + label), and on a GPU
@@ -93,8 +105,6 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     config, model, batches, communicator = _stage_setup(rank, world_size, case, device)
     if case.cuda_graphs:
         _use_graphs(config, case, device)
-    # Graph replays accumulate into the captured .grad tensors: zeroed in place then.
-    in_place = case.cuda_graphs
     transfers = {}
     if communicator is not None:  # Megatron takes a communicator with every process group
         transfers = {"p2p_communicator": communicator,
@@ -114,14 +124,8 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
             forward_backward_terapipe(data_iterator=iter(batches), plan=plan, on_run=runs.append,
                                       **common)
 
-    for label in case.plans:  # warm-up: allocator, kernels, connections (graphs: and capture)
-        for _ in range(2 if case.cuda_graphs else 1):
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            run(label)
-            if device == "cuda":
-                times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
-            model.zero_grad(set_to_none=not in_place)
+    for label in case.plans:
+        _warm_up(label, run, model, case, device, times)
     labels = list(case.plans)
     for round_ in range(case.repeats):
         # Rotate the order every round, so each configuration follows each other one about
@@ -129,7 +133,7 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
         # to 5% apart (the row right after Megatron's run the slower one).
         shift = round_ % len(labels)
         for label in labels[shift:] + labels[:shift]:
-            model.zero_grad(set_to_none=not in_place)
+            model.zero_grad(set_to_none=not case.cuda_graphs)
             dist.barrier()
             start = time.perf_counter()
             run(label)
