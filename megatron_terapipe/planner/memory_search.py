@@ -25,6 +25,7 @@ from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from .refine import fewer_cells
 from .refine import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
+from .slicer import cell_arrays
 from .list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
 
 MAX_CANDIDATES = 120  # simulations of step 2
@@ -91,15 +92,7 @@ def compute_floor(cost_model: CostModel, space: SearchSpace, plan: TeraPipePlan)
     in a few array calls: edges and W actions cost >= 0, and a deferred backward saves at
     most the largest saving of any stage kind. Below the list estimate's busiest compute,
     so below the simulated time (the 1e-9 margin covers rounding)."""
-    rows, tokens, context = [], [], []
-    for r, slices in zip(plan.rows(space.micro_batch_size), plan.token_slices):
-        start = 0
-        for t in slices:
-            rows.append(r)
-            tokens.append(t)
-            context.append(start)
-            start += t
-    b, l, c = (np.asarray(v, dtype=float) for v in (rows, tokens, context))
+    b, l, c = cell_arrays(plan, space.micro_batch_size)
     backward = np.asarray(cost_model.backward_time(b, l, c), dtype=float)
     if plan.defer_wgrad:
         saving = np.max([np.asarray(cost_model.deferred_backward_saving(b, l, c, first, last))

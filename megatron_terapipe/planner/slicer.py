@@ -71,9 +71,9 @@ def bottleneck_cell_time(cost_model: CostModel, batch, length, context, num_stag
     return t + np.maximum(edge(True, False), edge(False, True))
 
 
-def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: int,
-                   num_stages: int, num_microbatches: int = 1, include_transfer: bool = True) -> float:
-    """The slicer's objective for any plan (what `solve_slicing` minimises)."""
+def cell_arrays(plan: TeraPipePlan, micro_batch_size: int) -> tuple[np.ndarray, ...]:
+    """(rows, tokens, context) of every cell of one microbatch under `plan`, as float arrays:
+    the cost model's arguments for all of them at once."""
     rows, lengths, contexts = [], [], []
     for r, token_slices in zip(plan.rows(micro_batch_size), plan.token_slices):
         start = 0
@@ -82,7 +82,13 @@ def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: 
             lengths.append(length)
             contexts.append(start)
             start += length
-    b, l, c = (np.asarray(x, dtype=np.float64) for x in (rows, lengths, contexts))
+    return tuple(np.asarray(x, dtype=np.float64) for x in (rows, lengths, contexts))
+
+
+def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: int,
+                   num_stages: int, num_microbatches: int = 1, include_transfer: bool = True) -> float:
+    """The slicer's objective for any plan (what `solve_slicing` minimises)."""
+    b, l, c = cell_arrays(plan, micro_batch_size)
     t = bottleneck_cell_time(cost_model, b, l, c, num_stages)
     u = t + 2 * np.asarray(cost_model.transfer_time(b, l)) if include_transfer else t
     return float(num_microbatches * t.sum() + (num_stages - 1) * u.max())
