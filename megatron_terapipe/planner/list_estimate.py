@@ -83,7 +83,6 @@ class _Actions:
 
 def _actions(schedule: Schedule) -> _Actions:
     index: dict[tuple, int] = {}
-    by_cell: dict[int, int] = {}  # id(cell) -> its shape: a cell's F, B and W share it
     position: dict[int, int] = {}
     kind, shape, seq, rows, cells = [], [], [], [], []
     for actions in schedule.stages:
@@ -92,17 +91,13 @@ def _actions(schedule: Schedule) -> _Actions:
             if id(a) not in unseen or id(a) in position:
                 continue
             c = a.cell
-            s = by_cell.get(id(c))
-            if s is None:
-                key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
-                s = index.get(key)
-                if s is None:
-                    s = index[key] = len(cells)
-                    cells.append(c)
-                by_cell[id(c)] = s
+            key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
+            if key not in index:
+                index[key] = len(cells)
+                cells.append(c)
             position[id(a)] = len(kind)
             kind.append(_CODES[a.kind])
-            shape.append(s)
+            shape.append(index[key])
             seq.append(c.sequence_key)
             rows.append(c.rows)
     return _Actions(position, np.array(kind, np.int8), np.array(shape, np.int64), seq, rows,
@@ -227,18 +222,13 @@ def estimate_lists(schedule: Schedule, cost_model: CostModel,
         walked = _walked(schedule, costs, memory)
         return walked if with_times else ListEstimate(None, walked.peak_memory_bytes)
     known = _actions(schedule)
-    busy, peaks, by_kind, last_of_kind = [], [], {}, {}
+    busy, peaks, by_kind = [], [], {}
     for k in range(schedule.num_stages):
         kind = (k == 0, k == schedule.num_stages - 1)
         if kind not in by_kind:
             walk = MemoryWalk(memory, schedule, k, False, caches.memory)
             by_kind[kind] = _per_shape(walk, costs, k, known, caches.shapes, with_times)
-        before = last_of_kind.get(kind)
-        if before is not None and before[0] == schedule.stages[k]:
-            compute, peak = before[1]  # middle stages often run the very same list
-        else:
-            compute, peak = _stage(schedule, k, known, by_kind[kind], costs)
-            last_of_kind[kind] = (schedule.stages[k], (compute, peak))
+        compute, peak = _stage(schedule, k, known, by_kind[kind], costs)
         busy.append(compute)
         peaks.append(peak)
     return ListEstimate(max(busy, default=0.0) if with_times else None, tuple(peaks))
