@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import megatron_terapipe as mt  # noqa: E402
-from harness import forward_step, to_device  # noqa: E402
+from harness import forward_step, to_device, use_cell_graphs  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -241,14 +241,6 @@ def cell_graphs(plan, args) -> int:
     return len({(a.kind, a.cell.rows, a.cell.tokens, a.cell.context) for a in schedule.stages[0]})
 
 
-def _use_graphs(model: torch.nn.Module, plan, device: str) -> None:
-    """Turn on a graph per compute action for `plan` (CPU: the ReplayGraph stand-in)."""
-    from megatron_terapipe.runtime.replay_graph import ReplayGraph
-
-    mt.configure(model.config, plan, cuda_graphs=True,
-                 graph_factory=None if device == "cuda" else ReplayGraph)
-
-
 def run_all(args) -> list[StageRow]:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
@@ -262,7 +254,7 @@ def run_all(args) -> list[StageRow]:
         if args.defer_wgrad != "plan":
             plan = mt.TeraPipePlan(plan.seq_slices, defer_wgrad=args.defer_wgrad == "on")
         if args.cuda_graphs:
-            _use_graphs(ours, plan, args.device)
+            use_cell_graphs(ours.config, plan, args.device)
         name = f"TeraPipe, {k} slices" + (", graphs" if args.cuda_graphs else "")
         rows.append(measure(name, k, lambda: iteration(
             mt.forward_backward_terapipe, ours, batch, args, plan=plan), args))

@@ -34,17 +34,6 @@ class SpeedCase:
     cuda_graphs: bool = False  # TeraPipe replays a graph per compute action (CPU: ReplayGraph)
 
 
-def _use_graphs(config, case: SpeedCase, device: str) -> None:
-    """A graph per compute action for TeraPipe's plans (`--terapipe-cuda-graphs`); on CPU the
-    ReplayGraph stand-in, which checks the path and says nothing about CUDA graph speed."""
-    from megatron_terapipe import configure
-    from megatron_terapipe.runtime.replay_graph import ReplayGraph
-
-    plan = next(p for p in case.plans.values() if p is not None)
-    configure(config, plan, cuda_graphs=True,
-              graph_factory=None if device == "cuda" else ReplayGraph)
-
-
 def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
     """This stage's model, batches and the communicator both schedules use (None: default)."""
     from megatron.core import parallel_state
@@ -103,8 +92,10 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     from megatron_terapipe import forward_backward_terapipe
 
     config, model, batches, communicator = _stage_setup(rank, world_size, case, device)
-    if case.cuda_graphs:
-        _use_graphs(config, case, device)
+    if case.cuda_graphs:  # every TeraPipe plan below runs with graphs (CPU: ReplayGraph)
+        from harness import use_cell_graphs
+
+        use_cell_graphs(config, next(p for p in case.plans.values() if p is not None), device)
     transfers = {}
     if communicator is not None:  # Megatron takes a communicator with every process group
         transfers = {"p2p_communicator": communicator,

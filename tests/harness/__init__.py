@@ -3,7 +3,8 @@
 spawn: run one function on several gloo processes. models: a small GPT, its batches, a
 pretrain_gpt-style forward_step. compare: weights and gradients between the full model and its
 shards, and the tolerances TeraPipe must meet. cases: the equivalence experiment (Case,
-run_cases, check_case). workers: the other multi-process worker bodies.
+run_cases, check_case). replay_runs: training with a graph per compute action against
+eager, and use_cell_graphs. workers: the other multi-process worker bodies.
 
 Workers are named to `spawn` as "harness:<function>", so every worker is exported here.
 """
@@ -13,6 +14,7 @@ from .compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad
                       load_full_state, max_relative_error, report_values, unwrap)
 from .models import (TinyGPT, build_stage_model, forward_step, legacy_forward_step, loss_func,
                      make_batches, to_device)
+from .replay_runs import use_cell_graphs
 from .spawn import WorkerError, free_port, spawn
 from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
                       measure_peak_activations, pinned_core, run_megatron_1f1b,
@@ -25,5 +27,5 @@ __all__ = [
     "load_full_state", "loss_func", "make_batches", "max_relative_error",
     "measure_peak_activations", "pinned_core", "report_values", "run_case", "run_cases",
     "run_megatron_1f1b", "run_variable_lengths", "run_with_failure", "run_with_mismatched_batch",
-    "spawn", "to_device", "unwrap",
+    "spawn", "to_device", "unwrap", "use_cell_graphs",
 ]

@@ -50,12 +50,25 @@ class _Counted:
         self.graph.replay()
 
 
-def _graph_factory(run: ReplayRun, graphs: list):
-    """ReplayGraph on CPU, torch.cuda.CUDAGraph on a GPU; every graph made is kept in `graphs`."""
+def graph_maker(device: str):
+    """What makes each cell's graph on `device`: torch.cuda.CUDAGraph on a GPU, the ReplayGraph
+    stand-in on CPU (it checks the path and numbers, not the speed of CUDA graphs)."""
     from megatron_terapipe.runtime.cell_graphs import cuda_graph_factory
     from megatron_terapipe.runtime.replay_graph import ReplayGraph
 
-    make = cuda_graph_factory(torch.device("cuda")) if run.device == "cuda" else ReplayGraph
+    return cuda_graph_factory(torch.device("cuda")) if device == "cuda" else ReplayGraph
+
+
+def use_cell_graphs(config, plan, device: str) -> None:
+    """`--terapipe-cuda-graphs` for `plan` on `device` (graph_maker's graphs)."""
+    from megatron_terapipe import configure
+
+    configure(config, plan, cuda_graphs=True, graph_factory=graph_maker(device))
+
+
+def _graph_factory(run: ReplayRun, graphs: list):
+    """graph_maker's graphs, each kept in `graphs` and counting its replays."""
+    make = graph_maker(run.device)
 
     def factory(key: str):
         graphs.append(_Counted(make(key)))
