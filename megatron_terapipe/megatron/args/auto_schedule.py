@@ -17,16 +17,18 @@ from __future__ import annotations
 from typing import Callable
 
 from ...planner.cost.stage_memory import MemoryBudgetError
+from ...planner.inputs import PlannerInputs
 from ...planner.report import auto_text, megatron_1f1b_time, schedule_row
 from ...planner.schedule_choice import TERAPIPE, AutoChoice, ScheduleTable
 from .checks import TeraPipeArgumentError
 from .flags import num_microbatches, pp_size
+from .plan_report import WARNING
 from .planner_inputs import planner_inputs
 from .profile_cache import profile_cache_path
 
 
-def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTable, str]:
-    """The schedules the flags' run could use, and the cost model's description."""
+def _auto_inputs(args) -> PlannerInputs:
+    """What the choice is planned from: the flags' inputs, with a cost model known unmeasured."""
     seq, mbs = int(args.seq_length), int(args.micro_batch_size)
     if (getattr(args, "terapipe_cost_model", "analytic") == "profile"
             and not profile_cache_path(args, seq, mbs).is_file()):
@@ -35,7 +37,12 @@ def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTa
             "--terapipe-cost-model profile has no cached profile for this shape: run once with "
             "--pipeline-schedule terapipe --terapipe-cost-model profile (it caches the profile), "
             "or give --terapipe-cost-model analytic or a layer-profile JSON file")
-    inputs = planner_inputs(args, seq, mbs)
+    return planner_inputs(args, seq, mbs)
+
+
+def schedule_table_from_args(args, interleaved: bool = True) -> tuple[ScheduleTable, str]:
+    """The schedules the flags' run could use, and the cost model's description."""
+    inputs = _auto_inputs(args)
     return inputs.schedule_table(interleaved), inputs.cost_model.describe()
 
 
@@ -44,14 +51,18 @@ def resolve_auto_schedule(args, log: Callable[[str], None] = print,
     """Choose the schedule for --pipeline-schedule auto and write it into `args`. interleaved:
     whether the run can build model chunks (Megatron-LM can; a script building one model per
     stage cannot). Raises TeraPipeArgumentError when no schedule fits the budget."""
-    table, cost = schedule_table_from_args(args, interleaved)
+    inputs = _auto_inputs(args)
+    table = inputs.schedule_table(interleaved)
     try:
         choice = table.auto()
     except MemoryBudgetError as exc:
         raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
     apply_choice(args, choice)
-    for line in auto_log_lines(args, table, choice, cost):
+    for line in auto_log_lines(args, table, choice, inputs.cost_model.describe()):
         log(line)
+    for note in inputs.notes:  # a guessed GPU: the choice rests on its numbers
+        if note.startswith(WARNING):
+            log(f"> terapipe auto: {note}")
     return choice
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
-from ..hooks.selection import MOE_GRAPHS, moe_problem
+from ..hooks.selection import (DROPOUT_GRAPHS, MOE_GRAPHS, attention_backend_problem,
+                               dropout_values, moe_problem)
 from .flags import (COST_MODELS, DEFAULT_GRANULARITY, DEFAULT_PROFILE_POINTS, HARDWARE_CHOICES,
-                    ORDERS, auto_selected, int_or_none, size_flag, slice_unit, terapipe_selected,
-                    tp_size)
+                    ORDERS, attention_backend, auto_selected, int_or_none, size_flag, slice_unit,
+                    terapipe_selected, tp_size)
 
 
 class TeraPipeArgumentError(ValueError):
@@ -92,12 +93,26 @@ def _check_cuda_graphs(args) -> None:
               "--overlap-grad-reduce would never see gradients ready: drop one of the two")
     if getattr(args, "num_experts", None):
         _fail(MOE_GRAPHS.format(option="--terapipe-cuda-graphs"))
+    _check_dropout_rng(args)
     if getattr(args, "terapipe_cpu", False) or not torch.cuda.is_available():
         where = "--terapipe-cpu runs on CPU" if getattr(args, "terapipe_cpu", False) else \
             "this process sees no CUDA device"
         _fail(f"--terapipe-cuda-graphs captures cells as CUDA graphs, but {where}: drop "
               "--terapipe-cuda-graphs (on CPU, megatron_terapipe.runtime.graph_audit."
               "audit_iterations checks that cells could be captured)")
+
+
+def _check_dropout_rng(args) -> None:
+    """Dropout in CUDA graphs needs Megatron-LM's graph-safe RNG tracker: --te-rng-tracker, or
+    the one --cuda-graph-impl makes (the schedule checks the tracker built at its first call)."""
+    graph_safe = (getattr(args, "te_rng_tracker", False)
+                  or getattr(args, "cuda_graph_impl", "none") not in (None, "none"))
+    values = dropout_values(args)
+    if values and not graph_safe:
+        _fail(DROPOUT_GRAPHS.format(
+            option="--terapipe-cuda-graphs", values=", ".join(values),
+            fix="give --te-rng-tracker (Transformer Engine's tracker), or --hidden-dropout 0 "
+                "--attention-dropout 0, or drop --terapipe-cuda-graphs"))
 
 
 def _check_auto(args) -> None:
@@ -214,4 +229,7 @@ def _check_unsupported_flags(args) -> None:
               "learned_absolute")
     if getattr(args, "sft", False):
         _fail("TeraPipe does not support --sft (packed THD sequences): drop --sft")
+    problem = attention_backend_problem(attention_backend(args))
+    if problem:
+        _fail(problem)
 

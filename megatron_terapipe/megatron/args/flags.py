@@ -194,6 +194,12 @@ def defer_wgrad(args) -> Optional[bool]:
     return {"on": True, "off": False}.get(getattr(args, "terapipe_defer_wgrad", "on"))
 
 
+def attention_backend(args) -> str:
+    """--attention-backend by name (Megatron-LM parses it to an AttnBackend); auto when unset."""
+    value = getattr(args, "attention_backend", None)
+    return "auto" if value is None else str(getattr(value, "name", value))
+
+
 def slices_given(args) -> bool:
     """Whether the flags fix the slices (--terapipe-slices or --terapipe-num-slices)."""
     return (bool(getattr(args, "terapipe_slices", None))

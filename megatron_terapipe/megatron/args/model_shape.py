@@ -10,6 +10,15 @@ from .checks import TeraPipeArgumentError
 from .flags import int_or_none
 
 
+#: Megatron-LM's flags without which the planner has no model to price.
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def model_shape_given(args) -> bool:
+    """Whether the flags describe the model (a script may define none of Megatron-LM's)."""
+    return all(getattr(args, name, None) is not None for name in MODEL_SHAPE_FLAGS)
+
+
 def model_dims_from_args(args) -> ModelDims:
     """The planner's ModelDims from Megatron-LM's model flags."""
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
@@ -25,7 +34,7 @@ def model_dims_from_args(args) -> ModelDims:
                          vocab_size=int_or_none(getattr(args, "padded_vocab_size", None)
                                                 or getattr(args, "vocab_size", None)),
                          name="this model")
-    except AttributeError as exc:
+    except (AttributeError, TypeError) as exc:
         raise TeraPipeArgumentError(
             f"planning needs the model shape (--num-layers, --hidden-size, --num-attention-heads): "
             f"{exc}; or give --terapipe-slices / --terapipe-num-slices") from None

@@ -8,8 +8,17 @@ from typing import Optional
 
 from ...plan import TeraPipePlan
 from ...planner.report import slice_picture
+from ..hooks.selection import SLICE_ATTENTION
+from .flags import attention_backend
 
 PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
+#: Notes that must not be missed (a guessed GPU, ...): logged as `> terapipe: WARNING: ...`.
+WARNING = "WARNING: "
+
+
+def attention_text(args) -> str:
+    """Which attention the layers run, for the report (--attention-backend cannot change it)."""
+    return f"{SLICE_ATTENTION}, for --attention-backend {attention_backend(args)}"
 
 
 @dataclass
@@ -30,6 +39,7 @@ class PlanReport:
     peak_bytes: Optional[tuple[float, ...]] = None  # per stage, model state included
     budget_bytes: Optional[float] = None  # --terapipe-memory-budget
     model_state: tuple[float, ...] = ()  # per stage: weights, gradients, optimizer state
+    attention: str = ""  # what the layers' core attention runs
 
     def lines(self, plan: TeraPipePlan) -> list[str]:
         out = [f"> terapipe plan for seq_length {self.seq_length}, micro_batch_size "
@@ -51,9 +61,12 @@ class PlanReport:
             out.append(">     Transformer Engine layers keep theirs in the backward cells;")
             out.append(">     --terapipe-defer-wgrad off: all there, less memory held)")
         out.append(f">   slices from ............... {self.source}")
+        if self.attention:
+            out.append(f">   attention ................. {self.attention}")
         out.append(f">   cost model ................ {self.cost_model}")
         out.extend(self._prediction_lines())
-        out.extend(f">   note: {n}" for n in self.notes)
+        out.extend(f">   note: {n}" for n in self.notes if not n.startswith(WARNING))
+        out.extend(f"> terapipe: {n}" for n in self.notes if n.startswith(WARNING))
         return out
 
     def _prediction_lines(self) -> list[str]:

@@ -21,11 +21,17 @@ from .flags import (cp_size, data_parallel_size, defer_wgrad, dtype_bytes, granu
                     num_microbatches, pp_size, size_flag, slice_multiple, tp_size,
                     world_size)
 from .model_shape import device_name, model_dims_from_args
+from .plan_report import WARNING
 from .profile_cache import profile_cache_path
 
 
+#: The analytic model's GPU when the device matches no preset (said loudly at start-up).
+ASSUMED_HARDWARE = "a100"
+
+
 def hardware_from_args(args) -> tuple[Hardware, str]:
-    """The analytic model's GPU preset, and a note when it had to be guessed."""
+    """The analytic model's GPU preset, and a warning (the report's WARNING note) when the
+    device name matches none and the preset is assumed."""
     name = getattr(args, "terapipe_hardware", "auto") or "auto"
     if name != "auto":
         return hardware_preset(name), ""
@@ -33,7 +39,10 @@ def hardware_from_args(args) -> tuple[Hardware, str]:
     for preset in ("h100", "a100", "v100"):
         if preset in device:
             return hardware_preset(preset), ""
-    return hardware_preset("a100"), f"device '{device_name()}' has no preset; assuming a100"
+    return hardware_preset(ASSUMED_HARDWARE), (
+        f"{WARNING}the analytic cost model assumes {ASSUMED_HARDWARE.upper()} GPUs: device "
+        f"'{device_name()}' matches no preset; give --terapipe-hardware {{v100,a100,h100}} for "
+        "the GPUs the run trains on, or --terapipe-cost-model profile to measure this device")
 
 
 def stages_cross_nodes_from_args(args) -> bool:

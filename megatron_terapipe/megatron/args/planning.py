@@ -16,9 +16,10 @@ from ...planner.inputs import PlannerInputs
 from ...planner.search import SearchResult, choose_deferral
 from ...planner.timeline import write_chrome_trace
 from .checks import TeraPipeArgumentError
-from .flags import (defer_wgrad, granularity, num_microbatches, pp_size, slice_multiple,
-                    slice_unit, slices_given)
-from .plan_report import PlanReport
+from .flags import (COST_MODELS, defer_wgrad, granularity, num_microbatches, pp_size,
+                    slice_multiple, slice_unit, slices_given)
+from .model_shape import model_shape_given
+from .plan_report import PlanReport, attention_text
 from .planner_inputs import planner_inputs
 
 #: () -> what the planner starts from (the cost model measured or not, the space, the budget)
@@ -37,15 +38,18 @@ class PlannedRun:
 
     plan: TeraPipePlan
     report: PlanReport
-    inputs: Optional[PlannerInputs]  # None when no prediction could be made
+    inputs: Optional[PlannerInputs]  # None: fixed slices, no model shape, no prediction
 
 
 def plan_run(args, seq_length: int, micro_batch_size: int,
              inputs: Optional[InputsSource] = None) -> PlannedRun:
-    """The plan the flags select for this shape, and the simulator's view of it."""
+    """The plan the flags select for this shape, and the simulator's view of it. Errors in
+    what the prediction starts from (a bad cost-model file, a budget the plan cannot meet)
+    are raised, fixed slices or not; fixed slices on a model the flags do not describe run
+    without a prediction when no flag needs one (`_no_prediction`)."""
     inputs = inputs or (lambda: planner_inputs(args, seq_length, micro_batch_size))
     fixed = _fixed_plan(args, seq_length)
-    given, searched = None, None
+    searched = None
     if fixed is None:
         given = inputs()
         searched = _search(given)
@@ -53,22 +57,43 @@ def plan_run(args, seq_length: int, micro_batch_size: int,
         plan = searched.plan
     else:
         source, plan = fixed
+        given = inputs() if model_shape_given(args) else _no_prediction(args)
     plan.validate(seq_length, micro_batch_size, multiple_of=slice_multiple(args))
     if defer_wgrad(args) is not None:  # on (the default) or off; auto: chosen below
         plan = replace(plan, defer_wgrad=defer_wgrad(args))
     report = PlanReport(seq_length, micro_batch_size, num_microbatches(args, micro_batch_size),
-                        pp_size(args), source, "none", notes=list(given.notes) if given else [])
-    try:
-        if given is None:
-            given = inputs()
-            report.notes.extend(given.notes)
+                        pp_size(args), source, "none", notes=list(given.notes) if given else [],
+                        attention=attention_text(args))
+    if given is None:
+        report.notes.append("no prediction: the flags give no model shape (--num-layers, "
+                            "--hidden-size, --num-attention-heads)")
+    else:
         plan = _predict(given, plan, source, searched, report)
-    except Exception as exc:  # noqa: BLE001 - a prediction is informative only; the plan stands
-        report.notes.append(f"no prediction ({type(exc).__name__}: {exc})")
-        given = None
-    if given is not None:
-        _check_fixed_plan_fits(source, report, given.budget)
+        _check_fixed_plan_fits(args, source, report, given.budget)
     return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, given)
+
+
+def _no_prediction(args) -> None:
+    """Fixed slices on a model the flags do not describe (a script without Megatron-LM's model
+    flags) run as given, without a prediction; refused when a flag needs the prediction."""
+    needs = [(flag, fix) for flag, fix, given in (
+        ("--terapipe-memory-budget", "drop it", _memory_budget_given(args)),
+        ("--terapipe-defer-wgrad auto", "choose --terapipe-defer-wgrad on or off",
+         defer_wgrad(args) is None),
+        (f"--terapipe-cost-model {getattr(args, 'terapipe_cost_model', None)}", "drop it",
+         getattr(args, "terapipe_cost_model", "analytic") not in (None, *COST_MODELS)),
+    ) if given]
+    if needs:
+        flag, fix = needs[0]
+        raise TeraPipeArgumentError(
+            f"{flag} needs the plan's predicted time and memory, which need the model shape "
+            "(--num-layers, --hidden-size, --num-attention-heads), but the flags give none: "
+            f"give them, or {fix}")
+    return None
+
+
+def _memory_budget_given(args) -> bool:
+    return getattr(args, "terapipe_memory_budget", None) not in (None, "")
 
 
 def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
@@ -98,18 +123,20 @@ def _search(inputs: PlannerInputs) -> SearchResult:
         raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
 
 
-def _check_fixed_plan_fits(source: str, report: PlanReport, budget: MemoryBudget) -> None:
-    """Slices the flags fix must fit the budget too (when a prediction could be made)."""
+def _check_fixed_plan_fits(args, source: str, report: PlanReport, budget: MemoryBudget) -> None:
+    """Slices the flags fix must fit the budget too (the planner's search keeps within it)."""
     if budget.budget_bytes is None or report.peak_bytes is None:
         return
     worst = max(range(len(report.peak_bytes)), key=lambda k: report.peak_bytes[k])
     if report.peak_bytes[worst] > budget.budget_bytes:
+        order = ("use --terapipe-order 1f1b, "
+                 if getattr(args, "terapipe_order", "1f1b") == "gpipe" else "")
         raise TeraPipeArgumentError(
-            f"{source}: the plan's predicted peak on stage {worst}, "
-            f"{format_size(report.peak_bytes[worst])} (weights, gradients and optimizer state "
-            f"included), exceeds --terapipe-memory-budget {format_size(budget.budget_bytes)}: "
-            "cut the sequence into more slices, use --terapipe-order 1f1b, or let the planner "
-            "choose (drop the fixed slices)")
+            f"--terapipe-memory-budget: the plan from {source} does not fit the memory budget "
+            f"of {format_size(budget.budget_bytes)} per GPU: it peaks at "
+            f"{format_size(report.peak_bytes[worst])} on stage {worst} (weights, gradients and "
+            f"optimizer state included); cut the sequence into more slices, {order}give more "
+            "memory, or let the planner choose (drop the fixed slices)")
 
 
 def _fixed_plan(args, seq_length: int) -> Optional[tuple[str, TeraPipePlan]]:

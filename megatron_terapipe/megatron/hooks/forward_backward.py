@@ -235,6 +235,12 @@ def _check_graphs(config, model: torch.nn.Module) -> None:
 
         raise ValueError("TeraPipe: " + MOE_GRAPHS.format(
             option="CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True))"))
+    from .selection import dropout_graphs_problem
+
+    problem = dropout_graphs_problem(  # the tracker this process built (--te-rng-tracker needs TE)
+        config, "TeraPipe: CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True))")
+    if problem:
+        raise ValueError(problem)
 
 
 def prepare_model(model: torch.nn.Module) -> None:

@@ -31,6 +31,62 @@ MOE_GRAPHS = ("{option} replays each cell's kernels as captured, but MoE layers 
               "{option} with MoE")
 
 
+#: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
+SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
+                   "bottom-right causal mask; torch picks the kernel)")
+#: --attention-backend values the slice attention stands for: auto (Megatron-LM's default: the
+#: model chooses) and local (PyTorch attention rather than Transformer Engine's kernels).
+SLICE_ATTENTION_BACKENDS = ("auto", "local")
+
+
+def attention_backend_problem(backend: str) -> Optional[str]:
+    """Why TeraPipe cannot run --attention-backend `backend` (a Transformer Engine kernel), or None."""
+    if backend in SLICE_ATTENTION_BACKENDS:
+        return None
+    return (f"TeraPipe does not run --attention-backend {backend} (a Transformer Engine attention "
+            f"kernel): token slices need TeraPipe's {SLICE_ATTENTION}; use --attention-backend "
+            "auto (the default) or local, or --pipeline-schedule 1f1b for Megatron's attention")
+
+
+#: Why dropout and CUDA graphs need Megatron's graph-safe RNG tracker (flag and Python option).
+DROPOUT_GRAPHS = ("{option} captures dropout ({values}) in CUDA graphs, which needs Megatron's "
+                  "graph-safe RNG tracker (--te-rng-tracker): its default tracker swaps the CUDA "
+                  "generator's state (activation recomputation, RNG forks) in a way a capture "
+                  "cannot record; {fix}")
+
+
+def dropout_values(source) -> list[str]:
+    """Megatron's dropout flags above 0 (args or a TransformerConfig: the names are the same)."""
+    return [f"--{name.replace('_', '-')} {p:g}" for name in ("hidden_dropout", "attention_dropout")
+            if (p := float(getattr(source, name, 0.0) or 0.0)) > 0]
+
+
+def graph_safe_rng_tracker() -> bool:
+    """Whether Megatron's RNG tracker is set up and graph-safe (Transformer Engine's, or Megatron's
+    with use_cudagraphable_rng)."""
+    from . import compat
+
+    tp_random = compat.rng_module()
+    tracker = tp_random._CUDA_RNG_STATE_TRACKER
+    if not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED or tracker is None:
+        return False
+    check = getattr(tp_random, "is_graph_safe_cuda_rng_tracker", None)
+    return bool(check(tracker) if check else getattr(tracker, "use_cudagraphable_rng", False))
+
+
+def dropout_graphs_problem(config, option: str) -> Optional[str]:
+    """Why `config`'s dropout cannot be captured with this process's RNG tracker, or None."""
+    values = dropout_values(config)
+    if not values or graph_safe_rng_tracker():
+        return None
+    return DROPOUT_GRAPHS.format(
+        option=option, values=", ".join(values),
+        fix="seed with tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, "
+            "force_reset_rng=True) (Transformer Engine; Megatron-LM: --te-rng-tracker) or "
+            "use_cudagraphable_rng=True, or set hidden_dropout and attention_dropout to 0 "
+            "(--hidden-dropout 0 --attention-dropout 0), or turn the CUDA graphs off")
+
+
 def select(source, cuda_graphs: bool = False) -> None:
     """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from
     flags; `cuda_graphs`: capture and replay every compute action (--terapipe-cuda-graphs)."""
@@ -56,6 +112,10 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
     needs CUDA; None leaves the choice to the flags (`select`). `graph_factory(label)` makes each graph instead of torch.cuda.CUDAGraph
     (tests pass runtime.cell_graphs.RecordingGraph).
     """
+    if cuda_graphs:  # before the device check: the same refusal wherever it is asked
+        problem = dropout_graphs_problem(config, "TeraPipe: configure(..., cuda_graphs=True)")
+        if problem:
+            raise ValueError(problem)
     if cuda_graphs and graph_factory is None:
         import torch
 
@@ -98,6 +158,10 @@ def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = 
         raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
     if getattr(config, "mtp_num_layers", None):
         raise ValueError("TeraPipe does not support multi-token prediction: unset --mtp-num-layers")
+    backend = getattr(config, "attention_backend", None)
+    problem = attention_backend_problem(str(getattr(backend, "name", backend or "auto")))
+    if problem:
+        raise ValueError(problem)
     if plan is not None and getattr(config, "sequence_parallel", False):
         plan.check_multiple_of(config.tensor_model_parallel_size)
 
