@@ -7,7 +7,8 @@ one process: with the budget search's step 2 as it was (every leaner plan timed:
 `leaner_candidates`) and as it is (`fastest_leaner`: plans in order of a compute floor, peaks
 from their lists, timing only those that fit until the floor passes the fastest), and prints both wall times and the speed-up. The two outputs (chosen
 plan, predicted times, peaks, the schedule table) must be identical but for the planner's own
-solve-time line; the run stops with an error otherwise.
+solve-time line; the run stops with an error otherwise. The JSON (--out) starts with its
+provenance (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import contextlib
 import io
 import json
 import os
-import platform
 import re
 import sys
 import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from megatron_terapipe.planner import cli, memory_search  # noqa: E402
+from provenance import provenance, script_command  # noqa: E402
 
 
 #: terapipe-plan questions with a memory budget (the first is the one that took minutes)
@@ -80,17 +82,6 @@ def run(cases: list[str]) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    """The checkout's commit, marked when it has uncommitted changes."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    code = git("status", "--porcelain", "--", "../megatron_terapipe", ".", ":!results")
-    return git("rev-parse", "--short", "HEAD") + (" (code modified)" if code else "")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only the small cases")
@@ -99,14 +90,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     cases = QUICK if args.quick else CASES
+    origin = provenance(script_command(__file__, argv))
     rows = run([CASES[i] for i in args.cases] if args.cases is not None else cases)
     if args.out:
-        commit = _commit()  # before opening the file: a results file rewritten is not code
         with open(args.out, "w") as f:
-            json.dump(dict(date=time.strftime("%Y-%m-%d"), commit=commit,
-                           machine=platform.processor()
-                           or platform.machine(), python=platform.python_version(),
-                           rows=rows), f, indent=1)
+            json.dump({"provenance": origin, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -4,15 +4,18 @@ work stay flat as the number of token slices K grows?
     python benchmarks/bench_host_ops.py          # hidden 64, seq 512, 4 layers, one process
 
 One process runs a whole tiny GPT as one stage (PP=1, one microbatch) through Megatron's
-`forward_backward_no_pipelining` with Megatron's local spec (unsliced), and through
-`forward_backward_terapipe` with K uniform token slices and the default plan (deferred weight
-gradients). Per row: aten ops dispatched in one iteration (a TorchDispatchMode), per cell
+`forward_backward_no_pipelining` (unsliced), and through `forward_backward_terapipe` with K
+uniform token slices and the default plan (deferred weight gradients). Both run the same
+attention, TeraPipe's slice-aware spec (one torch SDPA call per layer; ordinary causal attention
+outside a TeraPipe cell), on copies of the same weights, so the op counts and host times
+compare the schedules, not attention kernels. `--megatron-local-spec` adds Megatron on its
+local spec (unfused DotProductAttention), a row labelled as such. Per row: aten ops dispatched in one iteration (a TorchDispatchMode), per cell
 (ops / K), the median host time of an iteration (perf_counter; on CPU that is all of it), and
 for TeraPipe how many graphs `--terapipe-cuda-graphs` would capture for the plan and the aten
 ops a replayed iteration still dispatches outside them (counted with runtime/cell_graphs.py's
 RecordingGraph, whose replays run nothing). Targets: TeraPipe at K = 1 no more ops than
-Megatron's unsliced iteration; ops per cell at K = 32 within 1.1x of K = 1. Writes
-benchmarks/results/host_ops.json.
+Megatron's unsliced iteration on the same attention; ops per cell at K = 32 within 1.1x of
+K = 1. Writes benchmarks/results/host_ops.json, its provenance first (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -20,12 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from typing import Callable, Optional
 
 import torch
@@ -36,11 +37,13 @@ sys.path.insert(0, HERE)
 import bench_stage  # noqa: E402  (its models, batch, iteration and op counter)
 import megatron_terapipe as mt  # noqa: E402
 from megatron_terapipe.runtime.cell_graphs import RecordingGraph  # noqa: E402
+from provenance import describe, provenance, script_command  # noqa: E402
 
 
 @dataclass
 class HostOpsRow:
     name: str
+    attention: str  # bench_stage.ATTENTION's description
     slices: int
     ops_per_iteration: int
     ops_per_cell: float
@@ -55,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--slices", default="1,8,32")
+    p.add_argument("--megatron-local-spec", action="store_true",
+                   help="also count Megatron on its local spec (unfused attention: not the same "
+                        "attention as the other rows)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--out", default=os.path.join(HERE, "results", "host_ops.json"))
@@ -64,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--slices: each count must be positive and divide --seq-length {args.seq_length}")
     # bench_stage's model options
     args.device, args.num_attention_heads, args.micro_batch_size, args.vocab_size = "cpu", 4, 1, 1024
-    args.bf16 = False
+    args.bf16 = args.cuda_graphs = False
     return args
 
 
@@ -93,7 +99,9 @@ def graph_counts(model, plan, batch, args) -> tuple[int, int]:
     graphs: list[RecordingGraph] = []
     config.terapipe_cuda_graphs = True
     config.terapipe_graph_factory = lambda key: graphs.append(RecordingGraph(key)) or graphs[-1]
-    run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, model, batch, args, plan=plan)  # noqa: E731
+    # Replays write the gradients where the capture put them: zeroed in place, not set to None.
+    graph_args = argparse.Namespace(**{**vars(args), "cuda_graphs": True})
+    run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, model, batch, graph_args, plan=plan)  # noqa: E731
     try:
         run()  # eager warm-up
         run()  # capture
@@ -107,23 +115,38 @@ def graph_counts(model, plan, batch, args) -> tuple[int, int]:
     return len(graphs), replayed_ops
 
 
-def run_all(args) -> list[HostOpsRow]:
+def megatron_rows(models: dict, batch: dict, args) -> list[HostOpsRow]:
+    """Megatron's own schedule, unsliced: on the slice-aware spec, and (when asked) its local spec."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    ours, megatron = bench_stage.build_models(args)
+    rows = []
+    for side, name, attention in (
+            ("megatron", "Megatron, unsliced (SDPA)", bench_stage.SDPA),
+            ("megatron_local", "Megatron local spec, unsliced (unfused attention)", bench_stage.UNFUSED)):
+        if side not in models:
+            continue
+        model = models[side]
+        run = lambda: bench_stage.iteration(forward_backward_no_pipelining, model, batch, args)  # noqa: E731
+        ms = host_ms(run, args.warmup, args.iters)
+        ops = count_ops(run)
+        rows.append(HostOpsRow(name, bench_stage.ATTENTION[attention], 1, ops, float(ops), ms))
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def run_all(args) -> list[HostOpsRow]:
+    models = bench_stage.build_models(args)
+    ours = models["terapipe"]
     batch = bench_stage.make_batch(args)
-    run = lambda: bench_stage.iteration(forward_backward_no_pipelining, megatron, batch, args)  # noqa: E731
-    ms = host_ms(run, args.warmup, args.iters)
-    ops = count_ops(run)
-    rows = [HostOpsRow("Megatron local spec, unsliced", 1, ops, float(ops), ms)]
-    print(_format(rows[-1]), flush=True)
+    rows = megatron_rows(models, batch, args)
     for k in args.slice_counts:
         plan = mt.TeraPipePlan.uniform(args.seq_length, k)
         run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, ours, batch, args, plan=plan)  # noqa: E731
         ms = host_ms(run, args.warmup, args.iters)
         ops = count_ops(run)
         graphs, outside = graph_counts(ours, plan, batch, args)
-        rows.append(HostOpsRow(f"TeraPipe, {k} slices", k, ops, ops / k, ms, graphs, outside))
+        rows.append(HostOpsRow(f"TeraPipe, {k} slices (SDPA)", bench_stage.ATTENTION[bench_stage.SDPA],
+                               k, ops, ops / k, ms, graphs, outside))
         print(_format(rows[-1]), flush=True)
     return rows
 
@@ -131,27 +154,28 @@ def run_all(args) -> list[HostOpsRow]:
 def _format(r: HostOpsRow) -> str:
     graphs = "-" if r.graphs is None else str(r.graphs)
     outside = "-" if r.ops_outside_graphs is None else str(r.ops_outside_graphs)
-    return (f"{r.name:32s} {r.ops_per_iteration:10d} {r.ops_per_cell:10.1f} {r.host_ms:9.2f} "
+    return (f"{r.name:50s} {r.ops_per_iteration:10d} {r.ops_per_cell:10.1f} {r.host_ms:9.2f} "
             f"{graphs:>7s} {outside:>10s}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     bench_stage.init_process("cpu")
+    origin = provenance(script_command(__file__, argv))
+    print(f"machine: {describe(origin)}; 1 thread", flush=True)
     torch.set_num_threads(1)
-    print(f"{'run':32s} {'ops/iter':>10s} {'ops/cell':>10s} {'host ms':>9s} {'graphs':>7s} "
+    print(f"{'run':50s} {'ops/iter':>10s} {'ops/cell':>10s} {'host ms':>9s} {'graphs':>7s} "
           f"{'replay ops':>10s}", flush=True)
     rows = run_all(args)
+    megatron = next(r for r in rows if r.name.startswith("Megatron,"))  # the same attention
     one = next(r for r in rows if r.name.startswith("TeraPipe") and r.slices == 1)
     targets = {
-        "k1_ops_vs_megatron": one.ops_per_iteration / rows[0].ops_per_iteration,
+        "k1_ops_vs_megatron": one.ops_per_iteration / megatron.ops_per_iteration,
         "ops_per_cell_vs_k1": {r.slices: r.ops_per_cell / one.ops_per_cell
                                for r in rows if r.name.startswith("TeraPipe")}}
-    print(f"> TeraPipe K=1 / Megatron ops: {targets['k1_ops_vs_megatron']:.3f}; ops per cell vs "
-          f"K=1: {targets['ops_per_cell_vs_k1']}")
-    result = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                         f"Python {platform.python_version()}, 1 thread",
+    print(f"> TeraPipe K=1 / Megatron ops (both SDPA): {targets['k1_ops_vs_megatron']:.3f}; ops "
+          f"per cell vs K=1: {targets['ops_per_cell_vs_k1']}")
+    result = {"provenance": origin, "threads": 1,
               "shape": {"hidden_size": args.hidden_size, "seq_length": args.seq_length,
                         "num_layers": args.num_layers, "num_attention_heads": 4,
                         "vocab_size": args.vocab_size, "micro_batch_size": 1},

@@ -15,7 +15,8 @@ schedule `--pipeline-schedule auto` picks against the one measured fastest.
    candidate (Megatron's 1F1B, its interleaved 1F1B, TeraPipe's plan per order) is timed in
    interleaved rounds (harness/schedule_runs.py). Target: auto's pick measures within 5% of the
    fastest.
-Results go to benchmarks/results/memory.json and auto.json.
+Results go to benchmarks/results/memory.json and auto.json, each with its provenance first
+(benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__)), os.path.join(R
 from harness import TinyGPT, spawn  # noqa: E402
 from harness.memory_runs import MemoryRun  # noqa: E402
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
+from provenance import describe, provenance, script_command  # noqa: E402
 
 SEQ = 512
 
@@ -186,27 +188,33 @@ def print_auto(results: list[dict]) -> float:
     return worst
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("memory", "auto", "both"), default="both")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of timed runs")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import torch
 
+    command = script_command(__file__, argv)
     torch.set_num_threads(1)  # the layer profile is measured here, as one stage process runs it
     os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     if args.part in ("memory", "both"):
+        origin = provenance(command)
+        print(f"machine: {describe(origin)}", flush=True)
         result = memory_part()
         result["worst_error"] = print_memory(result)
         with open(os.path.join(args.out, "memory.json"), "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
+            json.dump({"provenance": origin, **result}, fh, indent=1, default=str)
     if args.part in ("auto", "both"):
+        origin = provenance(command)  # its own start: the memory part may have run first
+        print(f"machine: {describe(origin)}", flush=True)
         results = auto_part(args.repeats, args.out)
         worst = print_auto(results)
         with open(os.path.join(args.out, "auto.json"), "w") as fh:
-            json.dump({"cases": results, "worst_auto_over_fastest": worst}, fh, indent=1)
+            json.dump({"provenance": origin, "cases": results, "worst_auto_over_fastest": worst},
+                      fh, indent=1)
     print(f"wrote results to {args.out} in {(time.perf_counter() - started) / 60:.1f} min")
     return 0
 

@@ -1,7 +1,8 @@
 """TeraPipe against Megatron-Core's own 1F1B schedule, side by side in one process tree.
 
     python benchmarks/bench_schedules.py                # the full suite (CPU, ~6 min)
-    python benchmarks/bench_schedules.py --quick        # smaller model, fewer repeats
+    python benchmarks/bench_schedules.py --repeats 3    # the suite 3 times: every run and medians
+    python benchmarks/bench_schedules.py --quick        # smaller model, fewer rounds
     python benchmarks/bench_schedules.py --device cuda  # the same suite on 2 GPUs (NCCL)
 
 What it measures, on 2 pipeline stages (2 processes, one thread each on CPU, each bound to its
@@ -20,7 +21,12 @@ own core with `pin_to_core`, as each rank has its own GPU on GPUs):
 5. fidelity: the simulator's predicted iteration time (same cost model, same schedule, stages
    sharing the measured parallel capacity) against each measured time. The cost model has the
    layer profile plus the first stage's embedding and the last stage's output layer and loss.
-It writes a JSON of results and a PNG chart and prints a table whose last line is the headline.
+It writes a JSON of results (its provenance first: benchmarks/provenance.py) and a PNG chart
+and prints a table whose last line is the headline. `--repeats N` runs parts 1, 2 and 5 N times
+(each run measures the parallel capacity again and times every row in its own interleaved
+rounds); the JSON keeps every run ("runs") and, per row, the median over the runs of its
+ratio to Megatron and of its measured time ("speed", with each run's values beside them). The
+memory peaks (bytes, the same every run) and the planner's times (best of 3) are taken once.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,6 +49,7 @@ import torch  # noqa: E402
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
 from pipeline_runs import SpeedCase, plans_for, predict, profile_cost_model  # noqa: E402
+from provenance import describe, provenance, script_command  # noqa: E402
 
 STAGES = 2
 
@@ -141,14 +147,16 @@ def chart(results: dict, path: str) -> None:
     ax.set_xticks(list(x))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("seconds per iteration")
+    runs = results["setup"]["suite_runs"]
     ax.set_title(f"2-stage pipeline on {results['machine']['device']} "
-                 f"(parallel capacity {results['machine']['parallel_capacity']:.2f} cores)")
+                 f"(parallel capacity {results['machine']['parallel_capacity']:.2f} cores)"
+                 + (f", medians of {runs} suite runs" if runs > 1 else ""))
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def speed_rows_for(args, repeats: int, quick: bool, capacity: float) -> list[dict]:
+def speed_rows_for(args, rounds: int, quick: bool, capacity: float) -> list[dict]:
     """Measured and simulated rows of the three speed cases, with speedups per round."""
     base = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512,
                    num_attention_heads=8, vocab_size=1024, seq_length=512 if quick else 2048)
@@ -170,12 +178,12 @@ def speed_rows_for(args, repeats: int, quick: bool, capacity: float) -> list[dic
         print(f"{name}: DP plan {info['dp_order']} {info['dp_slices']} (deferred weight "
               f"gradients: {info['dp_defer_wgrad']}, early W {info['dp_wgrad_points']}); best "
               f"uniform {info['uniform_slices']} slices (deferred: {info['uniform_defer_wgrad']}, "
-              f"early W {info['uniform_wgrad_points']}); running {repeats} interleaved repeats ...",
+              f"early W {info['uniform_wgrad_points']}); running {rounds} interleaved rounds ...",
               flush=True)
-        case = SpeedCase(name, model, M, gran, repeats, plans)
+        case = SpeedCase(name, model, M, gran, rounds, plans)
         per_rank = spawn(STAGES, "pipeline_runs:speed_worker", case, args.device, timeout=3600)
         for label, plan in plans.items():
-            runs = [max(r[label][i] for r in per_rank) for i in range(repeats)]
+            runs = [max(r[label][i] for r in per_rank) for i in range(rounds)]
             busy = (None if plan is None else
                     [statistics.median(r["busy:" + label]) for r in per_rank])
             speed_rows.append({
@@ -200,22 +208,67 @@ def speed_rows_for(args, repeats: int, quick: bool, capacity: float) -> list[dic
     return speed_rows
 
 
-def print_report(speed_rows: list[dict], memory: dict, mem_model: TinyGPT, planner: list[dict]) -> None:
+#: Per-row numbers a suite run gives; with several runs each becomes their median, with every
+#: run's value beside it (key + "_per_run").
+PER_RUN = ("measured_s", "speedup_vs_megatron", "predicted_s", "predicted_dedicated_s",
+           "fidelity_error")
+PLAN_KEYS = ("slices", "order", "defer_wgrad", "wgrad_points")
+
+
+def median_rows(runs: list[dict]) -> list[dict]:
+    """One row per (case, config) over the suite runs: the medians, every run's values, each
+    stage's median busy time, and whether every run timed the same plan."""
+    summary = []
+    for first in runs[0]["speed"]:
+        same = [next(r for r in run["speed"]
+                     if (r["case"], r["config"]) == (first["case"], first["config"]))
+                for run in runs]
+        row = {k: first[k] for k in ("case", "config", "num_microbatches", *PLAN_KEYS)}
+        row["same_plan_every_run"] = all(all(r[k] == first[k] for k in PLAN_KEYS) for r in same)
+        for key in PER_RUN:
+            row[key + "_per_run"] = [r[key] for r in same]
+            row[key] = statistics.median(row[key + "_per_run"])
+        busy = [r["stage_busy_s"] for r in same]
+        row["stage_busy_s"] = (None if busy[0] is None else
+                               [statistics.median(b[k] for b in busy) for k in range(len(busy[0]))])
+        summary.append(row)
+    return summary
+
+
+def suite_run(args, rounds: int, quick: bool, index: int) -> dict:
+    """One run of parts 1, 2 and 5: the parallel capacity, then every speed row."""
+    print(f"suite run {index + 1} of {args.repeats}", flush=True)
+    capacity = (parallel_capacity(hidden=256 if quick else 512, tokens=512 if quick else 2048)
+                if args.device == "cpu" else float(STAGES))
+    print(f"  two single-thread processes get {capacity:.2f} cores' worth of compute "
+          f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
+    return {"parallel_capacity": capacity, "speed": speed_rows_for(args, rounds, quick, capacity)}
+
+
+def print_speed(speed_rows: list[dict], suite_runs: int) -> None:
     print()
     print("(slices: token slices per microbatch; +W: weight gradients deferred to W actions; "
           "+We: with early W actions; measured: median of the rounds; vs Megatron: median over rounds of the ratio to "
-          "Megatron's run in the same round)")
+          "Megatron's run in the same round"
+          + (f"; every number the median of {suite_runs} suite runs, vs Megatron per run on the right)"
+             if suite_runs > 1 else ")"))
     print(f"{'case':<18} {'schedule':<18} {'slices':>6} {'measured s':>10} {'simulated s':>11} "
-          f"{'sim err':>7} {'vs Megatron':>11} {'stage busy s':>13}")
+          f"{'sim err':>7} {'vs Megatron':>11} {'stage busy s':>13}" + ("  per run" if suite_runs > 1 else ""))
     for r in speed_rows:
         n = "-" if r["slices"] is None else (str(sum(len(t) for t in r["slices"]))
                                              + ("+W" if r["defer_wgrad"] else "")
                                              + ("e" if r["wgrad_points"] else ""))
+        busy = "" if r["stage_busy_s"] is None else " / ".join(f"{b:.3f}" for b in r["stage_busy_s"])
+        per_run = ("  " + " ".join(f"{x:.3f}x" for x in r["speedup_vs_megatron_per_run"])
+                   if suite_runs > 1 else "")
         print(f"{r['case']:<18} {r['config']:<18} {n:>6} {r['measured_s']:>10.3f} "
               f"{r['predicted_s']:>11.3f} {r['fidelity_error']:>+6.1%} {r['speedup_vs_megatron']:>10.2f}x "
-              + ("" if r["stage_busy_s"] is None else f"{' / '.join(f'{b:.3f}' for b in r['stage_busy_s']):>13}"))
+              f"{busy:>13}{per_run}" + ("" if r["same_plan_every_run"] else "  (plans differed between runs)"))
     print("(stage busy: the median over rounds of each stage's summed cell spans; an iteration "
           "cannot be shorter than its busiest stage)")
+
+
+def print_memory_and_planner(memory: dict, mem_model: TinyGPT, planner: list[dict]) -> None:
     print(f"\nactivation + K/V peak per stage (MiB), 8 microbatches, seq {mem_model.seq_length}:")
     for name, peaks in memory.items():
         print(f"  {name:<16} " + "  ".join(f"stage {k}: {b / 2**20:8.1f}" for k, b in enumerate(peaks)))
@@ -225,30 +278,37 @@ def print_report(speed_rows: list[dict], memory: dict, mem_model: TinyGPT, plann
         f"seq {r['seq']}/g{r['granularity']}: {r['seconds']:.3f} s (target {r['target']:.0f} s)" for r in planner))
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--quick", action="store_true", help="small model, fewer repeats (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 7)")
+    p.add_argument("--quick", action="store_true", help="small model, fewer rounds (a smoke run)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved rounds per suite run (default 7; 2 with --quick)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of the whole speed suite; results.json keeps each and the medians")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: run the suite at least once (--repeats 1)")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: time at least one round (--rounds 1)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    origin = provenance(script_command(__file__, argv))
+    print(f"machine: {describe(origin)}; device {args.device}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     quick = args.quick
-    repeats = args.repeats or (2 if quick else 7)
+    rounds = args.rounds or (2 if quick else 7)
 
     started = time.perf_counter()
     # Stages run one thread each: profile the layer with one thread too.
     torch.set_num_threads(1)
-    capacity = (parallel_capacity(hidden=256 if quick else 512, tokens=512 if quick else 2048)
-                if args.device == "cpu" else float(STAGES))
-    machine = {"device": args.device, "cpu": platform.processor() or platform.machine(),
-               "cores": os.cpu_count(), "parallel_capacity": capacity,
-               "torch": torch.__version__, "python": platform.python_version()}
-    print(f"machine: {machine['cores']} cores ({machine['cpu']}), device {args.device}; two "
-          f"single-thread processes get {capacity:.2f} cores' worth of compute "
-          f"(pipeline limit here: {min(capacity, STAGES):.2f}x)", flush=True)
-
-    speed_rows = speed_rows_for(args, repeats, quick, capacity)
+    runs = [suite_run(args, rounds, quick, i) for i in range(args.repeats)]
+    speed_rows = median_rows(runs)
+    capacity = statistics.median(run["parallel_capacity"] for run in runs)
 
     print("memory: 8 microbatches ...", flush=True)
     mem_model = TinyGPT(num_layers=2 * STAGES, hidden_size=256 if quick else 512, num_attention_heads=8,
@@ -258,7 +318,11 @@ def main() -> int:
     print("planner ...", flush=True)
     planner = planner_times(repeats=3)
 
-    results = {"machine": machine, "speed": speed_rows, "memory_peak_bytes": memory,
+    results = {"provenance": origin,
+               "setup": {"device": args.device, "stages": STAGES, "rounds": rounds,
+                         "suite_runs": args.repeats, "quick": quick},
+               "machine": {"device": args.device, "parallel_capacity": capacity},
+               "speed": speed_rows, "runs": runs, "memory_peak_bytes": memory,
                "memory_setup": {"seq_length": mem_model.seq_length, "slices": list(mem_plan.seq_slices),
                                 "num_microbatches": 8, "hidden": mem_model.hidden_size},
                "planner": planner, "wall_seconds": time.perf_counter() - started}
@@ -269,12 +333,19 @@ def main() -> int:
     except ImportError:
         print("(no matplotlib: skipped the chart; pip install matplotlib)")
 
-    print_report(speed_rows, memory, mem_model, planner)
-    dp1 = next(r for r in speed_rows if r["config"] == "terapipe_dp" and r["num_microbatches"] == 1)
+    print_speed(speed_rows, args.repeats)
+    print_memory_and_planner(memory, mem_model, planner)
     print(f"wrote {args.out}/results.json and schedules.png in {results['wall_seconds'] / 60:.1f} min")
-    print(f"headline: TeraPipe DP vs Megatron 1F1B, 1 microbatch, {dp1['case']}: "
-          f"{dp1['speedup_vs_megatron']:.2f}x (pipeline limit here {min(capacity, STAGES):.2f}x)")
+    print_headline(speed_rows, args.repeats, capacity)
     return 0
+
+
+def print_headline(speed_rows: list[dict], suite_runs: int, capacity: float) -> None:
+    dp1 = next(r for r in speed_rows if r["config"] == "terapipe_dp" and r["num_microbatches"] == 1)
+    runs = (f"; median of {suite_runs} suite runs: "
+            + ", ".join(f"{x:.3f}x" for x in dp1["speedup_vs_megatron_per_run"]) if suite_runs > 1 else "")
+    print(f"headline: TeraPipe DP vs Megatron 1F1B, 1 microbatch, {dp1['case']}: "
+          f"{dp1['speedup_vs_megatron']:.2f}x (pipeline limit here {min(capacity, STAGES):.2f}x{runs})")
 
 
 if __name__ == "__main__":

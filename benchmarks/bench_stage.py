@@ -6,32 +6,39 @@
 
 A whole GPT (embedding, layers, output layer and loss) runs as one stage (PP=1), one microbatch,
 through `forward_backward_terapipe` with K uniform token slices, and through Megatron's
-`forward_backward_no_pipelining` on the same weights built with Megatron's local layer spec.
+`forward_backward_no_pipelining` on the same weights. Both sides run the same attention:
+TeraPipe's slice-aware spec (one torch SDPA call per layer; outside a TeraPipe cell it is
+ordinary causal attention), so the rows differ in the schedule and the slicing, not in the
+attention kernels. The Megatron side is its own copy of the model, which TeraPipe's hooks never
+touch. `--megatron-local-spec` adds a row of Megatron's local spec, whose unfused
+DotProductAttention dispatches several times the aten ops of one SDPA call: a comparison of
+attention kernels, labelled as such. Every row names its attention.
 Per K it prints the median iteration time (CUDA events after warm-up on a GPU, perf_counter on
 CPU), the host time (the call's wall time up to its return, before the device is synchronised),
 the GPU-busy time (kernel time in torch.profiler), kernel launches (GPU) or dispatched aten ops
 (CPU) per cell, host syncs per cell, the ratio to 1 slice, and how many graphs capturing each
 distinct cell once would take (cells alike in kind, rows, tokens and context share one). The
-JSON copy (--out) also has the aten ops per iteration. Host ops against Megatron on a tiny
-stage, with what a replayed iteration leaves: bench_host_ops.py.
+JSON copy (--out, its provenance first: benchmarks/provenance.py) also has the aten ops per
+iteration. Host ops against Megatron on a tiny stage, with what a replayed iteration leaves:
+bench_host_ops.py.
 
 --cuda-graphs captures every compute action of the TeraPipe runs as a CUDA graph at the second
 warm-up iteration and times the replays (`--terapipe-cuda-graphs`). On CPU it uses ReplayGraph,
 the stand-in that replays captured aten ops: that checks the path and counts ops, and says
-nothing about the speed of CUDA graphs.
+nothing about the speed of CUDA graphs. Megatron's row stays eager (each row says whether it
+is graphed): compare graphed rows with graphed rows only.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from typing import Callable, Optional
 
 import torch
@@ -39,11 +46,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # pretrain_gpt's forward_step and three-value loss, as the tests use them.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import megatron_terapipe as mt  # noqa: E402
 from harness import forward_step, to_device, use_cell_graphs  # noqa: E402
+from provenance import describe, provenance, script_command  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -53,11 +62,20 @@ LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "c
                  "cudaGraphLaunch")
 
 
+#: Each row's attention, named in the row.
+SDPA = "SDPA"  # TeraPipe's slice-aware spec: one torch SDPA call per layer
+UNFUSED = "unfused"  # Megatron's local spec: DotProductAttention's separate matmuls and softmax
+ATTENTION = {SDPA: "torch SDPA, one call per layer (slice-aware spec)",
+             UNFUSED: "unfused DotProductAttention (Megatron local spec)"}
+
+
 @dataclass
 class StageRow:
     """One line of the table: a schedule and a slicing on one stage."""
 
     name: str
+    attention: str  # ATTENTION's description
+    graphed: bool  # a CUDA graph (CPU: ReplayGraph) per compute action
     slices: int
     median_ms: float
     host_ms: float
@@ -101,6 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight gradients in W actions: the plan's default, or forced")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="replay a CUDA graph per compute action (CPU: the ReplayGraph stand-in)")
+    p.add_argument("--megatron-local-spec", action="store_true",
+                   help="also time Megatron on its local spec (unfused attention: not the same "
+                        "attention as the other rows)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stage_<device>.json)")
@@ -139,8 +160,10 @@ def seed(device: str, value: int = 1234) -> None:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def build_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The same GPT twice, same weights: with TeraPipe's spec, and with Megatron's local spec."""
+def build_models(args) -> dict[str, torch.nn.Module]:
+    """The same GPT, same weights, one copy per side: "terapipe" and "megatron" with TeraPipe's
+    slice-aware spec, and "megatron_local" (--megatron-local-spec) with Megatron's local spec.
+    Each copy has its own config, so what TeraPipe configures on its own touches no other."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -151,16 +174,20 @@ def build_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
         num_attention_heads=args.num_attention_heads, use_cpu_initialization=True,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
         hidden_dropout=0.0, attention_dropout=0.0)
-    models = []
-    for spec in (mt.get_gpt_layer_spec(), get_gpt_layer_local_spec()):
+    specs = {"terapipe": mt.get_gpt_layer_spec(), "megatron": mt.get_gpt_layer_spec()}
+    if getattr(args, "megatron_local_spec", False):
+        specs["megatron_local"] = get_gpt_layer_local_spec()
+    models = {}
+    for side, spec in specs.items():
         seed(args.device)
-        model = GPTModel(config, spec, vocab_size=args.vocab_size,
+        model = GPTModel(copy.copy(config), spec, vocab_size=args.vocab_size,
                          max_sequence_length=args.seq_length, position_embedding_type="rope")
-        models.append(to_device(model, args.device))
-    missing, _ = models[1].load_state_dict(models[0].state_dict(), strict=False)
-    if any(not k.endswith("_extra_state") for k in missing):
-        raise RuntimeError(f"the two specs differ in parameters: {missing}")
-    return models[0], models[1]
+        models[side] = to_device(model, args.device)
+    for side in specs:
+        missing, _ = models[side].load_state_dict(models["terapipe"].state_dict(), strict=False)
+        if any(not k.endswith("_extra_state") for k in missing):
+            raise RuntimeError(f"the {side} model's spec differs in parameters: {missing}")
+    return models
 
 
 def make_batch(args) -> dict[str, torch.Tensor]:
@@ -218,7 +245,8 @@ def _profile_cuda(run: Callable[[], None]) -> tuple[float, int, int]:
     return kernel_us / 1e3, launches, max(0, syncs - 1)
 
 
-def measure(name: str, slices: int, run: Callable[[], None], args) -> StageRow:
+def measure(name: str, attention: str, graphed: bool, slices: int, run: Callable[[], None],
+            args) -> StageRow:
     for _ in range(args.warmup):
         run()
     timed = [_timed(run, args.device) for _ in range(args.iters)]
@@ -230,7 +258,7 @@ def measure(name: str, slices: int, run: Callable[[], None], args) -> StageRow:
         with _OpCounter() as counter:
             run()
         busy, launches, syncs = None, counter.ops, counter.syncs
-    return StageRow(name, slices, statistics.median(times), host, busy,
+    return StageRow(name, ATTENTION[attention], graphed, slices, statistics.median(times), host, busy,
                     launches / slices, syncs / slices, times,
                     ops_per_iteration=launches if args.device == "cpu" else None)
 
@@ -241,27 +269,43 @@ def cell_graphs(plan, args) -> int:
     return len({(a.kind, a.cell.rows, a.cell.tokens, a.cell.context) for a in schedule.stages[0]})
 
 
-def run_all(args) -> list[StageRow]:
+def megatron_rows(models: dict, batch: dict, args) -> list[StageRow]:
+    """Megatron's own schedule, unsliced, eager: on the slice-aware spec, and (when asked) on
+    its local spec."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    ours, megatron = build_models(args)
+    rows = []
+    for side, name, attention in (("megatron", "Megatron, unsliced (SDPA)", SDPA),
+                                  ("megatron_local", "Megatron local spec, unsliced (unfused attention)",
+                                   UNFUSED)):
+        if side in models:
+            model = models[side]
+            rows.append(measure(name, attention, False, 1, lambda: iteration(
+                forward_backward_no_pipelining, model, batch, args), args))
+            print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def run_all(args) -> list[StageRow]:
+    models = build_models(args)
+    ours = models["terapipe"]
     batch = make_batch(args)
-    rows = [measure("Megatron local spec, unsliced", 1,
-                    lambda: iteration(forward_backward_no_pipelining, megatron, batch, args), args)]
-    print(_format(rows[-1]), flush=True)
+    rows = megatron_rows(models, batch, args)
     for k in args.slice_counts:
         plan = mt.TeraPipePlan.uniform(args.seq_length, k)
         if args.defer_wgrad != "plan":
             plan = mt.TeraPipePlan(plan.seq_slices, defer_wgrad=args.defer_wgrad == "on")
         if args.cuda_graphs:
             use_cell_graphs(ours.config, plan, args.device)
-        name = f"TeraPipe, {k} slices" + (", graphs" if args.cuda_graphs else "")
-        rows.append(measure(name, k, lambda: iteration(
+        name = f"TeraPipe, {k} slices (SDPA)" + (", graphs" if args.cuda_graphs else "")
+        rows.append(measure(name, SDPA, args.cuda_graphs, k, lambda: iteration(
             mt.forward_backward_terapipe, ours, batch, args, plan=plan), args))
         rows[-1].cell_graphs = cell_graphs(plan, args)
         print(_format(rows[-1]), flush=True)
-    one = next((r.median_ms for r in rows if r.name.startswith("TeraPipe") and r.slices == 1), None)
-    for r in rows:
+    # Against TeraPipe's own 1-slice row only: same schedule, same attention, same graphs.
+    terapipe = [r for r in rows if r.name.startswith("TeraPipe")]
+    one = next((r.median_ms for r in terapipe if r.slices == 1), None)
+    for r in terapipe:
         r.ratio_to_1_slice = r.median_ms / one if one else None
     return rows
 
@@ -270,34 +314,32 @@ def _format(r: StageRow) -> str:
     busy = f"{r.gpu_busy_ms:9.2f}" if r.gpu_busy_ms is not None else "        -"
     ratio = f"{r.ratio_to_1_slice:6.2f}x" if r.ratio_to_1_slice is not None else "      -"
     graphs = f"{r.cell_graphs:7d}" if r.cell_graphs is not None else "      -"
-    return (f"{r.name:32s} {r.median_ms:10.2f} {r.host_ms:10.2f} {busy} "
+    return (f"{r.name:50s} {r.median_ms:10.2f} {r.host_ms:10.2f} {busy} "
             f"{r.launches_per_cell:11.1f} {r.syncs_per_cell:9.2f} {ratio} {graphs}")
 
 
 def header(device: str) -> str:
     unit = "launches/cell" if device == "cuda" else "aten ops/cell"
-    return (f"{'run':32s} {'median ms':>10s} {'host ms':>10s} {'GPU ms':>9s} "
+    return (f"{'run':50s} {'median ms':>10s} {'host ms':>10s} {'GPU ms':>9s} "
             f"{unit:>11s} {'syncs/cell':>9s} {'vs 1':>7s} {'graphs':>7s}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     init_process(args.device)
+    origin = provenance(script_command(__file__, argv))
+    print(f"machine: {describe(origin)}", flush=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     print(header(args.device), flush=True)
     rows = run_all(args)
     print("\n" + header(args.device))
     for r in rows:
         print(_format(r))
-    device_name = (torch.cuda.get_device_name(0) if args.device == "cuda"
-                   else f"{platform.machine()} CPU, {os.cpu_count()} cores")
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"stage_{args.device}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   "device": device_name, "torch": torch.__version__,
-                   "command": "python benchmarks/bench_stage.py " + " ".join(sys.argv[1:]),
+        json.dump({"provenance": origin, "device": args.device, "threads": torch.get_num_threads(),
                    "args": {k: v for k, v in vars(args).items() if k != "slice_counts"},
                    "rows": [asdict(r) for r in rows]}, f, indent=1)
     print(f"> wrote {out}")
