@@ -80,7 +80,8 @@ def storage_freed_at_backward(rank: int, world_size: int) -> tuple[list[bool], i
     storage was gone when its backward began, and how many outputs the executor freed."""
     from megatron.core import parallel_state
 
-    from harness import TinyGPT, build_stage_model, forward_step, make_batches
+    from harness import (TinyGPT, build_stage_model, forward_step, make_batches,
+                         release_model_parallel)
     from megatron_terapipe import enable_cpu_mode, forward_backward_terapipe
 
     enable_cpu_mode()
@@ -103,7 +104,7 @@ def storage_freed_at_backward(rank: int, world_size: int) -> tuple[list[bool], i
         data_iterator=iter(make_batches(3, 2, model_cfg.seq_length, model_cfg.vocab_size)),
         seq_length=model_cfg.seq_length, micro_batch_size=2, plan=TeraPipePlan([5, 7, 4]),
         on_run=records.append)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return freed, records[-1].outputs_deallocated
 
 

@@ -32,7 +32,8 @@ def run_both_transports(rank: int, world_size: int) -> dict:
         forward_backward_pipelining_without_interleaving,
     )
 
-    from harness import TinyGPT, build_stage_model, forward_step, make_batches
+    from harness import (TinyGPT, build_stage_model, forward_step, make_batches,
+                         release_model_parallel)
     from megatron_terapipe import TeraPipePlan, enable_cpu_mode, forward_backward_terapipe
 
     enable_cpu_mode()
@@ -62,7 +63,7 @@ def run_both_transports(rank: int, world_size: int) -> dict:
         config.terapipe_transport = None
         runs[name] = {"losses": [float(l["lm loss"][0]) for l in losses], "grads": _grads(model),
                       "transfers": communicator.transfers if communicator else None}
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return runs
 
 

@@ -14,6 +14,7 @@ from .compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad
                       load_full_state, max_relative_error, report_values, unwrap)
 from .models import (TinyGPT, build_stage_model, forward_step, legacy_forward_step, loss_func,
                      make_batches, to_device)
+from .process_groups import os_thread_count, release_model_parallel
 from .replay_runs import use_cell_graphs
 from .spawn import WorkerError, free_port, spawn
 from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
@@ -25,7 +26,8 @@ __all__ = [
     "build_stage_model", "check_case", "check_gradients", "check_losses", "forward_step",
     "free_port", "grad_pairs", "grads_with_and_without_deferral_hooks", "legacy_forward_step",
     "load_full_state", "loss_func", "make_batches", "max_relative_error",
-    "measure_peak_activations", "pinned_core", "report_values", "run_case", "run_cases",
+    "measure_peak_activations", "os_thread_count", "pinned_core", "release_model_parallel",
+    "report_values", "run_case", "run_cases",
     "run_megatron_1f1b", "run_variable_lengths", "run_with_failure", "run_with_mismatched_batch",
     "spawn", "to_device", "unwrap", "use_cell_graphs",
 ]

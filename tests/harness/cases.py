@@ -11,6 +11,7 @@ import torch
 from .compare import (FP32, Tolerance, check_gradients, check_losses, grad_pairs, load_full_state,
                       report_values, unwrap)
 from .models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
+from .process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torc
         forward_only=case.forward_only)
     grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for k, p in unwrap(model).named_parameters()}
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return losses, grads, state
 
 
@@ -178,7 +179,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         result["losses"] = report_values(losses)
         result["ref_losses"] = report_values(ref_losses[mine])
     result["grads"] = grad_pairs(model, ref_grads)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return result
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def audit_one(run: AuditRun, world_size: int) -> list[str]:
     iteration()  # warm-up: lazy set-up and the pool's first allocations
     allocated_after_warmup = _pool_allocations(model)
     report = audit_iterations(iteration, warmup=0)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     assert report.ops_in_cells > 0 and report.cells, f"{run.name}: the audit saw no cell"
     found = [str(v) for v in report.violations]
     grown = _pool_allocations(model) - allocated_after_warmup
@@ -141,6 +142,6 @@ def graph_runs(rank: int, world_size: int, iterations: int, defer_wgrad: bool) -
             "new_calls": sum(g.calls for g in graphs) - sum(calls_before)})
     out["keys"] = [g.key for g in graphs]
     out["captured_ops"] = {g.key: len(g.ops) for g in graphs}
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return out
 

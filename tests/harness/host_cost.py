@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
+from .process_groups import release_model_parallel
 
 _aten = torch.ops.aten
 
@@ -111,7 +112,7 @@ def count_host_cost(rank: int, world_size: int, slice_counts: list[int], runs: l
                 "most_per_param": max(calls.values()), "main_grad_adds": counter.main_grad_adds,
                 "main_grad_gemms": counter.main_grad_gemms, "params": len(params),
                 "linear_weights": len(main_grads)}
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
                     micro_batch_size=run.micro_batch_size, plan=run.plan)
         peaks[run.name] = meter.peak_bytes
         model.zero_grad(set_to_none=True)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return peaks
 
 
@@ -80,7 +81,7 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
             forward_step_func=forward_step, data_iterator=[iter(batches) for _ in model],
             model=model, num_microbatches=num_microbatches, seq_length=model_cfg.seq_length,
             micro_batch_size=1)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return meter.peak_bytes
 
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from .models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
+from .process_groups import release_model_parallel
 
 LEARNING_RATE = 0.05
 
@@ -150,7 +151,7 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
                            "graphs": len(graphs) if graphs is not None else 0,
                            "replays": sum(g.replays for g in graphs) if graphs is not None else 0})
         _zero_and_step(model, dp)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return iterations
 
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .process_groups import release_model_parallel
 
 
 @dataclass
@@ -88,12 +89,12 @@ def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, 
         config, model = build_stage_model(runs.model, 1, world_size)
         times.update(_rounds({k: _runner(k, v, model, config, runs, batches) for k, v in flat.items()},
                              [model], runs.repeats, dist))
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     for label, chunks in chunked.items():
         config, model = interleaved_model(runs.model, world_size, chunks)
         times.update(_rounds({label: _runner(label, chunks, model, config, runs, batches)},
                              model, runs.repeats, dist))
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     return times
 
 

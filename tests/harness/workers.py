@@ -11,6 +11,7 @@ import torch
 from .cases import Case, baseline
 from .compare import grad_pairs, load_full_state, report_values
 from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .process_groups import release_model_parallel
 
 
 def run_megatron_1f1b(model, config, batches, seq_length: int, micro_batch_size: int,
@@ -56,7 +57,7 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
         with SavedTensorMeter(exclude=params) as meter:
             run_megatron_1f1b(model, config, batches, model_cfg.seq_length, micro_batch_size)
         peaks["megatron_1f1b"] = meter.peak_bytes
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return peaks
 
 
@@ -92,7 +93,7 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
             result["losses"] = report_values(losses)
             result["ref_losses"] = report_values(refs[L][0])
         out.append(result)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return out
 
 
@@ -205,6 +206,7 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     assert hooked > 0 and install_wgrad_deferral(model) == hooked  # idempotent
     after = grads()
     assert before.keys() == after.keys()
+    release_model_parallel()
     return max(float((before[n] - after[n]).abs().max()) for n in before)
 
 

@@ -1,0 +1,84 @@
+"""Releasing what a worker's case set up in Megatron: every process group and its threads.
+
+Workers run many cases in one process (a module fixture spawns each world once), and each case
+calls Megatron's `initialize_model_parallel`. Megatron's `destroy_model_parallel` only forgets
+its groups (but for its gloo data-parallel ones): each forgotten gloo group keeps its threads
+(two `pt_gloo_runloop`, a `gloo_tcp_loop`) until the process ends, so a worker running all
+equivalence cases of a world held thousands of threads. `release_model_parallel` destroys the
+groups first.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def os_thread_count() -> int:
+    """Threads of this process as the OS sees them (gloo's threads are native: `threading`
+    does not list them)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def subgroups() -> list:
+    """Every process group of this process but the default one, newest first."""
+    from torch.distributed import distributed_c10d
+
+    pg_map = getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)
+    if pg_map is None:  # Megatron's own destroy_model_parallel reads the same map
+        import torch
+
+        raise RuntimeError(
+            f"torch {torch.__version__} keeps no torch.distributed.distributed_c10d._world.pg_map:"
+            " tests/harness/process_groups.py needs another way to list the process groups")
+    default = distributed_c10d.GroupMember.WORLD
+    return [group for group in reversed(list(pg_map)) if group is not default]
+
+
+def release_model_parallel() -> None:
+    """Destroy every process group but the default one, then run Megatron's
+    `destroy_model_parallel` and drop the destroyed groups Megatron still refers to.
+
+    Every rank must call it (it starts with a barrier on the default group). After the barrier
+    no rank uses a group any more, and destroying a group is local to each rank, so none blocks.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        dist.barrier()
+        for group in subgroups():
+            dist.destroy_process_group(group)
+    parallel_state.destroy_model_parallel()
+    _forget_groups(parallel_state)
+    _clear_moe_tracker()
+
+
+def holds_group(value) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(value, dist.ProcessGroup):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(isinstance(v, dist.ProcessGroup) for v in value)
+
+
+def _forget_groups(module) -> None:
+    """Reset the module's globals that still hold groups: destroy_model_parallel leaves
+    e.g. the partial data-parallel, hierarchical context-parallel and hybrid DP x CP groups."""
+    for name, value in list(vars(module).items()):
+        if not (name.startswith("_") and name[1:2].isupper()) or not holds_group(value):
+            continue
+        if isinstance(value, dict):
+            value.clear()  # initialize_model_parallel fills these dicts in place
+        else:
+            setattr(module, name, None)
+
+
+def _clear_moe_tracker() -> None:
+    """MoE layers record their reduction groups with each auxiliary loss they log."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    except ImportError:
+        return
+    get_moe_layer_wise_logging_tracker().clear()
