@@ -8,7 +8,19 @@ runs Megatron-Core's unmodified 1F1B, TeraPipe with the DP plan and TeraPipe wit
 uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
 through pinned host memory and gloo for both (host_staged.py), whose cost alone is measured
 first. The cost model is a layer profile measured at start in one process with one stage's SM
-share (cached). It writes JSON and a PNG (measured vs predicted) to --out and prints the table.
+share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
+(measured vs predicted) to --out and prints the table.
+
+Graphs on both sides or none: `--cuda-graphs` keeps the eager rows (Megatron 1F1B and both
+TeraPipe plans, compared with each other) and adds the TeraPipe plans with a graph per compute
+action ("+graphs") and Megatron's 1F1B with Megatron-Core's own graphs (`cuda_graph_impl=local`,
+a graph per transformer layer call; `--megatron-graphs none` leaves it out). A row's ratio is
+to the Megatron row with the same graphs, never to an eager one from a graphed one: without a
+graphed Megatron row (on CPU Megatron's graphs cannot run; or `--megatron-graphs none`; or
+Megatron's capture failed, which the JSON records before the case is rerun without it) the
+graphed TeraPipe rows have no ratio. Each row names its graphs. The graphed rows' scopes still
+differ: TeraPipe graphs whole compute actions (embedding, loss and K/V writes included),
+Megatron only its transformer layers.
 """
 
 from __future__ import annotations
@@ -19,7 +31,8 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,8 +40,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 
-from harness import TinyGPT, spawn  # noqa: E402
-from pipeline_runs import SpeedCase, plans_for, predict  # noqa: E402
+from harness import TinyGPT, WorkerError, spawn  # noqa: E402
+from pipeline_runs import GRAPHS, SpeedCase, graphs_of, plans_for, predict  # noqa: E402
+from provenance import describe, provenance, script_command  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -104,6 +118,49 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
                               dtype="bfloat16" if bf16 else "float32")
 
 
+def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...]]:
+    """The case's labels and which run graphed: with --cuda-graphs each TeraPipe plan again with
+    its graphs, and Megatron's 1F1B with Megatron's own graphs where they can run."""
+    if not args.cuda_graphs:
+        return dict(plans), ()
+    labelled = dict(plans)
+    graphed = []
+    for label, plan in plans.items():
+        if plan is not None or (device == "cuda" and args.megatron_graphs == "local"):
+            labelled[label + "+graphs"] = plan
+            graphed.append(label + "+graphs")
+    return labelled, tuple(graphed)
+
+
+def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list, Optional[str]]:
+    """Every rank's times; if Megatron's own graphs fail, the error and a rerun without them."""
+    try:
+        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600), None
+    except WorkerError as exc:
+        megatron = [label for label in speed.graphed if speed.plans[label] is None]
+        if not megatron:
+            raise
+        error = str(exc).strip().splitlines()[-1]
+        print(f"{case.name}: Megatron's graphs failed ({error}); rerunning without them", flush=True)
+        speed = replace(speed, plans={k: v for k, v in speed.plans.items() if k not in megatron},
+                        graphed=tuple(k for k in speed.graphed if k not in megatron))
+        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600), error
+
+
+def with_ratios(rows: list[dict]) -> None:
+    """Each row's ratio to the Megatron row with the same graphs, or none (and why)."""
+    megatron = {r["graphs"]: r for r in rows if r["order"] is None}
+    for r in rows:
+        # A graphed TeraPipe row pairs with the graphed Megatron row, an eager one with eager.
+        base = megatron.get("none" if r["graphs"] == "none" else "megatron")
+        r["baseline"] = None if base is None else base["config"]
+        r["speedup_vs_megatron"] = (None if base is None else statistics.median(
+            m / t for m, t in zip(base["runs_s"], r["runs_s"])))
+        r["no_ratio"] = (None if base is not None else
+                         "no Megatron row with graphs to compare with (an eager one would not be fair)")
+        r["sim_error"] = r["predicted_s"] / r["measured_s"] - 1.0
+
+
 def run_case(case: GpuCase, args, device: str) -> list[dict]:
     model = case.model(args.bf16)
     cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
@@ -112,37 +169,44 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
           f"uniform {info['uniform_slices']} slices", flush=True)
+    plans, graphed = labelled_plans(plans, args, device)
     speed = SpeedCase(case.name, model, case.num_microbatches, args.granularity, args.repeats,
-                      plans, mps=device == "cuda", cuda_graphs=args.cuda_graphs)
-    per_rank = spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600)
+                      plans, mps=device == "cuda", graphed=graphed)
+    speed, per_rank, graphs_error = timed(speed, case, device)
     rows = []
-    for label, plan in plans.items():
+    for label, plan in speed.plans.items():
         runs = [max(r[label][i] for r in per_rank) for i in range(args.repeats)]
+        graphs = graphs_of(label, plan, speed, device)
         rows.append({"case": case.name, "config": label, "stages": case.stages,
                      "seq_length": case.seq_length, "num_microbatches": case.num_microbatches,
                      "slices": None if plan is None else list(plan.seq_slices),
                      "order": None if plan is None else plan.order,
                      "defer_wgrad": None if plan is None else plan.defer_wgrad,
+                     "graphs": graphs, "graphs_detail": GRAPHS[graphs],
+                     "megatron_graphs_error": graphs_error,
                      "measured_s": statistics.median(runs), "runs_s": runs,
                      "predicted_s": predict(cost, plan, model, case.num_microbatches,
                                             float(case.stages), case.stages),
                      "peak_bytes": [r.get("peak:" + label, [None])[0] for r in per_rank]})
-    mega = next(r["runs_s"] for r in rows if r["config"] == "megatron_1f1b")
-    for r in rows:
-        r["speedup_vs_megatron"] = statistics.median(m / t for m, t in zip(mega, r["runs_s"]))
-        r["sim_error"] = r["predicted_s"] / r["measured_s"] - 1.0
+    with_ratios(rows)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':<20} {'schedule':<17} {'slices':>6} {'measured ms':>11} {'predicted ms':>12} "
-          f"{'sim err':>7} {'vs 1F1B':>8} {'peak GiB per stage':>20}")
+    print(f"\n{'case':<20} {'schedule':<24} {'graphs':<9} {'slices':>6} {'measured ms':>11} "
+          f"{'predicted ms':>12} {'sim err':>7} {'vs 1F1B':>8} {'peak GiB per stage':>20}")
     for r in rows:
         n = "-" if r["slices"] is None else f"{len(r['slices'])}{'+W' if r['defer_wgrad'] else ''}"
         peaks = " / ".join("-" if p is None else f"{p / 2**30:.1f}" for p in r["peak_bytes"])
-        print(f"{r['case']:<20} {r['config']:<17} {n:>6} {r['measured_s'] * 1e3:>11.1f} "
-              f"{r['predicted_s'] * 1e3:>12.1f} {r['sim_error']:>+6.1%} "
-              f"{r['speedup_vs_megatron']:>7.2f}x {peaks:>20}")
+        ratio = "-" if r["speedup_vs_megatron"] is None else f"{r['speedup_vs_megatron']:.2f}x"
+        graphs = {"none": "eager", "megatron": "layers", "terapipe": "actions",
+                  "terapipe_cpu": "stand-in"}[r["graphs"]]
+        print(f"{r['case']:<20} {r['config']:<24} {graphs:<9} {n:>6} {r['measured_s'] * 1e3:>11.1f} "
+              f"{r['predicted_s'] * 1e3:>12.1f} {r['sim_error']:>+6.1%} {ratio:>8} {peaks:>20}")
+    print("(graphs: eager; layers: Megatron-Core's CudaGraphManager, a graph per transformer "
+          "layer call; actions: a CUDA graph per TeraPipe compute action; stand-in: ReplayGraph "
+          "on CPU. vs 1F1B: the median ratio to the Megatron row with the same graphs; '-': "
+          "there is none)")
 
 
 def chart(rows: list[dict], path: str) -> None:
@@ -170,8 +234,12 @@ def main() -> int:
     p.add_argument("--granularity", type=int, default=64)
     p.add_argument("--fp32", dest="bf16", action="store_false", help="float32 instead of bf16")
     p.add_argument("--cuda-graphs", action="store_true",
-                   help="TeraPipe replays a CUDA graph per compute action (CPU: the ReplayGraph "
-                        "stand-in, which checks the path, not the speed)")
+                   help="add graphed rows: TeraPipe with a CUDA graph per compute action (CPU: "
+                        "the ReplayGraph stand-in, which checks the path, not the speed) and "
+                        "Megatron with its own graphs (CUDA only); the eager rows stay")
+    p.add_argument("--megatron-graphs", choices=("local", "none"), default="local",
+                   help="with --cuda-graphs: Megatron-Core's cuda_graph_impl for its graphed "
+                        "row (none: no graphed Megatron row, and no ratio for graphed TeraPipe)")
     p.add_argument("--out", default="benchmarks/results/gpu_pipeline")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -179,9 +247,10 @@ def main() -> int:
     if device == "cpu":
         args.bf16 = False
     started = time.perf_counter()
-    results = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
-               "torch": torch.__version__, "command": " ".join(sys.argv),
-               "cuda_graphs": args.cuda_graphs, "rows": []}
+    origin = provenance(script_command(__file__))
+    print(f"> machine: {describe(origin)}", flush=True)
+    results = {"provenance": origin, "device": device, "cuda_graphs": args.cuda_graphs,
+               "megatron_graphs": args.megatron_graphs if args.cuda_graphs else None, "rows": []}
     context = None
     if device == "cuda":
         from mps import MpsDaemon

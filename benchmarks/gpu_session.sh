@@ -9,10 +9,14 @@
 #     megatron-core==0.16.1 pybind11 pytest iniconfig pluggy packaging pygments
 #   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
 #     gpt_builders.py model_provider.py megatron/training megatron/legacy | tar -x -C .mlm
-# Then on the device (carry [".whl", ".mlm"]), one part per call:
+# Then on the device (carry [".whl", ".mlm"]), one part per call. A copy of the tree without
+# its git history cannot name its commit in the results files' provenance (benchmarks/
+# provenance.py): commit first, then pass it, e.g.
+#   TERAPIPE_BENCH_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_session.sh stage
 #   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
-#   bash benchmarks/gpu_session.sh pipeline-graphs  # the same, TeraPipe with CUDA graphs
+#   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
+#                                               # against Megatron-Core's own (cuda_graph_impl=local)
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
@@ -44,8 +48,11 @@ graphs() {
 
 measure() {
   local model=(--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --vocab-size 50304)
-  python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16 \
-    --out "$OUT/h100_layer_profile.json" 2>&1 | tee "$OUT/measure.log"
+  local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
+    --out "$OUT/h100_layer_profile.json")
+  "${command[@]}" 2>&1 | tee "$OUT/measure.log"
+  # the profile's writer is the package's: the provenance is added to the file it wrote
+  python3 benchmarks/provenance.py --stamp "$OUT/h100_layer_profile.json" -- "${command[@]}"
   python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
     --hardware h100 --profile "$OUT/h100_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
 }

@@ -7,12 +7,21 @@ the same stage models, interleaved round by round, plus the plans and prediction
   (mps.enter_stage) and both schedules move activations through host memory
   (host_staged.HostStagedP2PCommunicator, given to Megatron's 1F1B and to TeraPipe alike);
 - on one GPU per stage: Megatron's own transfers.
+
+Graphs (`SpeedCase.graphed`): a TeraPipe label listed there replays a graph per compute action
+(a CUDA graph on a GPU, the ReplayGraph stand-in on CPU) and keeps its own plan memory, so the
+same plan can also run eager under another label; a Megatron label listed there runs a copy of
+the stage (same weights) built with Megatron-Core's own graphs, `cuda_graph_impl="local"`: each
+TransformerLayer call is recorded in the first schedule call, captured by `create_cudagraphs`
+at its end and replayed after; the embedding, output layer and loss stay eager. Megatron's
+graphs need CUDA. Only rows with the same graphs may be compared: `graphs_of` names them.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -31,7 +40,25 @@ class SpeedCase:
     repeats: int
     plans: dict = field(default_factory=dict)  # label -> TeraPipePlan (None: Megatron 1F1B)
     mps: bool = False  # stages share one GPU under CUDA MPS, transfers staged through the host
-    cuda_graphs: bool = False  # TeraPipe replays a graph per compute action (CPU: ReplayGraph)
+    graphed: tuple[str, ...] = ()  # labels that run with graphs (see the module's docstring)
+
+
+#: What a row's graphs are (graphs_of gives the key).
+GRAPHS = {"none": "eager",
+          "terapipe": "a CUDA graph per compute action (TeraPipe's --terapipe-cuda-graphs)",
+          "terapipe_cpu": "the ReplayGraph stand-in per compute action (CPU: checks the path, "
+                          "not the speed of CUDA graphs)",
+          "megatron": "Megatron-Core's CudaGraphManager (cuda_graph_impl=local): a graph per "
+                      "transformer layer call; embedding, output layer and loss eager"}
+
+
+def graphs_of(label: str, plan: Optional[TeraPipePlan], case: SpeedCase, device: str) -> str:
+    """The GRAPHS key of a row."""
+    if label not in case.graphed:
+        return "none"
+    if plan is None:
+        return "megatron"
+    return "terapipe" if device == "cuda" else "terapipe_cpu"
 
 
 def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
@@ -65,16 +92,73 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
     return config, model, batches, communicator
 
 
-def _warm_up(label: str, run, model, case: SpeedCase, device: str, times: dict) -> None:
+def _megatron_graphed_model(case: SpeedCase, world_size: int, eager, device: str):
+    """A copy of this stage (the eager model's weights) built with Megatron-Core's own graphs."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from harness import to_device
+    from harness.models import seed
+    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+
+    if device != "cuda":
+        raise ValueError("a graphed Megatron row needs CUDA (Megatron-Core's CudaGraphManager "
+                         "captures torch.cuda graphs): leave Megatron labels out of "
+                         "SpeedCase.graphed on CPU")
+    config = dataclasses.replace(case.model.config(1, world_size), cuda_graph_impl="local")
+    seed(case.model.seed)
+    model = case.model.build(config, get_gpt_layer_spec(**case.model.spec_kwargs),
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage())
+    model = to_device(model, device)
+    model.load_state_dict(eager.state_dict())
+    return model
+
+
+def _warm_up(label: str, run, models: dict, case: SpeedCase, device: str, times: dict) -> None:
     """Allocator, kernels, connections (with graphs: the capture too); then the peak memory."""
-    for _ in range(2 if case.cuda_graphs else 1):
+    for _ in range(2 if label in case.graphed else 1):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         run(label)
         if device == "cuda":
             times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
-        # Graph replays accumulate into the captured .grad tensors: zeroed in place then.
-        model.zero_grad(set_to_none=not case.cuda_graphs)
+        _zero_grads(models[label], case)
+
+
+def _zero_grads(model, case: SpeedCase) -> None:
+    # Graph replays accumulate into the captured .grad tensors: zeroed in place then.
+    model.zero_grad(set_to_none=not case.graphed)
+
+
+def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: dict, runs: list):
+    """run(label): one iteration of the label's schedule on its model (TeraPipe labels each on
+    their own plan memory, graphed or not)."""
+    from megatron.core.pipeline_parallel.schedules import (
+        forward_backward_pipelining_without_interleaving,
+    )
+
+    from harness import use_cell_graphs
+    from megatron_terapipe import forward_backward_terapipe
+
+    memories = {label: OrderedDict() for label in case.plans}
+    graphed = [label for label, plan in case.plans.items() if plan is not None and label in case.graphed]
+    if graphed:  # the graph maker for this device; each run below says whether it graphs
+        use_cell_graphs(models[graphed[0]].config, case.plans[graphed[0]], device)
+
+    def run(label: str) -> None:
+        plan, model = case.plans[label], models[label]
+        if plan is None:
+            forward_backward_pipelining_without_interleaving(
+                data_iterator=iter(batches), model=[model], **common)
+            return
+        model.config.terapipe_cuda_graphs = label in case.graphed
+        model.__dict__["_terapipe_pools"] = memories[label]  # the label's buffers and graphs
+        forward_backward_terapipe(data_iterator=iter(batches), model=[model], plan=plan,
+                                  on_run=runs.append, **common)
+
+    return run
 
 
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
@@ -83,48 +167,37 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     each configuration's peak allocated bytes on this stage ("peak:" + label)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel.schedules import (
-        forward_backward_pipelining_without_interleaving,
-    )
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from harness import forward_step
-    from megatron_terapipe import forward_backward_terapipe
 
-    config, model, batches, communicator = _stage_setup(rank, world_size, case, device)
-    if case.cuda_graphs:  # every TeraPipe plan below runs with graphs (CPU: ReplayGraph)
-        from harness import use_cell_graphs
-
-        use_cell_graphs(config, next(p for p in case.plans.values() if p is not None), device)
+    _, model, batches, communicator = _stage_setup(rank, world_size, case, device)
+    models = {label: model for label in case.plans}
+    labels = list(case.plans)
+    for label in [label for label in labels if case.plans[label] is None and label in case.graphed]:
+        models[label] = _megatron_graphed_model(case, world_size, model, device)
+        # Its first call captures and ends on the default stream: before any other warm-up.
+        labels.remove(label)
+        labels.insert(0, label)
     transfers = {}
     if communicator is not None:  # Megatron takes a communicator with every process group
         transfers = {"p2p_communicator": communicator,
                      "pg_collection": ProcessGroupCollection.use_mpu_process_groups()}
-    seq = case.model.seq_length
     times: dict[str, list[float]] = {label: [] for label in case.plans}
     times.update({"busy:" + label: [] for label, plan in case.plans.items() if plan is not None})
     runs = []  # the TeraPipe calls' run records
-    common = dict(forward_step_func=forward_step, model=[model], seq_length=seq,
+    common = dict(forward_step_func=forward_step, seq_length=case.model.seq_length,
                   num_microbatches=case.num_microbatches, micro_batch_size=1, **transfers)
-
-    def run(label: str) -> None:
-        plan = case.plans[label]
-        if plan is None:
-            forward_backward_pipelining_without_interleaving(data_iterator=iter(batches), **common)
-        else:
-            forward_backward_terapipe(data_iterator=iter(batches), plan=plan, on_run=runs.append,
-                                      **common)
-
-    for label in case.plans:
-        _warm_up(label, run, model, case, device, times)
-    labels = list(case.plans)
+    run = _runner(case, device, models, batches, common, runs)
+    for label in labels:
+        _warm_up(label, run, models, case, device, times)
     for round_ in range(case.repeats):
         # Rotate the order every round, so each configuration follows each other one about
         # equally often: in a fixed order, the DP and uniform rows measured the same plan up
         # to 5% apart (the row right after Megatron's run the slower one).
         shift = round_ % len(labels)
         for label in labels[shift:] + labels[:shift]:
-            model.zero_grad(set_to_none=not case.cuda_graphs)
+            _zero_grads(models[label], case)
             dist.barrier()
             start = time.perf_counter()
             run(label)
