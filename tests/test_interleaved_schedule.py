@@ -65,3 +65,33 @@ def test_closed_form_and_dependencies(K, M, v):
 def test_refuses_what_megatron_refuses(K, M, v, message):
     with pytest.raises(ValueError, match=message):
         build_interleaved_schedule(64, M, K, v, 1)
+
+
+def expected_events(rank: int, K: int, M: int, v: int, forward_only: bool) -> list[tuple]:
+    """What megatron_calls says `rank` runs, in the recorded events' form."""
+    from megatron_terapipe.schedule.interleaved import megatron_calls
+
+    events = []
+    for call in megatron_calls(rank, K, M, v, K, forward_only):
+        events += [("F", c) for kind, _, c in call.computes if kind == "F"]
+        events.append(("P2P", call.send_next, call.send_prev, call.recv_prev, call.recv_next))
+    return events
+
+
+@pytest.mark.parametrize("K,M,v,forward_only", [(2, 4, 2, False), (2, 2, 2, False),
+                                                (2, 6, 3, False), (2, 4, 2, True),
+                                                (4, 4, 2, False), (4, 8, 2, False)])
+def test_communication_calls_are_megatrons(K, M, v, forward_only):
+    """Megatron's own interleaved schedule, run on K gloo processes and recorded: each rank's
+    forward steps (by chunk) and every P2P call (what it sends, what it receives) are the
+    ones megatron_calls lays out, in the same order; the lowered lists replay without a
+    deadlock and every receive is of a cell its neighbour sends."""
+    from harness import TinyGPT, spawn
+
+    model = TinyGPT(num_layers=K * v, seq_length=16)
+    recorded = spawn(K, "harness.interleaved_runs:record_interleaved_calls", model, M, v,
+                     forward_only)
+    for rank in range(K):
+        assert recorded[rank] == expected_events(rank, K, M, v, forward_only), f"rank {rank}"
+    timeline(build_interleaved_schedule(16, M, K, v, 1, forward_only=forward_only),
+             lambda k, a: 1.0)

@@ -97,6 +97,69 @@ def rank_order(rank: int, num_stages: int, num_microbatches: int, num_chunks: in
 
 
 @dataclass(frozen=True)
+class MegatronCall:
+    """One step of Megatron's interleaved loop on a rank (the non-overlapped P2P path): its
+    compute actions, then one blocking `P2PCommunicator._communicate` call that sends what
+    the step computed and receives what the neighbours send in their aligned step."""
+
+    computes: tuple[tuple[str, int, int], ...]  # (kind, microbatch, chunk)
+    send_next: bool = False  # the forward's output, to rank + 1
+    send_prev: bool = False  # the backward's input gradient, to rank - 1
+    recv_prev: bool = False  # an activation from rank - 1
+    recv_next: bool = False  # a gradient from rank + 1
+
+
+def megatron_calls(rank: int, num_stages: int, num_microbatches: int, num_chunks: int,
+                   group_size: int, forward_only: bool = False) -> list[MegatronCall]:
+    """The steps of Megatron-Core's interleaved schedule on `rank`, with what each step's
+    communication call sends and receives (schedules.py: its warm-up, steady and cool-down
+    loops without P2P overlap, and `recv_tensor_from_previous_stage`). A receive need not be
+    for the rank's next compute: the first rank receives, every step, what the last rank sent
+    in the aligned step, and queues it; each call blocks until its messages have arrived."""
+    K, v, first, last = num_stages, num_chunks, rank == 0, rank == num_stages - 1
+    table = schedule_table(num_microbatches, v, group_size)
+    total = len(table)
+    warmup = total if forward_only else min(total, (K - rank - 1) * 2 + (v - 1) * group_size)
+    remaining = total - warmup
+
+    def chunk(k: int, forward: bool) -> int:
+        c = table[k % total][1]
+        return c if forward else v - 1 - c
+
+    def receives(k: int, forward: bool) -> bool:  # recv_tensor_from_previous_stage
+        if not (first if forward else last):
+            return True
+        return k >= K - 1 and chunk(k - (K - 1), forward) != ((v - 1) if forward else 0)
+
+    def sends(k: int, forward: bool) -> bool:  # not the model's first or last virtual stage
+        return not (last and chunk(k, True) == v - 1) if forward else \
+            not (first and chunk(k, False) == 0)
+
+    def f(k: int) -> tuple[str, int, int]:
+        return ("F", table[k][0], table[k][1])
+
+    def b(k: int) -> tuple[str, int, int]:
+        return ("B", table[k][0], v - 1 - table[k][1])
+
+    calls = [] if first else [MegatronCall((), recv_prev=True)]  # the first recv_forward
+    for k in range(warmup):
+        fused = k == warmup - 1 and not forward_only and remaining > 0
+        calls.append(MegatronCall((f(k),), send_next=sends(k, True),
+                                  recv_prev=receives(k, True) and k != total - 1,
+                                  recv_next=fused and not last))
+    for k in range(remaining):
+        calls.append(MegatronCall((f(k + warmup), b(k)), sends(k + warmup, True), sends(k, False),
+                                  receives(k + warmup, True) and k != remaining - 1,
+                                  receives(k, False)))
+    if not forward_only and remaining == 0 and not last:  # all in the warm-up: recv_backward
+        calls.append(MegatronCall((), recv_next=True))
+    for k in range(remaining, 0 if forward_only else total):
+        calls.append(MegatronCall((b(k),), send_prev=sends(k, False),
+                                  recv_next=receives(k, False) and k != total - 1))
+    return calls
+
+
+@dataclass(frozen=True)
 class InterleavedSchedule(Schedule):
     """Megatron's interleaved 1F1B: `stages[k]` is rank k's compute actions on ChunkCells."""
 
@@ -104,34 +167,46 @@ class InterleavedSchedule(Schedule):
     group_size: int = 2
 
     def lowered(self, lowering: Lowering = Lowering()) -> tuple[tuple[Action, ...], ...]:
-        """Every rank's list with its receives and sends (lowering choices do not change the
-        times; plain SEND / RECV here)."""
-        return tuple(self._lower_rank(k) for k in range(self.num_stages))
-
-    def _lower_rank(self, rank: int) -> tuple[Action, ...]:
-        K, last = self.num_stages, self.num_stages * self.num_chunks - 1
-        out: list[Action] = []
-        for action in self.stages[rank]:
-            cell = action.cell
-            assert isinstance(cell, ChunkCell)
-            stage = cell.virtual_stage(rank, K)
-            receives = stage > 0 if action.kind == "F" else stage < last
-            sends = stage < last if action.kind == "F" else stage > 0
-            if receives:
-                out.append(recv(action.kind, cell))
-            out.append(action)
-            if sends:
-                out.append(send(action.kind, self._receivers_cell(cell, rank, action.kind)))
+        """Every rank's list as Megatron runs it: each step's compute actions, its sends, then
+        the receives of its communication call (the rank waits for all of them before its next
+        step). Which cell a receive is for follows from the neighbour's sends, in order."""
+        K = self.num_stages
+        cells = {(a.cell.microbatch, a.cell.chunk): a.cell for a in self.stages[0]}
+        calls = [megatron_calls(k, K, self.num_microbatches, self.num_chunks, self.group_size,
+                                self.forward_only) for k in range(K)]
+        sent = [self._sent(k, calls[k], cells) for k in range(K)]
+        queues = {(k, d): iter(sent[(k - 1) % K if d == "F" else (k + 1) % K][d])
+                  for k in range(K) for d in ("F", "B")}
+        out = []
+        for k in range(K):
+            actions: list[Action] = []
+            for call, sends in zip(calls[k], self._sends_per_call(k, calls[k])):
+                actions += [Action(kind, cells[m, c]) for kind, m, c in call.computes]
+                actions += [send(d, cells[key]) for d, key in sends]
+                actions += [recv(d, next(queues[k, d])) for d, wanted in
+                            (("F", call.recv_prev), ("B", call.recv_next)) if wanted]
+            out.append(tuple(actions))
         return tuple(out)
 
-    def _receivers_cell(self, cell: ChunkCell, rank: int, kind: str) -> ChunkCell:
-        """The cell the neighbouring virtual stage receives this cell's message for."""
-        K = self.num_stages
+    def _sends_per_call(self, rank: int, calls: list[MegatronCall]) -> list[list[tuple]]:
+        """Per call, (direction, the receiver's (microbatch, chunk)) of each message it sends."""
+        return [[(kind, self._receiver(m, c, rank, kind)) for kind, m, c in call.computes
+                 if (call.send_next if kind == "F" else call.send_prev)] for call in calls]
+
+    def _sent(self, rank: int, calls: list[MegatronCall], cells: dict) -> dict[str, list[Cell]]:
+        """The receivers' cells of every message `rank` sends, per direction, in order."""
+        out: dict[str, list[Cell]] = {"F": [], "B": []}
+        for sends in self._sends_per_call(rank, calls):
+            for d, key in sends:
+                out[d].append(cells[key])
+        return out
+
+    def _receiver(self, microbatch: int, chunk: int, rank: int, kind: str) -> tuple[int, int]:
+        """(microbatch, chunk) of the cell the neighbouring virtual stage receives this
+        cell's message for: the last rank feeds the first rank's next chunk, and back."""
         if kind == "F":
-            chunk = cell.chunk + (1 if rank == K - 1 else 0)
-        else:
-            chunk = cell.chunk - (1 if rank == 0 else 0)
-        return _chunk_cell(cell.microbatch, chunk, self.num_chunks, cell.rows, cell.tokens)
+            return microbatch, chunk + (1 if rank == self.num_stages - 1 else 0)
+        return microbatch, chunk - (1 if rank == 0 else 0)
 
 
 def _chunk_cell(microbatch: int, chunk: int, num_chunks: int, rows: int, tokens: int) -> ChunkCell:
