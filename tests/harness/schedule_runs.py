@@ -22,8 +22,9 @@ class ScheduleRuns:
     schedules: dict = field(default_factory=dict)
 
 
-def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int):
-    """This rank's model chunks for Megatron's interleaved schedule (virtual stage c * K + k)."""
+def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int, initialize: bool = True):
+    """This rank's model chunks for Megatron's interleaved schedule (virtual stage c * K + k);
+    `initialize`: set up Megatron's process groups for them first."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -31,7 +32,10 @@ def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int):
 
     from .models import seed
 
-    parallel_state.initialize_model_parallel(1, stages, virtual_pipeline_model_parallel_size=chunks)
+    if initialize:
+        parallel_state.initialize_model_parallel(1, stages,
+                                                 virtual_pipeline_model_parallel_size=chunks)
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks)
     config = model_cfg.config(1, stages)
     config.virtual_pipeline_model_parallel_size = chunks
     config.microbatch_group_size_per_vp_stage = stages
@@ -70,8 +74,8 @@ def _runner(label, schedule, model, config, runs: ScheduleRuns, batches):
 
 def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, list[float]]:
     """Seconds per iteration of each schedule, `repeats` rounds, the order rotating each round
-    (machine noise hits every schedule alike). The interleaved schedules run after the others,
-    on their own model chunks."""
+    over every schedule, the interleaved ones (on their own model chunks) included, so that
+    machine noise hits every schedule alike."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -81,21 +85,34 @@ def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, 
     pin_to_core(rank, world_size)
     batches = make_batches(runs.num_microbatches, 1, runs.model.seq_length,
                            runs.model.vocab_size, masked_rows=False)
-    flat = {k: v for k, v in runs.schedules.items() if not isinstance(v, int)}
-    chunked = {k: v for k, v in runs.schedules.items() if isinstance(v, int)}
-    times: dict[str, list[float]] = {}
-    if flat:
-        parallel_state.initialize_model_parallel(1, world_size)
-        config, model = build_stage_model(runs.model, 1, world_size)
-        times.update(_rounds({k: _runner(k, v, model, config, runs, batches) for k, v in flat.items()},
-                             [model], runs.repeats, dist))
-        release_model_parallel()
-    for label, chunks in chunked.items():
-        config, model = interleaved_model(runs.model, world_size, chunks)
-        times.update(_rounds({label: _runner(label, chunks, model, config, runs, batches)},
-                             model, runs.repeats, dist))
-        release_model_parallel()
+    chunk_counts = sorted({v for v in runs.schedules.values() if isinstance(v, int)})
+    # One set of process groups for every model (pipeline groups do not depend on chunks).
+    parallel_state.initialize_model_parallel(
+        1, world_size, virtual_pipeline_model_parallel_size=chunk_counts[0] if chunk_counts else None)
+    config, model = build_stage_model(runs.model, 1, world_size)
+    chunked = {v: interleaved_model(runs.model, world_size, v, initialize=False) for v in chunk_counts}
+    runners, modules = {}, [model]
+    for label, schedule in runs.schedules.items():
+        chunks = schedule if isinstance(schedule, int) else None
+        config_, model_ = chunked[chunks] if chunks else (config, model)
+        runners[label] = _with_virtual_size(
+            chunks, _runner(label, schedule, model_, config_, runs, batches))
+    for _, chunk_models in chunked.values():
+        modules += chunk_models
+    times = _rounds(runners, modules, runs.repeats, dist)
+    release_model_parallel()
     return times
+
+
+def _with_virtual_size(chunks, run):
+    """`run` with Megatron's virtual pipeline size set as its schedule expects (None: none)."""
+    from megatron.core import parallel_state
+
+    def wrapped():
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(chunks)
+        parallel_state.set_virtual_pipeline_model_parallel_rank(0 if chunks else None)
+        return run()
+    return wrapped
 
 
 def _rounds(runners: dict, modules: list, repeats: int, dist) -> dict[str, list[float]]:
