@@ -5,12 +5,16 @@ calls Megatron's `initialize_model_parallel`. Megatron's `destroy_model_parallel
 its groups (but for its gloo data-parallel ones): each forgotten gloo group keeps its threads
 (two `pt_gloo_runloop`, a `gloo_tcp_loop`) until the process ends, so a worker running all
 equivalence cases of a world held thousands of threads. `release_model_parallel` destroys the
-groups first.
+groups first. A destroyed gloo group still runs its threads until the last reference to it goes
+(`shutdown` and `abort` leave them), so the release also drops the references Megatron keeps
+past a case and collects the case's unreachable models.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 
 
 def os_thread_count() -> int:
@@ -51,6 +55,8 @@ def release_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
     _forget_groups(parallel_state)
     _clear_moe_tracker()
+    _clear_rotary_caches()
+    gc.collect()  # models of earlier cases sit in reference cycles, holding their groups
 
 
 def holds_group(value) -> bool:
@@ -77,8 +83,23 @@ def _forget_groups(module) -> None:
 
 def _clear_moe_tracker() -> None:
     """MoE layers record their reduction groups with each auxiliary loss they log."""
-    try:
-        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-    except ImportError:
-        return
-    get_moe_layer_wise_logging_tracker().clear()
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+# Classes whose `forward` is an lru_cache keyed by the module itself (Megatron 0.16 and 0.19).
+_CACHED_FORWARDS = (
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding"),
+)
+
+
+def _clear_rotary_caches() -> None:
+    """The rotary embeddings' caches keep up to 32 models' embeddings alive, each with its
+    context-parallel group (2 leaked groups per equivalence case)."""
+    for module_name, class_name in _CACHED_FORWARDS:
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        cache_clear = getattr(getattr(cls, "forward", None), "cache_clear", None)
+        if cache_clear is not None:
+            cache_clear()
