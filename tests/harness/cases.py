@@ -61,6 +61,7 @@ def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torc
         forward_only=case.forward_only)
     grads = {k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
              for k, p in unwrap(model).named_parameters()}
+    del model, config  # the model holds its groups: their threads end when it goes
     release_model_parallel()
     return losses, grads, state
 
@@ -179,6 +180,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         result["losses"] = report_values(losses)
         result["ref_losses"] = report_values(ref_losses[mine])
     result["grads"] = grad_pairs(model, ref_grads)
+    del model, config  # the model holds its groups: their threads end when it goes
     release_model_parallel()
     return result
 

@@ -88,10 +88,11 @@ def audit_one(run: AuditRun, world_size: int) -> list[str]:
     iteration()  # warm-up: lazy set-up and the pool's first allocations
     allocated_after_warmup = _pool_allocations(model)
     report = audit_iterations(iteration, warmup=0)
+    grown = _pool_allocations(model) - allocated_after_warmup
+    del model, iteration  # the model holds its groups: their threads end when it goes
     release_model_parallel()
     assert report.ops_in_cells > 0 and report.cells, f"{run.name}: the audit saw no cell"
     found = [str(v) for v in report.violations]
-    grown = _pool_allocations(model) - allocated_after_warmup
     if grown:  # the steady state must take every buffer from the pool
         found.append(f"the buffer pool allocated {grown} tensors after warm-up")
     return found

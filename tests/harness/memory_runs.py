@@ -63,7 +63,6 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
                              num_microbatches: int) -> int:
     """This stage's peak bytes in one iteration of Megatron's interleaved 1F1B (`chunks`
     model chunks per stage, micro batch 1)."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving)
 

@@ -151,6 +151,7 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
                            "graphs": len(graphs) if graphs is not None else 0,
                            "replays": sum(g.replays for g in graphs) if graphs is not None else 0})
         _zero_and_step(model, dp)
+    del model, graphs  # the model holds its groups: their threads end when it goes
     release_model_parallel()
     return iterations
 
