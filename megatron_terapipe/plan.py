@@ -10,9 +10,22 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
 
-ORDERS = ("1f1b", "gpipe")
-
 TokenSlices = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+def order_names() -> tuple[str, ...]:
+    """The orders a plan may name: schedule/orders.py's registry. Imported when asked: the
+    registry's module imports nothing of the package, while the schedule package imports
+    this module."""
+    from .schedule.orders import order_names as registered
+
+    return registered()
+
+
+def __getattr__(name: str):
+    if name == "ORDERS":  # the registry's names, read when asked (see order_names)
+        return order_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _as_int_tuple(values, what: str) -> tuple[int, ...]:
@@ -34,8 +47,8 @@ class TeraPipePlan:
         or one such list per batch slice when the slices differ (e.g. [[1024, 1024], [2048]]).
     batch_slices: rows per batch slice, summing to the micro batch size; None means one slice
         holding the whole microbatch.
-    order: "1f1b" (warm-up, then one forward / one backward) or "gpipe" (all forwards, then all
-        backwards), the order of the TeraPipe paper.
+    order: a name in schedule/orders.py's registry: "1f1b" (warm-up, then one forward / one
+        backward) or "gpipe" (all forwards, then all backwards), the order of the TeraPipe paper.
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
     defer_wgrad: compute a sequence's parameter gradients in one W action after its last
         backward cell, instead of per cell: thin GEMMs and one accumulation per parameter in
@@ -60,9 +73,10 @@ class TeraPipePlan:
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
-        if self.order not in ORDERS:
+        orders = order_names()
+        if self.order not in orders:
             raise ValueError(
-                f"TeraPipePlan order must be one of {ORDERS}, got {self.order!r} "
+                f"TeraPipePlan order must be one of {orders}, got {self.order!r} "
                 "(use order='1f1b' for low memory or order='gpipe' for the paper's order)"
             )
         raw = list(self.seq_slices) if self.seq_slices is not None else []

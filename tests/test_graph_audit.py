@@ -49,8 +49,8 @@ def _audit(action, iterations: int = 1, device=None, inside: bool = True):
 def _only(report, kind: str, op: str):
     assert [v.kind for v in report.violations] == [kind], report.violations
     violation = report.violations[0]
-    assert op in violation.op and violation.cell == "F m1 b0 t2"
-    with pytest.raises(CaptureSafetyError, match=f"{kind}: .*{op}.* in cell F m1 b0 t2"):
+    assert op in violation.op and violation.cell == "F(m1b0t2)"
+    with pytest.raises(CaptureSafetyError, match=rf"{kind}: .*{op}.* in cell F\(m1b0t2\)"):
         report.check()
 
 
@@ -207,10 +207,10 @@ def test_planted_violations_in_a_real_run_are_attributed(two_process_audits):
     assert first["planted_sync"] == [] and first["planted_address"] == []
     syncs = last["planted_sync"]
     assert len(syncs) == 12 and all("_local_scalar_dense" in v for v in syncs)  # 3 x 4 cells
-    assert any("in cell F m2 b0 t3" in v for v in syncs)
+    assert any("in cell F(m2b0t3)" in v for v in syncs)
     moved = last["planted_address"]
-    assert any(v.startswith("address: aten.mul.Tensor in cell F m0 b0 t0") for v in moved)
-    assert any("in cell B m2 b0 t0" in v for v in moved)  # the backward reads it too
+    assert any(v.startswith("address: aten.mul.Tensor in cell F(m0b0t0)") for v in moved)
+    assert any("in cell B(m2b0t0)" in v for v in moved)  # the backward reads it too
 
 
 def test_default_plan_passes_the_audit_with_tp_and_ddp():

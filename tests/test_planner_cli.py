@@ -34,7 +34,7 @@ def test_writes_trace_png_and_plan(tmp_path, capsys):
     assert main(BASE + ["--trace", str(trace), "--png", str(png), "--save-plan", str(plan_path),
                         "--order", "gpipe"]) == 0
     events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e["ph"] == "X" and e["name"].startswith("F m0 b0 t0") for e in events)
+    assert any(e["ph"] == "X" and e["name"] == "F(m0b0t0)" for e in events)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = TeraPipePlan.from_dict(json.loads(plan_path.read_text()))
     assert plan.seq_length == 1024 and plan.order == "gpipe" and plan.predicted_time > 0

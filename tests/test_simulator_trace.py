@@ -24,7 +24,7 @@ def test_chrome_trace_events(tmp_path):
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(complete) == len(result.timeline)
     names = {e["name"] for e in complete}
-    assert {"F m0 b0 t1", "B m1 b1 t2"} <= names
+    assert {"F(m0b0t1)", "B(m1b1t2)"} <= names
     by_stage = {e["pid"] for e in complete}
     assert by_stage == {0, 1, 2}
     process_names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Iterator, Optional, Sequence
 
-from ..plan import ORDERS
+from ..schedule.orders import ORDERS
 from .cli_inputs import add_memory_args, inputs_from_options
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
 from .cost.stage_memory import MemoryBudgetError

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from ..plan import ORDERS, TeraPipePlan
+from ..plan import TeraPipePlan
 from ..schedule import build_interleaved_schedule, build_schedule
+from ..schedule.orders import order_names
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError
 from .memory_search import search_within_budget
@@ -148,17 +149,19 @@ def _terapipe_option(order: str, search: OrderSearch, budget: MemoryBudget) -> S
 
 
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                      layers_per_stage: int, orders: Sequence[str] = ORDERS,
+                      layers_per_stage: int, orders: Optional[Sequence[str]] = None,
                       search: Optional[OrderSearch] = None) -> ScheduleTable:
     """Every candidate schedule for the run `space` describes, timed and held against
     `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
-    those that cannot run. `search`: TeraPipe's plan search per order (default:
+    those that cannot run. `orders`: TeraPipe's orders to try (default: every registered
+    one, schedule/orders.py). `search`: TeraPipe's plan search per order (default:
     search_within_budget; PlannerInputs passes the searches it already made)."""
     if search is None:
         def search(order: str) -> SearchResult:
             return search_within_budget(cost_model, replace(space, order=order), budget)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    options += [_terapipe_option(order, search, budget) for order in orders]
+    options += [_terapipe_option(order, search, budget)
+                for order in (order_names() if orders is None else orders)]
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
                                             round((o.time or 0.0) * 1e6),

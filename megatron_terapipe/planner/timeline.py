@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Union
 
+from ..schedule.trace_events import action_events, chrome_trace_of, write_trace
 from .simulator import SimulationResult
 
 PathLike = Union[str, Path]
-
-
-def action_label(kind: str, cell) -> str:
-    """"F m0 b0 t1": forward of microbatch 0, batch slice 0, token slice 1."""
-    return f"{kind} m{cell.microbatch} b{cell.batch_slice} t{cell.token_slice}"
 
 
 def short_plan_text(plan, limit: int = 110) -> str:
@@ -30,46 +25,21 @@ def short_plan_text(plan, limit: int = 110) -> str:
 
 
 def chrome_trace(result: SimulationResult) -> dict:
-    """Trace events: one process per stage, one complete event ('X') per action, memory counters.
-
-    Times are microseconds, as the trace format expects.
-    """
-    events: list[dict] = []
-    for k in range(result.num_stages):
-        events.append({"ph": "M", "name": "process_name", "pid": k, "tid": 0,
-                       "args": {"name": f"stage {k}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": k, "tid": 0,
-                       "args": {"sort_index": k}})
-        events.append({"ph": "M", "name": "thread_name", "pid": k, "tid": 0,
-                       "args": {"name": "compute"}})
-    for ta in result.timeline:
-        c = ta.action.cell
-        events.append({
-            "name": action_label(ta.action.kind, c),
-            "cat": {"F": "forward", "B": "backward", "W": "weight-grad"}[ta.action.kind],
-            "ph": "X", "pid": ta.stage, "tid": 0,
-            "ts": ta.start * 1e6, "dur": (ta.end - ta.start) * 1e6,
-            "args": {"microbatch": c.microbatch, "batch_slice": c.batch_slice,
-                     "token_slice": c.token_slice, "rows": c.rows, "tokens": c.tokens,
-                     "context": c.context},
-        })
-    for k, points in enumerate(result.memory):
-        for p in points:
-            events.append({"name": "memory (MiB)", "ph": "C", "pid": k, "tid": 0,
-                           "ts": p.time * 1e6,
-                           "args": {"activations": p.activation_bytes / 2 ** 20,
-                                    "kv": p.kv_bytes / 2 ** 20}})
+    """Trace events: one process per stage, one complete event ('X') per action, memory counters
+    (schedule/trace_events.py, the writer of measured traces too). Times are microseconds."""
+    counters = [{"name": "memory (MiB)", "ph": "C", "pid": k, "tid": 0, "ts": p.time * 1e6,
+                 "args": {"activations": p.activation_bytes / 2 ** 20, "kv": p.kv_bytes / 2 ** 20}}
+                for k, points in enumerate(result.memory) for p in points]
     plan = result.schedule.plan
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"plan": plan.describe(), "num_microbatches": result.schedule.num_microbatches,
-                          "iteration_time_s": result.iteration_time,
-                          "bubble_fraction": result.bubble_fraction}}
+    return chrome_trace_of(
+        action_events(result.timeline) + counters,
+        other_data={"plan": plan.describe(), "num_microbatches": result.schedule.num_microbatches,
+                    "iteration_time_s": result.iteration_time,
+                    "bubble_fraction": result.bubble_fraction})
 
 
 def write_chrome_trace(result: SimulationResult, path: PathLike) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(chrome_trace(result)))
-    return path
+    return write_trace(chrome_trace(result), path)
 
 
 def write_png(result: SimulationResult, path: PathLike, title: str = "", dpi: int = 110) -> Path:

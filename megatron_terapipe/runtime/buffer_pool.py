@@ -29,7 +29,7 @@ PoolKey = tuple  # (shape, dtype, device)
 class PoolTake:
     """One request the pool served: what it was for, which slot, at which address."""
 
-    label: str  # the running action (context.current_action), e.g. "F m0 b0 t1"
+    label: str  # the running action (context.current_action), e.g. "F(m0b0t1)"
     key: PoolKey
     slot: int
     data_ptr: int

@@ -9,7 +9,7 @@ puts everything a cell reads across its boundary at the same address every itera
 compute action (a cell's forward, its backward, a sequence's W action) can be captured once
 and replayed: its host work then no longer grows with the number of slices.
 
-Each action gets its own graph (the key is its label, "F m0 b0 t1"): forwards of different
+Each action gets its own graph (the key is its label, "F(m0b0t1)"): forwards of different
 microbatches are alive together and keep their saved activations in their graph's memory, so
 they cannot share one. The graphs share one memory pool and are captured in the order they
 run, one iteration after `warmup_iterations` eager ones (lazy set-up, the pool's first

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..schedule import Cell
+from ..schedule import Action, Cell, format_action
 from .kv_cache import KVCache
 from .wgrad import WeightGradStore
 
@@ -57,19 +57,15 @@ _ACTION: Optional[str] = None
 
 @contextlib.contextmanager
 def running_action(kind: str, cell: Cell) -> Iterator[None]:
-    """Name the compute action that runs now, e.g. "F m0 b0 t1" (microbatch, batch slice, token
-    slice)."""
+    """Name the compute action that runs now, e.g. "F(m0b0t1)" (microbatch, batch slice, token
+    slice; the one action spelling, schedule/actions.py)."""
     global _ACTION
     previous = _ACTION
-    _ACTION = action_label(kind, cell)
+    _ACTION = format_action(Action(kind, cell))
     try:
         yield
     finally:
         _ACTION = previous
-
-
-def action_label(kind: str, cell: Cell) -> str:
-    return f"{kind} m{cell.microbatch} b{cell.batch_slice} t{cell.token_slice}"
 
 
 def current_action() -> Optional[str]:

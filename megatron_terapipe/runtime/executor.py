@@ -12,18 +12,19 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 
-from ..schedule import Action, Cell, Schedule, lower_stage, opposite
+from ..schedule import (Action, Cell, LoweredSchedule, Schedule, TimedAction, format_action,
+                        opposite)
 from .batching import CellData
 from .buffer_pool import BufferPool
 from .cell_graphs import CellGraphs
-from .context import action_label, current_action_or_outside, running_action, running_cell
+from .context import current_action_or_outside, running_action, running_cell
 from .kv_cache import KVCache
 from .loss import LossBook
-from .trace import CellEvent, RunRecord
+from .trace import RunRecord
 from .transport import Transport
 from .wgrad import WeightGradStore
 
@@ -58,15 +59,21 @@ class StageModel:
 
 class StageExecutor:
     """Runs one stage's lowered list; `run()` returns the loss reports (last stage) and leaves
-    the RunRecord in `record`."""
+    the RunRecord in `record`.
 
-    def __init__(self, schedule: Schedule, stage: int, model: StageModel, data: CellData,
-                 transport: Transport, options: StageOptions, device: torch.device,
-                 pool: Optional[BufferPool] = None, graphs: Optional[CellGraphs] = None) -> None:
+    `schedule`: the schedule already validated and lowered for the transport (built once per
+    plan and batch shape, schedule/lowered.py); a plain Schedule is validated and lowered here."""
+
+    def __init__(self, schedule: Union[LoweredSchedule, Schedule], stage: int, model: StageModel,
+                 data: CellData, transport: Transport, options: StageOptions,
+                 device: torch.device, pool: Optional[BufferPool] = None,
+                 graphs: Optional[CellGraphs] = None) -> None:
+        lowered = _lowered_for(schedule, transport)
+        schedule = lowered.schedule
         self.schedule, self.stage, self.model, self.data = schedule, stage, model, data
         self.graphs = graphs  # CUDA graphs per compute action (cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
-        self.actions = lower_stage(schedule, stage, transport.lowering)
+        self.actions = lowered.stage(stage)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
         # One pool kept across iterations (the caller's) puts every buffer cells read across
         # their boundary at fixed addresses: K/V, received messages, staged data, loss totals.
@@ -177,7 +184,7 @@ class StageExecutor:
         """Run a compute action through its graph. A replay runs nothing inside the cell, so
         the executor's own bookkeeping of a forward is done here: its count, the data it
         released, its input kept for the backward, the loss reports it appended at capture."""
-        key = action_label(action.kind, action.cell)
+        key = format_action(action)
         reports_before = len(self.loss.results)
         result, replayed = self.graphs.run(key, run)
         if not replayed:
@@ -197,8 +204,7 @@ class StageExecutor:
         return result
 
     def _record_span(self, action: Action, start: float) -> None:
-        self.record.events.append(
-            CellEvent(self.stage, action.kind, action.cell, start, time.perf_counter()))
+        self.record.events.append(TimedAction(self.stage, action, start, time.perf_counter()))
 
     # -- communication actions --------------------------------------------------------------------
     def _send(self, action: Action) -> None:
@@ -306,6 +312,20 @@ class StageExecutor:
         if input_tensor is None:
             return None
         return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
+
+
+def _lowered_for(schedule: Union[LoweredSchedule, Schedule],
+                 transport: Transport) -> LoweredSchedule:
+    """The lowered schedule the transport can run: another transport's lowering would post or
+    fuse receives this one does not make, and hang."""
+    if not isinstance(schedule, LoweredSchedule):
+        return LoweredSchedule.of(schedule, transport.lowering)
+    if schedule.lowering != transport.lowering:
+        raise ValueError(
+            f"TeraPipe: the schedule was lowered for {schedule.lowering} but the stage's "
+            f"transport ({type(transport).__name__}) runs {transport.lowering}: lower it for "
+            "the transport (build_lowered_schedule(..., lowering=transport.lowering))")
+    return schedule
 
 
 def _backward(root: torch.Tensor, grad: Optional[torch.Tensor], freed: bool) -> None:

@@ -69,7 +69,7 @@ _RANDOM_OPS = {_aten.bernoulli, _aten.bernoulli_, _aten.native_dropout, _aten.ra
 class Violation:
     kind: str  # a key of KINDS
     op: str  # the aten op, e.g. "aten._local_scalar_dense.default"
-    cell: str  # the running action, e.g. "F m0 b0 t1"
+    cell: str  # the running action, e.g. "F(m0b0t1)"
     detail: str = ""
 
     def __str__(self) -> str:

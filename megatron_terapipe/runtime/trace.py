@@ -2,29 +2,19 @@
 every rank's per-cell spans, merged into one file on rank 0.
 
 The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing, next to the simulator's
-trace of the same plan: one process row per pipeline stage, one box per forward/backward cell.
+trace of the same plan: the same writer (schedule/trace_events.py) and the same record of a
+timed action (TimedAction), one process row per pipeline stage, one box per compute action.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..schedule import Action, Cell, Schedule
-
-
-@dataclass
-class CellEvent:
-    """Wall-clock span of one compute action on this rank (for traces and simulator fidelity)."""
-
-    stage: int
-    kind: str
-    cell: Cell
-    start: float
-    end: float
+from ..schedule import Action, Schedule, TimedAction
+from ..schedule.trace_events import action_events, chrome_trace_of, write_trace
 
 
 @dataclass
@@ -35,7 +25,8 @@ class RunRecord:
     schedule: Schedule
     stage: int
     actions: tuple[Action, ...]  # the lowered list the stage ran
-    events: list[CellEvent] = field(default_factory=list)
+    # wall-clock span of every compute action (perf_counter seconds), for traces and fidelity
+    events: list[TimedAction] = field(default_factory=list)
     start: float = 0.0
     end: float = 0.0
     deferred_wgrads: int = 0  # parameter gradients the backward cells left to W actions
@@ -44,25 +35,9 @@ class RunRecord:
     outputs_deallocated: int = 0  # sent outputs whose data was freed (deallocate_outputs)
 
 
-CATEGORY = {"F": "forward", "B": "backward", "W": "weight-grad"}
-
-
 def record_events(record: RunRecord, rank: int, origin: Optional[float] = None) -> list[dict[str, Any]]:
     """Chrome-trace 'X' events (microseconds from `origin`) for one rank's last run."""
-    origin = record.start if origin is None else origin
-    events = []
-    for e in record.events:
-        c = e.cell
-        events.append({
-            "name": f"{e.kind} m{c.microbatch} b{c.batch_slice} t{c.token_slice}",
-            "cat": CATEGORY[e.kind],
-            "ph": "X", "pid": e.stage, "tid": rank,
-            "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
-            "args": {"microbatch": c.microbatch, "batch_slice": c.batch_slice,
-                     "token_slice": c.token_slice, "tokens": c.tokens, "context": c.context,
-                     "rows": c.rows},
-        })
-    return events
+    return action_events(record.events, record.start if origin is None else origin, thread=rank)
 
 
 def gather_trace(record: RunRecord, path: Optional[str], label: str = "measured") -> Optional[dict]:
@@ -81,12 +56,8 @@ def gather_trace(record: RunRecord, path: Optional[str], label: str = "measured"
         gathered = [mine]
     if rank != 0:
         return None
-    events = [ev for part in gathered for ev in part]
-    for stage in sorted({ev["pid"] for ev in events}):
-        events.append({"name": "process_name", "ph": "M", "pid": stage,
-                       "args": {"name": f"{label} stage {stage}"}})
-    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    trace = chrome_trace_of([ev for part in gathered for ev in part], label,
+                            thread_name=lambda tid: f"rank {tid}")
     if path:
-        with open(path, "w") as f:
-            json.dump(trace, f)
+        write_trace(trace, path)
     return trace

@@ -4,13 +4,27 @@ A cell is (microbatch, batch slice, token slice). A schedule gives every stage i
 compute actions: forward (F), backward (B) and, when the plan defers weight gradients, W.
 Lowering (lower.py) adds the communication actions that move activations (direction "F", to
 the next stage) and gradients (direction "B", to the previous stage) between them.
+
+An action is written one way everywhere (errors, the stage x step grid, traces, schedule
+files, the running action's label): `format_action` writes it, `parse_action` reads it back.
+
+    KIND(CELL)              F(m0b0t1), B(m0b0t1), SEND_F(m0b0t1), RECV_B(m1b0t0), POST_F(m0b0t2)
+    KIND(CELL, RECV_CELL)   SEND_F_RECV_B(m0b0t1, m0b0t0): sends m0b0t1's activation and
+                            receives m0b0t0's gradient in one call (SEND_B_RECV_F likewise)
+    W(CELL)                 W(m0b0t0): the deferred weight gradients of sequence (m0, b0), run
+                            after the backward of its token slice 0 (its last W); W(m0b0t3) an
+                            early W after slice 3's backward (the plan's wgrad_points)
+
+CELL is m<microbatch>b<batch slice>t<token slice>; a cell of Megatron's interleaved schedule
+(interleaved.py, whole microbatches) is m<microbatch>c<model chunk>.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional, Union
+from typing import Iterable, Mapping, Optional, Union
 
 from ..plan import TeraPipePlan
 
@@ -128,8 +142,72 @@ class Action:
         return COMM_KINDS[self.kind][1]
 
     def __str__(self) -> str:
-        cells = f"{self.cell}, {self.recv_cell}" if self.recv_cell is not None else f"{self.cell}"
-        return f"{self.kind}({cells})"
+        return format_action(self)
+
+
+def format_action(action: Action) -> str:
+    """`F(m0b0t1)`, `SEND_F_RECV_B(m0b0t1, m0b0t0)`: the one spelling of an action (see the
+    module docstring); `parse_action` reads it back."""
+    if action.recv_cell is None:
+        return f"{action.kind.value}({action.cell})"
+    return f"{action.kind.value}({action.cell}, {action.recv_cell})"
+
+
+_ACTION_TEXT = re.compile(r"^\s*([A-Za-z_]+)\(\s*([^,()\s]+)\s*(?:,\s*([^,()\s]+)\s*)?\)\s*$")
+_FUSED_KINDS = ("SEND_F_RECV_B", "SEND_B_RECV_F")
+
+
+def cells_by_name(cells: Iterable[Cell]) -> dict[str, Cell]:
+    """The cells as `parse_action` looks them up: by their text (`m0b0t1`, `m0c1`)."""
+    return {str(c): c for c in cells}
+
+
+def parse_action(text: str, cells: Mapping[str, Cell]) -> Action:
+    """The action `format_action` wrote as `text`; its cells are looked up in `cells` (by
+    name, `cells_by_name`: a cell's rows and tokens come from the schedule's plan, not the
+    text). Raises ValueError naming what does not parse."""
+    match = _ACTION_TEXT.match(text)
+    if match is None:
+        raise ValueError(f"cannot read the action {text!r}: write KIND(CELL) as in F(m0b0t1), "
+                         "or SEND_F_RECV_B(m0b0t1, m0b0t0) for a fused send-receive")
+    name, cell_text, recv_text = match.groups()
+    kind = _kind(name)
+    if (recv_text is not None) != (kind in _FUSED_KINDS):
+        raise ValueError(
+            f"the action {text!r} names {2 if recv_text else 1} cell(s): the fused kinds "
+            f"({', '.join(_FUSED_KINDS)}) name the cell they send and the one they receive, "
+            "every other kind one cell")
+    return Action(kind, _cell_named(cell_text, cells, text),
+                  None if recv_text is None else _cell_named(recv_text, cells, text))
+
+
+def _cell_named(name: str, cells: Mapping[str, Cell], text: str) -> Cell:
+    cell = cells.get(name)
+    if cell is None:
+        known = list(cells)
+        span = f"{known[0]} ... {known[-1]}" if known else "none"
+        raise ValueError(f"the action {text!r} names the cell {name!r}, which the schedule's "
+                         f"plan and batch shape do not have (its cells: {span})")
+    return cell
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """When a compute action ran on a stage, in seconds: predicted (the timing engines,
+    replay.py) or measured (the runtime's RunRecord, on the rank's perf_counter clock)."""
+
+    stage: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def kind(self) -> ActionKind:
+        return self.action.kind
+
+    @property
+    def cell(self) -> Cell:
+        return self.action.cell
 
 
 def _kind(name: Union[str, ActionKind]) -> ActionKind:

@@ -1,4 +1,4 @@
-"""Laying out every stage's compute actions in the plan's order (gpipe or 1f1b)."""
+"""Laying out every stage's compute actions in the plan's order (orders.py)."""
 
 from __future__ import annotations
 
@@ -6,40 +6,31 @@ from itertools import compress
 
 from ..plan import TeraPipePlan
 from .actions import Action, ActionKind, Schedule, microbatch_cells
+from .orders import ORDERS
 
 
 def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
                    micro_batch_size: int, forward_only: bool = False) -> Schedule:
-    """Lay out every stage's actions in the plan's order.
-
-    gpipe: all forwards in cell order, then all backwards in exactly reverse order.
-    1f1b:  stage k first runs (cells of one microbatch - 1) + (num_stages - k - 1) forwards,
-           then alternates one forward and one backward, then drains the backwards. Backwards
-           go microbatch by microbatch, each microbatch's cells in reverse. Because the warm-up
-           covers a whole microbatch, the last stage knows a microbatch's total token count
-           before it runs the first backward of that microbatch (exact loss normalisation).
-    """
+    """Lay out every stage's actions in the plan's order (orders.py: 1f1b, gpipe, ...), with
+    the W actions of deferred weight gradients; forward_only: every stage's forwards in cell
+    order."""
     _check_sizes(plan, num_microbatches, num_stages, micro_batch_size)
     per_mb = [microbatch_cells(plan, m, micro_batch_size) for m in range(num_microbatches)]
     # Every stage shares the same Action objects (stages differ in order only).
-    forwards = [Action(ActionKind.F, c) for cells in per_mb for c in cells]
-    if plan.order == "gpipe":
-        backwards = [Action(ActionKind.B, a.cell) for a in reversed(forwards)]
-    else:  # microbatch by microbatch, each microbatch's cells in reverse
-        backwards = [Action(ActionKind.B, c) for cells in per_mb for c in reversed(cells)]
-    weight_grads = {id(b): Action(ActionKind.W, b.cell) for b in backwards} if plan.defer_wgrad else {}
+    forwards = [[Action(ActionKind.F, c) for c in cells] for cells in per_mb]
+    backwards = [[Action(ActionKind.B, f.cell) for f in fs] for fs in forwards]
+    weight_grads = ({id(b): Action(ActionKind.W, b.cell) for bs in backwards for b in bs}
+                    if plan.defer_wgrad else {})
     # the W after each sequence's last backward (its first slice's); early ones per stage below
     last_w = {i: w for i, w in weight_grads.items() if w.cell.token_slice == 0}
+    order = ORDERS[plan.order]
     stages = []
     for k in range(num_stages):
         if forward_only:
-            stages.append(tuple(forwards))
-        elif plan.order == "gpipe":
-            stages.append(tuple(_with_weight_grads(forwards + backwards, plan, k, weight_grads, last_w)))
+            stages.append(tuple(f for fs in forwards for f in fs))
         else:
-            warmup = min(len(forwards), len(per_mb[0]) - 1 + (num_stages - k - 1))
-            order = _one_forward_one_backward(forwards, backwards, warmup)
-            stages.append(tuple(_with_weight_grads(order, plan, k, weight_grads, last_w)))
+            ordered = order(forwards, backwards, k, num_stages)
+            stages.append(tuple(_with_weight_grads(ordered, plan, k, weight_grads, last_w)))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
 
 
@@ -56,16 +47,6 @@ def _check_sizes(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
             f"the TeraPipe plan places early W actions (wgrad_points) for "
             f"{len(plan.wgrad_points)} pipeline stages but the pipeline has {num_stages}: plan "
             f"for {num_stages} stages (terapipe-plan --pipeline-stages {num_stages})")
-
-
-def _one_forward_one_backward(forwards: list[Action], backwards: list[Action],
-                              warmup: int) -> list[Action]:
-    """`warmup` forwards, then one forward and one backward in turn, then the backwards left."""
-    order = list(forwards[:warmup])
-    steady = len(forwards) - warmup
-    for f, b in zip(forwards[warmup:], backwards[:steady]):
-        order += [f, b]
-    return order + backwards[steady:]
 
 
 def _with_weight_grads(actions: list[Action], plan: TeraPipePlan, stage: int,

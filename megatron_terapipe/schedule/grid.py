@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from .actions import Action
+from .actions import Action, format_action
 
 MARK_LEFT, MARK_RIGHT = ">>", "<<"
 CONTEXT_STEPS = 6  # rows shown on each side of a marked step
@@ -43,5 +43,5 @@ def _cell(stages: Sequence[Sequence[Action]], k: int, step: int,
           mark: Optional[tuple[int, int]]) -> str:
     if step >= len(stages[k]):
         return ""
-    text = str(stages[k][step])
+    text = format_action(stages[k][step])
     return f"{MARK_LEFT}{text}{MARK_RIGHT}" if mark == (k, step) else text

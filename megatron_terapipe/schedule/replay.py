@@ -8,10 +8,10 @@ Fused send-receive actions replay as their send, then their receive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .actions import COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError, opposite, recv
+from .actions import (COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError,
+                      TimedAction, format_action, opposite, recv)
 from .lower import Lowering, lower
 
 Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list
@@ -21,14 +21,6 @@ _EPS = 1e-12
 # Step codes of the replay's compiled lists.
 _COMPUTE, _SEND, _RECV = range(3)
 _COMPUTE_KINDS = frozenset(COMPUTE_KINDS)
-
-
-@dataclass(frozen=True)
-class TimedAction:
-    stage: int
-    action: Action
-    start: float
-    end: float
 
 
 class _Replay:
@@ -87,7 +79,7 @@ class _Replay:
         return all(p == len(steps) for p, steps in zip(self.pos, self.steps))
 
     def deadlock(self) -> None:
-        stuck = {k: str(self.next(k)[3]) for k in range(self.num_stages) if self.next(k)}
+        stuck = {k: format_action(self.next(k)[3]) for k in range(self.num_stages) if self.next(k)}
         raise ScheduleError(f"schedule deadlocks: stages wait at {stuck}")
 
 

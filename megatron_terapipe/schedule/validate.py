@@ -14,14 +14,15 @@ from __future__ import annotations
 from .actions import Action, Cell, Schedule, ScheduleError, opposite
 from .grid import format_grid
 from .lower import Lowering, lower
-from .replay import replay_timeline
+from .replay import Lowered, replay_timeline
 
 
-def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
+def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> Lowered:
     """Check every stage runs each cell's F (and B) once, in an order the executor can run,
     that the lowered lists pair every send with the neighbour's receive, and that the
     schedule does not deadlock. Raises ScheduleError naming the first broken rule, with the
-    stage x step grid (the failing step marked where there is one)."""
+    stage x step grid (the failing step marked where there is one). Returns the lowered lists
+    it checked (lowered.py keeps them for the executor)."""
     expected = set(schedule.cells())
     for k, actions in enumerate(schedule.stages):
         _check_stage(schedule, k, actions, expected)
@@ -31,6 +32,7 @@ def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> None:
         replay_timeline(lowered, lambda k, a: 1.0)
     except ScheduleError as exc:
         raise ScheduleError(exc.message, format_grid(schedule.stages)) from None
+    return lowered
 
 
 class _StageState:

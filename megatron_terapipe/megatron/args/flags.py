@@ -14,7 +14,7 @@ import os
 from typing import Callable, Optional
 
 SCHEDULES = ("1f1b", "terapipe", "auto")
-ORDERS = ("1f1b", "gpipe")
+from ...schedule.orders import ORDERS  # noqa: E402  the registry: --terapipe-order choices
 COST_MODELS = ("analytic", "profile")
 HARDWARE_CHOICES = ("auto", "v100", "a100", "h100")
 DEFAULT_GRANULARITY = 8

@@ -23,7 +23,7 @@ from ...runtime.buffer_pool import BufferPool
 from ...runtime.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.executor import StageExecutor, StageModel, StageOptions
 from ...runtime.trace import RunRecord
-from ...schedule import Cell, build_schedule
+from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
 from . import compat
 from .param_deferral import install_wgrad_deferral
 from .p2p import make_transport
@@ -68,18 +68,17 @@ def forward_backward_terapipe(
     check_run(config, model, plan, seq_length, micro_batch_size, num_microbatches, tp_size,
               groups.cp.size() if groups.cp is not None else 1, decoder_seq_length,
               adjust_tensor_shapes_fn)
-    pp = groups.pp
-    schedule = build_schedule(plan, num_microbatches, pp.size() if pp is not None else 1,
-                              micro_batch_size, forward_only)
-    device = _device_of(model)
+    pp, device = groups.pp, _device_of(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    memory = plan_memory(model, config, device, plan, num_microbatches, micro_batch_size, forward_only)
+    transport = make_transport(pp, config, device, p2p_communicator)
+    memory = plan_memory(model, config, device, plan, num_microbatches,
+                         pp.size() if pp is not None else 1, micro_batch_size, forward_only,
+                         transport.lowering)
     executor = StageExecutor(
-        schedule, pp.rank() if pp is not None else 0,
+        memory.schedule, pp.rank() if pp is not None else 0,
         _stage_model(model, forward_step_func, first_val_step, forward_only),
-        CellData(data_iterator, seq_length, micro_batch_size),
-        make_transport(pp, config, device, p2p_communicator),
+        CellData(data_iterator, seq_length, micro_batch_size), transport,
         _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
         pool=memory.pool, graphs=memory.graphs)
     result = executor.run()
@@ -101,23 +100,32 @@ POOLS_PER_MODEL = 4
 
 @dataclass
 class PlanMemory:
-    """What a stage keeps across iterations for one plan and batch shape: the pool that puts
-    cells' buffers at fixed addresses, and the CUDA graphs captured on those addresses (they
-    go together: graphs of a dropped pool would read freed memory)."""
+    """What a stage keeps across iterations for one plan and batch shape: the schedule,
+    validated and lowered for the stage's transport (schedule/lowered.py: built once, not per
+    iteration), the pool that puts cells' buffers at fixed addresses, and the CUDA graphs
+    captured on those addresses (they go together: graphs of a dropped pool would read freed
+    memory)."""
 
+    schedule: LoweredSchedule
     pool: BufferPool
     graphs: Optional[CellGraphs] = None
 
 
-def plan_memory(model: torch.nn.Module, config, device: torch.device, *key) -> PlanMemory:
-    """The model's PlanMemory for one plan and batch shape, `key` (runtime/buffer_pool.py,
-    runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL."""
+def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: TeraPipePlan,
+                num_microbatches: int, num_stages: int, micro_batch_size: int,
+                forward_only: bool, lowering: Lowering) -> PlanMemory:
+    """The model's PlanMemory for one plan and batch shape (runtime/buffer_pool.py,
+    runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL. A new one
+    builds and validates the schedule: a bad one raises ScheduleError before any message."""
     from .selection import cuda_graphs_enabled
 
     kept = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
+    key = (plan, num_microbatches, num_stages, micro_batch_size, forward_only, lowering)
     memory = kept.pop(key, None)
     if memory is None:
-        memory = PlanMemory(BufferPool())
+        memory = PlanMemory(build_lowered_schedule(plan, num_microbatches, num_stages,
+                                                   micro_batch_size, forward_only, lowering),
+                            BufferPool())
         if cuda_graphs_enabled(config):
             factory = getattr(config, "terapipe_graph_factory", None) or cuda_graph_factory(device)
             memory.graphs = CellGraphs(factory)
