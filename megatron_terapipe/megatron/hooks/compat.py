@@ -33,8 +33,8 @@ CONFIG_FIELDS_READ = (
     "context_parallel_size", "deallocate_pipeline_outputs", "defer_embedding_wgrad_compute",
     "enable_autocast", "finalize_model_grads_func", "grad_scale_func", "grad_sync_func",
     "hidden_size", "init_method", "kv_channels", "layernorm_epsilon", "mtp_num_layers",
-    "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_router_load_balancing_type",
-    "moe_z_loss_coeff",
+    "moe_aux_loss_coeff", "moe_expert_capacity_factor", "moe_router_fusion",
+    "moe_router_load_balancing_type", "moe_z_loss_coeff",
     "no_sync_func", "normalization", "num_layers", "num_moe_experts", "pipeline_dtype",
     "sequence_parallel", "tensor_model_parallel_size", "timers", "variable_seq_lengths",
     "virtual_pipeline_model_parallel_size")

@@ -24,7 +24,7 @@ from ...runtime.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.executor import StageExecutor, StageModel, StageOptions
 from ...runtime.trace import RunRecord
 from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
-from . import compat
+from . import compat, moe_losses
 from .param_deferral import install_wgrad_deferral
 from .p2p import make_transport
 from .rope import install_rope_offsets
@@ -75,6 +75,7 @@ def forward_backward_terapipe(
     memory = plan_memory(model, config, device, plan, num_microbatches,
                          pp.size() if pp is not None else 1, micro_batch_size, forward_only,
                          transport.lowering)
+    moe_losses.begin_iteration(model, config, memory.schedule.schedule, device)
     executor = StageExecutor(
         memory.schedule, pp.rank() if pp is not None else 0,
         _stage_model(model, forward_step_func, first_val_step, forward_only),
@@ -270,4 +271,5 @@ def prepare_model(model: torch.nn.Module) -> None:
                 "spec's causal mask type or use Megatron's own schedule")
     install_rope_offsets(model)
     install_wgrad_deferral(model)
+    moe_losses.install_moe_losses(model)
     model._terapipe_prepared = True
