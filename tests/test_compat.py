@@ -11,7 +11,7 @@ import re
 import pytest
 
 from megatron_terapipe.megatron.hooks import compat
-from megatron_terapipe.megatron.hooks import compat_check
+from megatron_terapipe.megatron.hooks import compat_check, compat_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_terapipe")
@@ -52,7 +52,8 @@ def test_every_private_touch_point_checks_the_version(monkeypatch):
               compat.rng_module, compat.parallel_linear_classes,
               compat.vocab_parallel_embedding_class, compat.fused_wgrad_accumulate,
               compat.rotary_embedding_classes, compat.gpt_model_class,
-              compat.megatron_lm_argument_hooks]
+              compat.megatron_lm_argument_hooks,
+              compat_checkpoints.megatron_lm_checkpointing]
     for check in checks:
         with pytest.raises(compat.UnsupportedMegatronError):
             check()

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_terapipe.megatron.hooks import lm_cpu
+from megatron_terapipe.megatron.hooks import compat, lm_cpu
 from megatron_terapipe.megatron.hooks.cpu import cpu_model_parallel_seed
 
 
@@ -53,3 +53,47 @@ def test_cpu_settings_are_applied_and_logged():
 def test_gradient_clipping_must_be_turned_off_by_the_user():
     with pytest.raises(ValueError, match="pass --clip-grad 0.0"):
         lm_cpu.apply_cpu_settings(_args(clip_grad=1.0))
+
+
+def test_save_without_psutil_is_refused_before_training(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "psutil" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="--save ckpt: .*pip install psutil"):
+        lm_cpu.apply_cpu_settings(_args(save="ckpt", ckpt_format="torch_dist"))
+    lm_cpu.apply_cpu_settings(_args())  # without --save nothing is asked for
+
+
+class _Tracker:
+    def __init__(self, states):
+        self.states = states
+
+    def get_states(self):
+        return dict(self.states)
+
+    def set_states(self, states):
+        self.states = states
+
+
+def test_checkpoints_see_a_marked_cpu_tracker_and_loading_drops_the_mark():
+    from megatron.core import tensor_parallel
+
+    empty = lm_cpu._CheckpointedCpuTracker(_Tracker({}))
+    saved = empty.get_states()
+    assert list(saved) == [lm_cpu.CPU_TRACKER_MARK]  # Megatron-LM refuses to load {}
+    # what Megatron-LM's load does with each saved state before set_states
+    loaded = {k: tensor_parallel.convert_cuda_rng_state(v, to_graphable=False)
+              for k, v in saved.items()}
+    empty.set_states(loaded)
+    assert empty._tracker.states == {}
+    holding = lm_cpu._CheckpointedCpuTracker(_Tracker({"model-parallel-rng": torch.ones(2)}))
+    assert list(holding.get_states()) == ["model-parallel-rng"]  # real states are kept as they are
+    seen = lm_cpu._TensorParallelForCheckpoints(tensor_parallel)
+    assert seen.convert_cuda_rng_state is tensor_parallel.convert_cuda_rng_state
+    kept = compat.save_rng_tracker()  # getting the tracker may create the global one
+    try:
+        assert isinstance(seen.get_cuda_rng_tracker(), lm_cpu._CheckpointedCpuTracker)
+    finally:
+        compat.restore_rng_tracker(kept)

@@ -9,6 +9,10 @@ rerun state machine, which it drives) assume CUDA in a few more places, each han
   CUDA tensors (nothing on CPU uses either).
 - DDP wrapping runs in a side `torch.cuda.Stream`.
 - The rerun state machine saves and restores the CUDA RNG state every step.
+- Checkpoints (`--save`, `--load`) save and restore the CUDA RNG state, agree on the loaded
+  iteration with a device="cuda" tensor, and refuse to load empty RNG tracker states; the CPU
+  tracker's are empty (it holds no generators), so checkpoints see them marked
+  (`_CheckpointedCpuTracker`).
 These modules see a `torch` whose `cuda` answers as one device that is the CPU (streams and
 synchronisation are no-ops, the "CUDA" RNG state is the CPU one). Nothing else changes.
 
@@ -16,7 +20,9 @@ Flags the switch sets, because nothing else runs on CPU: `--distributed-backend 
 `--transformer-impl local`, `--no-gradient-accumulation-fusion`, `--no-persist-layer-norm`,
 `--no-masked-softmax-fusion`, `--no-bias-gelu-fusion`, `--no-bias-dropout-fusion`. The user must
 pass `--clip-grad 0.0`: Megatron-Core's `clip_grad_by_total_norm_fp32` asserts CUDA tensors, and
-turning gradient clipping off is a change of training the user should make knowingly.
+turning gradient clipping off is a change of training the user should make knowingly. `--save`
+needs `psutil` (Megatron-Core's torch_dist writer processes import it; without it they die
+before reporting and the save waits for them forever), which is checked before training.
 """
 
 from __future__ import annotations
@@ -24,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 import types
 from typing import Any, Callable, Iterator
 
 import torch
 
-from . import compat
+from . import compat, compat_checkpoints
 from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
 from .spec import TorchNorm
 
@@ -122,6 +129,51 @@ def enable_megatron_lm_cpu_mode() -> None:
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     optimizer = distrib.DistributedOptimizer
     patch_for_cpu(optimizer, "__init__", _naming_cpu_tensors_cuda(optimizer.__init__))
+    # --save / --load: checkpointing's CUDA RNG state, its "cuda" iteration tensor and the RNG
+    # tracker states it checks (the module docstring).
+    checkpointing = compat_checkpoints.megatron_lm_checkpointing()
+    patch_for_cpu(checkpointing, "torch", proxy)
+    patch_for_cpu(checkpointing, "tensor_parallel",
+                  _TensorParallelForCheckpoints(checkpointing.tensor_parallel))
+
+
+#: The one entry of the RNG tracker states a CPU checkpoint holds (a marker; loading drops it).
+CPU_TRACKER_MARK = "terapipe-cpu: no CUDA generators"
+
+
+class _CheckpointedCpuTracker:
+    """Megatron's RNG tracker as Megatron-LM's checkpointing sees it on CPU. The CPU tracker
+    holds no generators (its forks run on the CPU generator, which a checkpoint saves as
+    `torch_rng_state`), but loading treats empty tracker states as a checkpoint without RNG
+    state and exits; so the saved states hold one marker entry, which loading drops."""
+
+    def __init__(self, tracker: Any) -> None:
+        self._tracker = tracker
+
+    def get_states(self) -> dict:
+        states = self._tracker.get_states()
+        return states if states else {CPU_TRACKER_MARK: torch.empty(0, dtype=torch.uint8)}
+
+    def set_states(self, states: dict) -> None:
+        self._tracker.set_states({k: v for k, v in states.items() if k != CPU_TRACKER_MARK})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tracker, name)
+
+
+class _TensorParallelForCheckpoints(types.ModuleType):
+    """`megatron.core.tensor_parallel` as Megatron-LM's checkpointing sees it on CPU: the RNG
+    tracker it gets is `_CheckpointedCpuTracker`; everything else is the module's own."""
+
+    def __init__(self, tensor_parallel: types.ModuleType) -> None:
+        super().__init__(tensor_parallel.__name__)
+        self._tensor_parallel = tensor_parallel
+
+    def get_cuda_rng_tracker(self, *args: Any, **kwargs: Any) -> _CheckpointedCpuTracker:
+        return _CheckpointedCpuTracker(self._tensor_parallel.get_cuda_rng_tracker(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tensor_parallel, name)
 
 
 def _sequence_parallel_torch_norm(original: Callable) -> Callable:
@@ -169,6 +221,12 @@ def apply_cpu_settings(args) -> list[str]:
             f"--terapipe-cpu: Megatron-Core's gradient clipping asserts CUDA tensors "
             f"(clip_grad_by_total_norm_fp32), and --clip-grad is {args.clip_grad}: pass "
             "--clip-grad 0.0 to train on CPU without clipping")
+    if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist" \
+            and importlib.util.find_spec("psutil") is None:
+        raise ValueError(
+            f"--save {args.save}: Megatron-Core's torch_dist checkpoint writer processes need "
+            "psutil (without it they stop before reporting and the save waits for them "
+            "forever): pip install psutil")
     changed = []
     model_parallel = max(getattr(args, "tensor_model_parallel_size", 1) or 1,
                          getattr(args, "context_parallel_size", 1) or 1) > 1
