@@ -21,7 +21,7 @@ from datetime import datetime
 import pytest
 import torch
 
-from harness import WorkerError, spawn
+from harness import WorkerError, release_model_parallel, spawn
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -230,7 +230,7 @@ def run_megatron_on_both_specs(rank: int, world_size: int) -> dict:
                      "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
     out["attention"] = {side: type(m.decoder.layers[0].self_attention.core_attention).__name__
                         for side, m in models.items()}
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return out
 
 

@@ -4,6 +4,7 @@ its communication calls sends and receives, to check schedule/interleaved.py aga
 from __future__ import annotations
 
 from .models import TinyGPT, forward_step, make_batches
+from .process_groups import release_model_parallel
 from .schedule_runs import interleaved_model
 
 
@@ -15,7 +16,6 @@ def record_interleaved_calls(rank: int, world_size: int, model_cfg: TinyGPT,
     recv_next) per P2PCommunicator._communicate call."""
     from unittest import mock
 
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import p2p_communication
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving)
@@ -43,5 +43,5 @@ def record_interleaved_calls(rank: int, world_size: int, model_cfg: TinyGPT,
             forward_step_func=step, data_iterator=[iter(batches) for _ in model], model=model,
             num_microbatches=num_microbatches, seq_length=model_cfg.seq_length,
             micro_batch_size=1, forward_only=forward_only)
-    parallel_state.destroy_model_parallel()
+    release_model_parallel()
     return events
