@@ -170,7 +170,7 @@ def plan_terapipe(args: argparse.Namespace, config):
     """The plan and the planner's report (None, None under Megatron's own schedules)."""
     if args.pipeline_schedule != "terapipe":
         return None, None
-    provider = mt.ArgsPlanProvider(args)
+    provider = mt.ArgsPlanProvider.from_args(args)
     mt.configure(config, provider)
     plan = provider.plan_for(args.seq_length, args.micro_batch_size)  # plan now; rank 0 logs it
     return plan, provider.reports.get((args.seq_length, args.micro_batch_size))

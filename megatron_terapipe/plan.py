@@ -7,6 +7,7 @@ the token lengths of its slices. The executor, the simulator and the planner all
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
 
@@ -184,53 +185,28 @@ class TeraPipePlan:
 
     # ---- checks against a run ------------------------------------------------------------
     def validate(self, seq_length: int, micro_batch_size: int, multiple_of: int = 1) -> None:
-        """Raise ValueError naming the problem and the fix if the plan cannot run this shape."""
-        if self.seq_length != seq_length:
-            raise ValueError(
-                f"TeraPipe plan slices sum to {self.seq_length} tokens but seq_length is "
-                f"{seq_length}: make the token slices (--terapipe-slices) sum to {seq_length}"
-            )
+        """Raise ValueError naming the problem and the fix if the plan cannot run this shape.
+        multiple_of: what every slice must be a multiple of (SliceGrid.tp_multiple)."""
+        grid = SliceGrid(tp_multiple=max(1, multiple_of))
+        grid.check_sum(self.token_slices[0], seq_length)
         if self.batch_slices is not None and sum(self.batch_slices) != micro_batch_size:
             raise ValueError(
                 f"TeraPipe plan batch_slices {list(self.batch_slices)} sum to "
                 f"{sum(self.batch_slices)} rows but micro_batch_size is {micro_batch_size}: "
                 f"make batch_slices sum to {micro_batch_size}"
             )
-        self.check_multiple_of(multiple_of)
+        grid.check_tp_multiple(self.token_slices)
 
     def check_multiple_of(self, multiple_of: int) -> None:
         """Sequence parallelism splits every slice over the tensor-parallel ranks."""
-        if multiple_of <= 1:
-            return
-        for ts in self.token_slices:
-            bad = [t for t in ts if t % multiple_of]
-            if bad:
-                raise ValueError(
-                    f"TeraPipe token slices {bad} are not multiples of {multiple_of}, which "
-                    "sequence parallelism requires (slices must be multiples of the "
-                    f"tensor-parallel size {multiple_of}): use slice lengths that are multiples "
-                    f"of {multiple_of}")
+        SliceGrid(tp_multiple=max(1, multiple_of)).check_tp_multiple(self.token_slices)
 
     # ---- construction and serialisation ----------------------------------------------------
     @classmethod
     def uniform(cls, seq_length: int, num_slices: int, order: str = "1f1b",
                 multiple_of: int = 1, batch_slices: Optional[Sequence[int]] = None) -> "TeraPipePlan":
-        """Near-equal slices in units of `multiple_of`, the larger ones first."""
-        if num_slices <= 0:
-            raise ValueError(f"number of token slices must be positive, got {num_slices}")
-        if seq_length % multiple_of:
-            raise ValueError(
-                f"seq_length {seq_length} is not a multiple of the slice granularity {multiple_of}"
-            )
-        units = seq_length // multiple_of
-        if num_slices > units:
-            raise ValueError(
-                f"cannot cut {seq_length} tokens into {num_slices} slices of at least "
-                f"{multiple_of} tokens: use at most {units} slices"
-            )
-        base, extra = divmod(units, num_slices)
-        slices = [(base + (1 if i < extra else 0)) * multiple_of for i in range(num_slices)]
-        return cls(seq_slices=slices, batch_slices=batch_slices, order=order)
+        """Near-equal slices in units of `multiple_of` tokens, the larger ones first."""
+        return SliceGrid(granularity=multiple_of).uniform(seq_length, num_slices, order, batch_slices)
 
     def to_dict(self) -> dict:
         return {
@@ -261,6 +237,100 @@ class TeraPipePlan:
         if self.wgrad_points:
             wgrad += f" ({self.early_w_text()})"
         return f"order={self.order}; wgrad={wgrad}; " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class SliceNames:
+    """What errors about slice lengths call things: Python's argument names (the default),
+    or Megatron-LM's flags (megatron/args/settings.py)."""
+
+    seq_length: str = "seq_length"
+    granularity: str = "granularity"
+    tensor_parallel: str = "the tensor-parallel size"
+    num_slices: str = "num_slices"
+    summed_slices: str = "TeraPipe plan slices"  # slices that must sum to the sequence; {slices}
+    tp_slices: str = "TeraPipe token slices"  # slices that must be multiples of the TP size ...
+    tp_multiple: str = "{tp}"  # ... of this
+
+
+@dataclass(frozen=True)
+class SliceGrid:
+    """The token-slice lengths a run allows, and the checks that hold slices to them.
+
+    Every slice is a multiple of `tp_multiple`: the tensor-parallel size under sequence
+    parallelism (it splits each slice over the TP ranks), else 1. Slices the planner or a
+    uniform cut makes are also multiples of `granularity` (the DP slicer's step): they come in
+    whole `unit`s, the least common multiple of the two. Slices given by hand need only the TP
+    multiple. The flags, the planner and the schedule's checks all cut and check through this.
+    """
+
+    granularity: int = 1
+    tp_multiple: int = 1
+    names: SliceNames = field(default=SliceNames(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.granularity <= 0:
+            raise ValueError(f"{self.names.granularity} must be a positive number of tokens, "
+                             f"got {self.granularity}")
+        if self.tp_multiple <= 0:
+            raise ValueError(f"{self.names.tensor_parallel} must be positive, got {self.tp_multiple}")
+
+    @property
+    def unit(self) -> int:
+        """Tokens every slice the planner or a uniform cut makes is a multiple of."""
+        return self.granularity * self.tp_multiple // math.gcd(self.granularity, self.tp_multiple)
+
+    def units(self, seq_length: int) -> int:
+        """How many units `seq_length` tokens hold; ValueError unless the unit divides it."""
+        n = self.names
+        if seq_length <= 0:
+            raise ValueError(f"{n.seq_length} must be positive, got {seq_length}")
+        if seq_length % self.unit:
+            what = (f"{n.granularity} {self.granularity}" if self.unit == self.granularity else
+                    f"the least common multiple {self.unit} of {n.granularity} {self.granularity} "
+                    f"and {n.tensor_parallel} {self.tp_multiple} (sequence parallelism)")
+            raise ValueError(f"{n.seq_length} {seq_length} is not a multiple of {what}: every "
+                             f"slice length is a multiple of the slice unit ({self.unit} tokens); "
+                             f"choose a {n.granularity} that divides {seq_length}")
+        return seq_length // self.unit
+
+    def uniform(self, seq_length: int, num_slices: int, order: str = "1f1b",
+                batch_slices: Optional[Sequence[int]] = None) -> TeraPipePlan:
+        """`num_slices` near-equal slices in whole units, the larger ones first."""
+        n = self.names
+        if num_slices <= 0:
+            raise ValueError(f"{n.num_slices} must be a positive number of slices, got {num_slices}")
+        units = self.units(seq_length)
+        if num_slices > units:
+            raise ValueError(
+                f"{n.num_slices} {num_slices} is more than {n.seq_length} {seq_length} / "
+                f"{self.unit}-token units = {units} slices: use at most {units} slices, or a "
+                f"smaller {n.granularity}")
+        base, extra = divmod(units, num_slices)
+        slices = [(base + (1 if i < extra else 0)) * self.unit for i in range(num_slices)]
+        return TeraPipePlan(seq_slices=slices, batch_slices=batch_slices, order=order)
+
+    def check_sum(self, slices: Sequence[int], seq_length: int,
+                  against: Optional[str] = None) -> None:
+        """ValueError unless `slices` sum to `seq_length` tokens; `against` names the sequence
+        in the message (default: '<seq_length name> is N')."""
+        total = sum(slices)
+        if total != seq_length:
+            what = self.names.summed_slices.format(slices=" ".join(map(str, slices)))
+            against = against or f"{self.names.seq_length} is {seq_length}"
+            raise ValueError(f"{what} sum to {total} tokens but {against}: make the token slices "
+                             f"(--terapipe-slices) sum to {seq_length}")
+
+    def check_tp_multiple(self, token_slices: Sequence[Sequence[int]]) -> None:
+        """ValueError unless every slice (per batch slice) is a multiple of `tp_multiple`."""
+        n, tp = self.names, self.tp_multiple
+        for ts in token_slices:
+            bad = [t for t in ts if t % tp]
+            if bad:
+                raise ValueError(
+                    f"{n.tp_slices} {bad} are not multiples of {n.tp_multiple.format(tp=tp)}, "
+                    "which sequence parallelism requires (slices must be multiples of the "
+                    f"tensor-parallel size {tp}): use slice lengths that are multiples of {tp}")
 
 
 class PlanTable:

@@ -11,9 +11,10 @@ import pytest
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
+from megatron_terapipe.megatron.args import planning
 from megatron_terapipe.megatron.args.plan_report import PlanReport
-from megatron_terapipe.megatron.args.planning import plan_and_report
 from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, profile_cache_path
+from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.wiring import setup_from_args
 from harness import spawn
@@ -35,6 +36,16 @@ def parse(argv: list[str], **megatron) -> argparse.Namespace:
     for k, v in {**MEGATRON, **megatron}.items():
         setattr(args, k, v)
     return args
+
+
+def run_settings(args: argparse.Namespace, seq_length: int, micro_batch_size: int) -> RunSettings:
+    """The flags parsed once, for one (seq_length, micro_batch_size) the schedule runs."""
+    return RunSettings.from_args(args).for_batch(seq_length, micro_batch_size)
+
+
+def plan_and_report(args: argparse.Namespace, seq_length: int, micro_batch_size: int):
+    """The plan the flags select for this batch and its report, as one process makes them."""
+    return planning.plan_and_report(run_settings(args, seq_length, micro_batch_size))
 
 
 def test_defaults_keep_megatron_schedule():
@@ -201,7 +212,7 @@ def test_plan_log_draws_one_microbatch_to_scale():
 
 
 def test_provider_plans_once_per_shape(capsys):
-    provider = ArgsPlanProvider(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4"]))
+    provider = ArgsPlanProvider.from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "4"]))
     first = provider.plan_for(64, 2)
     assert provider.plan_for(64, 2) is first
     assert provider.plan_for(32, 2).token_slices == ((8, 8, 8, 8),)
@@ -245,7 +256,7 @@ class CountingMeasure:
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, args, cells):
+    def __call__(self, settings, cells):
         from megatron_terapipe.planner.profile.time_samples import LayerMeasurements
 
         self.calls += 1
@@ -262,38 +273,38 @@ def test_profile_is_measured_once_then_read_from_the_cache(tmp_path, capsys):
     argv = ["--pipeline-schedule", "terapipe", "--terapipe-cost-model", "profile",
             "--terapipe-cache-dir", str(tmp_path)]
     measure = CountingMeasure()
-    first = ArgsPlanProvider(parse(argv), measure=measure)
+    first = ArgsPlanProvider.from_args(parse(argv), measure=measure)
     plan = first.plan_for(64, 2)
     assert measure.calls == 1 and first.measurements == 1 and first.cache_hits == 0
-    path = profile_cache_path(parse(argv), 64, 2)
+    path = profile_cache_path(run_settings(parse(argv), 64, 2))
     assert path.is_file() and path.parent == tmp_path
     stored = json.loads(path.read_text())
     assert stored["metadata"]["cache_key"]["model"]["hidden_size"] == 64
     assert "measuring one layer" in capsys.readouterr().out
 
     # a second start: same shape, device and versions -> no measurement
-    again = ArgsPlanProvider(parse(argv), measure=measure)
+    again = ArgsPlanProvider.from_args(parse(argv), measure=measure)
     assert again.plan_for(64, 2) == plan
     assert measure.calls == 1 and again.measurements == 0 and again.cache_hits == 1
     assert "measuring one layer" not in capsys.readouterr().out
 
     # another model shape is another cache entry
     other = parse(argv, hidden_size=128)
-    assert profile_cache_path(other, 64, 2) != path
-    ArgsPlanProvider(other, measure=measure).plan_for(64, 2)
+    assert profile_cache_path(run_settings(other, 64, 2)) != path
+    ArgsPlanProvider.from_args(other, measure=measure).plan_for(64, 2)
     assert measure.calls == 2
 
     # an entry written in an older profile format is measured again and overwritten
     stored["format_version"] = 2
     del stored["fit"]["wgrad"]
     path.write_text(json.dumps(stored))
-    ArgsPlanProvider(parse(argv), measure=measure).plan_for(64, 2)
+    ArgsPlanProvider.from_args(parse(argv), measure=measure).plan_for(64, 2)
     assert measure.calls == 3
     assert json.loads(path.read_text())["format_version"] == 3
 
 
 def test_cache_key_covers_shape_device_and_versions():
-    key = profile_cache_key(parse(["--pipeline-schedule", "terapipe"]), 64, 2)
+    key = profile_cache_key(run_settings(parse(["--pipeline-schedule", "terapipe"]), 64, 2))
     assert {"model", "tensor_parallel", "dtype", "seq_length", "micro_batch_size", "device",
             "versions"} <= set(key)
     assert {"torch", "megatron.core", "megatron_terapipe"} <= set(key["versions"])
@@ -332,14 +343,14 @@ def plan_on_every_rank(rank: int, world_size: int, hardware: list[str], cache_di
     big = dict(seq_length=2048, num_layers=24, hidden_size=2048, num_attention_heads=16,
                pipeline_model_parallel_size=4, global_batch_size=8, micro_batch_size=1, world_size=4)
     args = parse(argv, **big)
-    provider = ArgsPlanProvider(args, log=False)
+    provider = ArgsPlanProvider.from_args(args, log=False)
     result = {"plan": provider.plan_for(2048, 1).to_dict(),
               "local": plan_from_args(args, 2048, 1).to_dict()}
     if measured:  # a real layer measured on every rank at once, fitted and cached by rank 0
         tiny = parse(["--pipeline-schedule", "terapipe", "--terapipe-cost-model", "profile",
                       "--terapipe-cache-dir", cache_dir, "--terapipe-profile-points", "3",
                       "--terapipe-granularity", "16"], hidden_size=32, seq_length=64)
-        profiled = ArgsPlanProvider(tiny, log=False)
+        profiled = ArgsPlanProvider.from_args(tiny, log=False)
         result["profiled"] = profiled.plan_for(64, 2).to_dict()
         result["measurements"] = profiled.measurements
         result["cache_hits"] = profiled.cache_hits
@@ -370,7 +381,7 @@ def bad_slices_on_every_rank(rank: int, world_size: int):
     """Rank 0's plan fails (rank 1's alone would not): every rank must raise, none may hang."""
     args = parse(["--pipeline-schedule", "terapipe", "--terapipe-slices", "32", "16"])
     try:
-        ArgsPlanProvider(args, log=False).plan_for(64 if rank == 0 else 48, 2)
+        ArgsPlanProvider.from_args(args, log=False).plan_for(64 if rank == 0 else 48, 2)
     except TeraPipeArgumentError as exc:
         return str(exc)
     return "no error"

@@ -8,16 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_terapipe.megatron.args.auto_schedule import (apply_choice, resolve_auto_schedule,
-                                                      schedule_table_from_args)
+from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule, schedule_table
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.args.planner_inputs import budget_from_args, planner_inputs
-from megatron_terapipe.megatron.args.planning import plan_and_report
+from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.settings import RunSettings, apply_choice
 from megatron_terapipe.megatron.wiring import setup_from_args
 from megatron_terapipe.planner.cost.stage_memory import GiB
 from megatron_terapipe.planner.memory_search import leaner_candidates
 from megatron_terapipe.planner.schedule_choice import AutoChoice, ScheduleOption
-from test_arguments import parse
+from test_arguments import parse, plan_and_report, run_settings
 
 # A GPT with 8 layers on 2 stages, vocabulary known, on the analytic model of an A100.
 AUTO = ["--pipeline-schedule", "auto", "--terapipe-hardware", "a100"]
@@ -44,24 +43,30 @@ def test_memory_budget_needs_terapipe_or_auto():
         validate_terapipe_args(parse(["--terapipe-memory-budget", "70GiB"], **SHAPE))
 
 
+def budget(args):
+    """The memory budget the flags give, with the model state per stage."""
+    return planner_inputs(RunSettings.from_args(args)).budget
+
+
 def test_model_state_is_megatrons_accounting_unless_given():
-    plain = budget_from_args(parse(AUTO, **SHAPE)).model_state
-    sharded = budget_from_args(parse(AUTO, **SHAPE, use_distributed_optimizer=True,
-                                     world_size=16)).model_state  # DP 8
+    plain = budget(parse(AUTO, **SHAPE)).model_state
+    sharded = budget(parse(AUTO, **SHAPE, use_distributed_optimizer=True,
+                           world_size=16)).model_state  # DP 8
     assert sharded[1] == pytest.approx(plain[1] * (6 + 12 / 8) / 18)
     # both hold a vocab x hidden table (embedding; output layer), the last also the final norm
     assert len(plain) == 2 and plain[1] - plain[0] == pytest.approx(18 * 2 * 1024)
-    given = budget_from_args(parse(AUTO + ["--terapipe-model-state-memory", "3GiB",
-                                           "--terapipe-memory-budget", "70GiB"], **SHAPE))
+    given = budget(parse(AUTO + ["--terapipe-model-state-memory", "3GiB",
+                                 "--terapipe-memory-budget", "70GiB"], **SHAPE))
     assert given.model_state == (3 * GiB, 3 * GiB) and given.budget_bytes == 70 * GiB
 
 
 def test_auto_writes_the_tables_choice_into_the_flags_and_logs_it():
     args = parse(AUTO, **SHAPE)
-    table, _ = schedule_table_from_args(args)
+    table, _ = schedule_table(RunSettings.from_args(args))
     expected = table.auto()
     lines: list[str] = []
-    choice = resolve_auto_schedule(args, log=lines.append)
+    choice = resolve_auto_schedule(RunSettings.from_args(args), log=lines.append)
+    apply_choice(args, choice)
     assert choice.chosen.name == expected.chosen.name
     assert args.pipeline_schedule == ("terapipe" if choice.chosen.family == "terapipe" else "1f1b")
     assert lines[0].startswith("> terapipe auto: schedules for seq_length 2048, micro_batch_size 1, "
@@ -93,12 +98,12 @@ def test_apply_choice_sets_what_each_schedule_needs():
 
 def test_auto_refuses_a_budget_nothing_fits_and_an_unmeasured_profile(tmp_path):
     with pytest.raises(TeraPipeArgumentError, match="--terapipe-memory-budget: no pipeline schedule fits"):
-        resolve_auto_schedule(parse(AUTO + ["--terapipe-memory-budget", "1GiB"], **SHAPE),
-                              log=lambda line: None)
+        resolve_auto_schedule(RunSettings.from_args(parse(AUTO + ["--terapipe-memory-budget", "1GiB"],
+                                                          **SHAPE)), log=lambda line: None)
     args = parse(AUTO + ["--terapipe-cost-model", "profile", "--terapipe-cache-dir", str(tmp_path)],
                  **SHAPE)
     with pytest.raises(TeraPipeArgumentError, match="run once with --pipeline-schedule terapipe"):
-        resolve_auto_schedule(args, log=lambda line: None)
+        resolve_auto_schedule(RunSettings.from_args(args), log=lambda line: None)
 
 
 def test_setup_from_args_runs_the_choice():
@@ -123,7 +128,7 @@ def test_plans_at_the_first_iteration_fit_the_budget():
     terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
     args = parse(terapipe, **shape)
     _, free = plan_and_report(args, 2048, 2)
-    inputs = planner_inputs(args, 2048, 2)
+    inputs = planner_inputs(run_settings(args, 2048, 2))
     leanest = min(max(inputs.budget.totals(c.result.peak_memory_bytes))
                   for c in leaner_candidates(inputs.cost_model, inputs.space))
     assert leanest < 0.95 * max(free.peak_bytes)

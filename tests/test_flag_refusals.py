@@ -15,9 +15,9 @@ from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.args import planner_inputs as planner_inputs_module
 from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.args.planning import plan_and_report
+from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.hooks import selection
-from test_arguments import parse
+from test_arguments import parse, plan_and_report
 
 TERAPIPE = ["--pipeline-schedule", "terapipe"]
 FIXED = [["--terapipe-num-slices", "4"], ["--terapipe-slices", "32", "16", "16"], []]  # [] planner
@@ -184,5 +184,5 @@ def test_assumed_gpu_preset_is_a_warning_in_the_report(monkeypatch, device, hard
 def test_auto_schedule_logs_the_assumed_gpu_preset(monkeypatch):
     monkeypatch.setattr(planner_inputs_module, "device_name", lambda: "cpu (x86_64, unknown)")
     lines: list[str] = []
-    resolve_auto_schedule(parse(["--pipeline-schedule", "auto"]), log=lines.append)
+    resolve_auto_schedule(RunSettings.from_args(parse(["--pipeline-schedule", "auto"])), log=lines.append)
     assert lines[-1].startswith("> terapipe auto: WARNING: the analytic cost model assumes A100")

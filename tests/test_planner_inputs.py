@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.planner.cli import build_parser
 from megatron_terapipe.planner.cli_inputs import inputs_from_options
 from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
@@ -55,7 +56,8 @@ def _both(name: str, monkeypatch):
                   num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size,
                   seq_length=2048, bf16=True, **megatron)
     seq, mbs = 2048, megatron["micro_batch_size"]
-    return inputs_from_options(options, parser), planner_inputs(flags, seq, mbs)
+    return inputs_from_options(options, parser), planner_inputs(
+        RunSettings.from_args(flags).for_batch(seq, mbs))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -109,7 +109,8 @@ def test_cli_and_flags_price_the_links_alike(monkeypatch):
     """TP=1 on 16 stages, 8 GPUs a node: the CLI and the flags both use the inter-node link."""
     import argparse
 
-    from megatron_terapipe.megatron.args.planner_inputs import cost_model_from_args
+    from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+    from megatron_terapipe.megatron.args.settings import RunSettings
     from megatron_terapipe.planner.cli import build_parser
     from megatron_terapipe.planner.cli_inputs import inputs_from_options
 
@@ -121,6 +122,6 @@ def test_cli_and_flags_price_the_links_alike(monkeypatch):
     flags = argparse.Namespace(num_layers=40, hidden_size=5120, num_attention_heads=40,
                                pipeline_model_parallel_size=20, tensor_model_parallel_size=1,
                                world_size=20, terapipe_hardware="v100")
-    flags_cost, _ = cost_model_from_args(flags, 2048, 1)
+    flags_cost = planner_inputs(RunSettings.from_args(flags).for_batch(2048, 1)).cost_model
     assert cli_cost.inter_node and flags_cost.inter_node
     assert cli_cost.link == flags_cost.link == hardware_preset("v100").inter_node

@@ -62,7 +62,9 @@ def _wrap_validate(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def validate(args, *rest, **kwargs):
-        if getattr(args, "terapipe_cpu", False):
+        from .args.settings import TeraPipeSettings
+
+        if TeraPipeSettings.from_args(args).cpu:
             _apply_cpu_settings(args)
         result = original(args, *rest, **kwargs)
         from .wiring import setup_from_args

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from ..plan import SliceGrid, SliceNames
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
@@ -16,6 +17,10 @@ from .cost.stage_memory import MemoryBudget, ModelStateConfig, parse_bytes
 from .inputs import PlannerInputs, layer_cost_model, memory_budget, stage_memory
 from .search import SearchSpace, stages_cross_nodes
 from .slicer import resolve_batch_sizes
+
+
+#: How slice-length errors name terapipe-plan's options.
+CLI_SLICE_NAMES = SliceNames(seq_length="--seq-length", granularity="--granularity")
 
 
 def _size(text: str) -> float:
@@ -138,8 +143,10 @@ def _check_shape(args, model: ModelDims, parser) -> None:
     if model.num_attention_heads % tp:
         parser.error(f"--tensor-parallel-size {tp} does not divide the model's "
                      f"{model.num_attention_heads} attention heads")
-    if args.seq_length % args.granularity:
-        parser.error(f"--granularity {args.granularity} does not divide --seq-length {args.seq_length}")
+    try:
+        SliceGrid(args.granularity, names=CLI_SLICE_NAMES).units(args.seq_length)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel:

@@ -29,14 +29,13 @@ cost model is assumed.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
-from ..plan import TeraPipePlan
+from ..plan import SliceGrid, SliceNames, TeraPipePlan
 from .cost.cost_model import CostModel
 
 BatchSizes = Union[str, Sequence[int], None]
@@ -97,20 +96,12 @@ def plan_objective(plan: TeraPipePlan, cost_model: CostModel, micro_batch_size: 
 # ---- inputs ---------------------------------------------------------------------------------
 
 def slicing_unit(seq_length: int, granularity: int, multiple_of: int = 1) -> int:
-    """Tokens per DP unit: slices are multiples of both the granularity and `multiple_of`."""
-    if granularity <= 0:
-        raise ValueError(f"granularity must be a positive number of tokens, got {granularity}")
-    if multiple_of <= 0:
-        raise ValueError(f"multiple_of must be positive, got {multiple_of}")
-    if seq_length <= 0:
-        raise ValueError(f"seq_length must be positive, got {seq_length}")
-    unit = granularity * multiple_of // math.gcd(granularity, multiple_of)
-    if seq_length % unit:
-        raise ValueError(
-            f"seq_length {seq_length} is not a multiple of the slice unit {unit} tokens "
-            f"(lcm of granularity {granularity} and multiple_of {multiple_of}): choose a "
-            "granularity that divides the sequence length")
-    return unit
+    """Tokens per DP unit: slices are multiples of both the granularity and `multiple_of` (the
+    TP size under sequence parallelism); plan.SliceGrid checks that the unit divides the
+    sequence."""
+    grid = SliceGrid(granularity, multiple_of, names=SliceNames(tensor_parallel="multiple_of"))
+    grid.units(seq_length)
+    return grid.unit
 
 
 def resolve_batch_sizes(batch_sizes: BatchSizes, micro_batch_size: int) -> tuple[int, ...]:

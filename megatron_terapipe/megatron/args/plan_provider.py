@@ -9,22 +9,19 @@ collective while others measure); rank 0 fits and caches it (profile_cache.py).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from ...plan import TeraPipePlan
-from ...planner.inputs import PlannerInputs
 from ...planner.profile.time_fit import LayerTimeFit
 from ..hooks import compat
 from .plan_report import PlanReport
-from .model_shape import device_name
 from .planner_inputs import planner_inputs
 from .planning import plan_run, wants_profile, write_simulated_trace
-from .profile_cache import (default_measure, fit_measurements, is_cached, profile_cache_path,
-                            profile_cells, save_profile)
-from .checks import TeraPipeArgumentError
+from .profile_cache import (default_measure, device_name, fit_measurements, is_cached,
+                            profile_cache_path, profile_cells, save_profile)
+from .settings import RunSettings, TeraPipeArgumentError
 
 T = TypeVar("T")
 
@@ -44,8 +41,8 @@ class CacheLookup:
     cached: bool
 
 
-def _look_up(args, seq_length: int, micro_batch_size: int) -> CacheLookup:
-    path = profile_cache_path(args, seq_length, micro_batch_size)
+def _look_up(run: RunSettings) -> CacheLookup:
+    path = profile_cache_path(run)
     return CacheLookup(str(path), is_cached(path))
 
 
@@ -59,13 +56,13 @@ class ChosenPlan:
 
 @dataclass
 class ArgsPlanProvider:
-    """Plans from parsed flags, one per (seq_length, micro_batch_size), computed once.
+    """Plans from the parsed flags, one per (seq_length, micro_batch_size), computed once.
 
     `plan_for` is called by the schedule on every rank at the same time (all ranks run it).
-    `measure(args, cells)` returns LayerMeasurements (tests pass their own).
+    `measure(settings, cells)` returns LayerMeasurements (tests pass their own).
     """
 
-    args: argparse.Namespace
+    settings: RunSettings
     plans: dict[tuple[int, int], TeraPipePlan] = field(default_factory=dict)
     reports: dict[tuple[int, int], PlanReport] = field(default_factory=dict)
     measure: Optional[Callable] = None
@@ -73,42 +70,42 @@ class ArgsPlanProvider:
     measurements: int = 0  # layer profiles measured by this process
     cache_hits: int = 0
 
+    @classmethod
+    def from_args(cls, args, **kwargs) -> "ArgsPlanProvider":
+        """The provider for Megatron-LM's parsed args (RunSettings.from_args)."""
+        return cls(RunSettings.from_args(args), **kwargs)
+
     def plan_for(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
         key = (int(seq_length), int(micro_batch_size))
         if key not in self.plans:
-            self.plans[key] = self._choose(*key)
+            self.plans[key] = self._choose(self.settings.for_batch(*key))
         return self.plans[key]
 
-    def planner_inputs(self, seq_length: int, micro_batch_size: int,
-                       fit: Optional[LayerTimeFit] = None) -> PlannerInputs:
-        """What the planner starts from on rank 0: the flags' inputs, with the measured fit."""
-        return planner_inputs(self.args, seq_length, micro_batch_size, fit)
-
     # -- the collective protocol: every rank runs exactly these steps ------------------------
-    def _choose(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
-        fit = self._profile(seq_length, micro_batch_size) if wants_profile(self.args) else None
+    def _choose(self, run: RunSettings) -> TeraPipePlan:
+        fit = self._profile(run) if wants_profile(run.terapipe) else None
         chosen = None
         if _rank() == 0:
-            chosen = _guard(lambda: self._plan_on_rank_zero(seq_length, micro_batch_size, fit))
+            chosen = _guard(lambda: self._plan_on_rank_zero(run, fit))
         chosen = _unwrap(_broadcast(chosen))
         plan = TeraPipePlan.from_dict(chosen.plan)
-        self.reports[(seq_length, micro_batch_size)] = chosen.report
+        self.reports[(run.shape.seq_length, run.shape.micro_batch_size)] = chosen.report
         if _rank() == 0 and self.log:
             for line in chosen.report.lines(plan):
                 print(line, flush=True)
         return plan
 
-    def _profile(self, seq_length: int, micro_batch_size: int) -> Optional[LayerTimeFit]:
+    def _profile(self, run: RunSettings) -> Optional[LayerTimeFit]:
         """The measured fit, when this start measures one (every rank does); None when rank 0
         finds it in the cache."""
         lookup = None
         if _rank() == 0:
-            lookup = _guard(lambda: _look_up(self.args, seq_length, micro_batch_size))
+            lookup = _guard(lambda: _look_up(run))
         lookup = _unwrap(_broadcast(lookup))
         if lookup.cached:
             self.cache_hits += 1
             return None
-        outcome = _guard(lambda: self._measure(seq_length, micro_batch_size))
+        outcome = _guard(lambda: self._measure(run))
         failures = [o for o in _all_gather(outcome if isinstance(outcome, Failure) else None) if o]
         if failures:
             raise TeraPipeArgumentError(failures[0].message)
@@ -116,27 +113,27 @@ class ArgsPlanProvider:
             save_profile(outcome, Path(lookup.path))
         return outcome
 
-    def _measure(self, seq_length: int, micro_batch_size: int) -> LayerTimeFit:
-        cells = profile_cells(self.args, seq_length, micro_batch_size)
+    def _measure(self, run: RunSettings) -> LayerTimeFit:
+        cells = profile_cells(run)
         if _rank() == 0 and self.log:
             print(f"> terapipe: measuring one layer on {device_name()} ({len(cells)} cells, "
                   "once; cached for later starts)", flush=True)
-        measure = self.measure or (lambda args, c: default_measure(args, c, progress=_rank() == 0))
-        measurements = _with_rng_kept(lambda: measure(self.args, cells))
+        measure = self.measure or (lambda r, c: default_measure(r, c, progress=_rank() == 0))
+        measurements = _with_rng_kept(lambda: measure(run, cells))
         self.measurements += 1
-        return fit_measurements(self.args, measurements, seq_length, micro_batch_size)
+        return fit_measurements(run, measurements)
 
-    def _plan_on_rank_zero(self, seq_length: int, micro_batch_size: int,
-                           fit: Optional[LayerTimeFit]) -> ChosenPlan:
-        run = plan_run(self.args, seq_length, micro_batch_size,
-                       inputs=lambda: self.planner_inputs(seq_length, micro_batch_size, fit))
-        trace = getattr(self.args, "terapipe_trace", None)
-        if trace and run.inputs is not None:
+    def _plan_on_rank_zero(self, run: RunSettings, fit: Optional[LayerTimeFit]) -> ChosenPlan:
+        """The plan (from the measured `fit` when there is one) and its report; with
+        --terapipe-trace, the simulated timeline next to the measured one."""
+        planned = plan_run(run, inputs=lambda: planner_inputs(run, fit))
+        trace = run.terapipe.trace
+        if trace and planned.inputs is not None:
             try:
-                write_simulated_trace(run, trace)
+                write_simulated_trace(planned, trace)
             except OSError as exc:  # a trace is a by-product: training goes on without it
-                run.report.notes.append(f"could not write the simulated trace: {exc}")
-        return ChosenPlan(run.plan.to_dict(), run.report)
+                planned.report.notes.append(f"could not write the simulated trace: {exc}")
+        return ChosenPlan(planned.plan.to_dict(), planned.report)
 
 
 def _guard(fn: Callable[[], T]) -> Union[T, Failure]:

@@ -9,16 +9,16 @@ from typing import Optional
 from ...plan import TeraPipePlan
 from ...planner.report import slice_picture
 from ..hooks.selection import SLICE_ATTENTION
-from .flags import attention_backend
 
 PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
 #: Notes that must not be missed (a guessed GPU, ...): logged as `> terapipe: WARNING: ...`.
 WARNING = "WARNING: "
 
 
-def attention_text(args) -> str:
-    """Which attention the layers run, for the report (--attention-backend cannot change it)."""
-    return f"{SLICE_ATTENTION}, for --attention-backend {attention_backend(args)}"
+def attention_text(backend: str) -> str:
+    """Which attention the layers run, for the report (--attention-backend `backend` cannot
+    change it)."""
+    return f"{SLICE_ATTENTION}, for --attention-backend {backend}"
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""Plans from the flags, in one process: explicit slices (--terapipe-slices), uniform slices
-(--terapipe-num-slices), or the planner's search on the flags' cost model (within
---terapipe-memory-budget when given); each with the simulator's prediction for the start-up
-report. ArgsPlanProvider (plan_provider.py) adds the
-collectives that give every rank rank 0's plan."""
+"""Plans from the flags (parsed once: settings.py), in one process: explicit slices
+(--terapipe-slices), uniform slices (--terapipe-num-slices), or the planner's search on the
+flags' cost model (within --terapipe-memory-budget when given); each with the simulator's
+prediction for the start-up report. ArgsPlanProvider (plan_provider.py) adds the collectives
+that give every rank rank 0's plan."""
 
 from __future__ import annotations
 
@@ -10,26 +10,23 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from ...plan import TeraPipePlan
+from ...plan import SliceGrid, TeraPipePlan
 from ...planner.cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from ...planner.inputs import PlannerInputs
 from ...planner.search import SearchResult, choose_deferral
 from ...planner.timeline import write_chrome_trace
-from .checks import TeraPipeArgumentError
-from .flags import (COST_MODELS, defer_wgrad, granularity, num_microbatches, pp_size,
-                    slice_multiple, slice_unit, slices_given)
-from .model_shape import model_shape_given
+from .flags import COST_MODELS
 from .plan_report import PlanReport, attention_text
 from .planner_inputs import planner_inputs
+from .settings import RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
 
 #: () -> what the planner starts from (the cost model measured or not, the space, the budget)
 InputsSource = Callable[[], PlannerInputs]
 
 
-def wants_profile(args) -> bool:
+def wants_profile(flags: TeraPipeSettings) -> bool:
     """Whether planning needs a measured profile: the profile cost model and no fixed slices."""
-    return (getattr(args, "terapipe_cost_model", "analytic") == "profile"
-            and not slices_given(args))
+    return flags.cost_model == "profile" and not flags.slices_given
 
 
 @dataclass
@@ -41,47 +38,50 @@ class PlannedRun:
     inputs: Optional[PlannerInputs]  # None: fixed slices, no model shape, no prediction
 
 
-def plan_run(args, seq_length: int, micro_batch_size: int,
-             inputs: Optional[InputsSource] = None) -> PlannedRun:
-    """The plan the flags select for this shape, and the simulator's view of it. Errors in
-    what the prediction starts from (a bad cost-model file, a budget the plan cannot meet)
+def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> PlannedRun:
+    """The plan the flags select for `run`'s batch (RunSettings.for_batch), and the
+    simulator's view of it. `inputs` defaults to the flags' inputs without measuring. Errors
+    in what the prediction starts from (a bad cost-model file, a budget the plan cannot meet)
     are raised, fixed slices or not; fixed slices on a model the flags do not describe run
-    without a prediction when no flag needs one (`_no_prediction`)."""
-    inputs = inputs or (lambda: planner_inputs(args, seq_length, micro_batch_size))
-    fixed = _fixed_plan(args, seq_length)
+    without a prediction when no flag needs one (`_refuse_unpredicted`)."""
+    flags, shape = run.terapipe, run.shape
+    predicted = run.model_given or not flags.slices_given
+    if not predicted:
+        _refuse_unpredicted(flags)
+    inputs = inputs or (lambda: planner_inputs(run))
+    fixed = fixed_plan(flags, run.grid, shape.seq_length)
+    given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        given = inputs()
         searched = _search(given)
-        source = f"DP slicer (granularity {granularity(args)}), simulator-checked"
+        source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
         plan = searched.plan
     else:
         source, plan = fixed
-        given = inputs() if model_shape_given(args) else _no_prediction(args)
-    plan.validate(seq_length, micro_batch_size, multiple_of=slice_multiple(args))
-    if defer_wgrad(args) is not None:  # on (the default) or off; auto: chosen below
-        plan = replace(plan, defer_wgrad=defer_wgrad(args))
-    report = PlanReport(seq_length, micro_batch_size, num_microbatches(args, micro_batch_size),
-                        pp_size(args), source, "none", notes=list(given.notes) if given else [],
-                        attention=attention_text(args))
+    if flags.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
+        plan = replace(plan, defer_wgrad=flags.defer_wgrad)
+    report = PlanReport(shape.seq_length, shape.micro_batch_size, shape.num_microbatches,
+                        shape.pipeline_parallel, source, "none",
+                        notes=list(given.notes) if given else [],
+                        attention=attention_text(run.attention_backend))
     if given is None:
         report.notes.append("no prediction: the flags give no model shape (--num-layers, "
                             "--hidden-size, --num-attention-heads)")
     else:
         plan = _predict(given, plan, source, searched, report)
-        _check_fixed_plan_fits(args, source, report, given.budget)
+        _check_fixed_plan_fits(plan, source, report, given.budget)
     return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, given)
 
 
-def _no_prediction(args) -> None:
+def _refuse_unpredicted(flags: TeraPipeSettings) -> None:
     """Fixed slices on a model the flags do not describe (a script without Megatron-LM's model
     flags) run as given, without a prediction; refused when a flag needs the prediction."""
     needs = [(flag, fix) for flag, fix, given in (
-        ("--terapipe-memory-budget", "drop it", _memory_budget_given(args)),
+        ("--terapipe-memory-budget", "drop it", flags.memory_budget is not None),
         ("--terapipe-defer-wgrad auto", "choose --terapipe-defer-wgrad on or off",
-         defer_wgrad(args) is None),
-        (f"--terapipe-cost-model {getattr(args, 'terapipe_cost_model', None)}", "drop it",
-         getattr(args, "terapipe_cost_model", "analytic") not in (None, *COST_MODELS)),
+         flags.defer_wgrad is None),
+        (f"--terapipe-cost-model {flags.cost_model}", "drop it",
+         flags.cost_model not in COST_MODELS),
     ) if given]
     if needs:
         flag, fix = needs[0]
@@ -89,11 +89,6 @@ def _no_prediction(args) -> None:
             f"{flag} needs the plan's predicted time and memory, which need the model shape "
             "(--num-layers, --hidden-size, --num-attention-heads), but the flags give none: "
             f"give them, or {fix}")
-    return None
-
-
-def _memory_budget_given(args) -> bool:
-    return getattr(args, "terapipe_memory_budget", None) not in (None, "")
 
 
 def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
@@ -123,51 +118,44 @@ def _search(inputs: PlannerInputs) -> SearchResult:
         raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
 
 
-def _check_fixed_plan_fits(args, source: str, report: PlanReport, budget: MemoryBudget) -> None:
+def _check_fixed_plan_fits(plan: TeraPipePlan, source: str, report: PlanReport,
+                           budget: MemoryBudget) -> None:
     """Slices the flags fix must fit the budget too (the planner's search keeps within it)."""
     if budget.budget_bytes is None or report.peak_bytes is None:
         return
     worst = max(range(len(report.peak_bytes)), key=lambda k: report.peak_bytes[k])
     if report.peak_bytes[worst] > budget.budget_bytes:
-        order = ("use --terapipe-order 1f1b, "
-                 if getattr(args, "terapipe_order", "1f1b") == "gpipe" else "")
+        hint = "use --terapipe-order 1f1b, " if plan.order == "gpipe" else ""
         raise TeraPipeArgumentError(
             f"--terapipe-memory-budget: the plan from {source} does not fit the memory budget "
             f"of {format_size(budget.budget_bytes)} per GPU: it peaks at "
             f"{format_size(report.peak_bytes[worst])} on stage {worst} (weights, gradients and "
-            f"optimizer state included); cut the sequence into more slices, {order}give more "
+            f"optimizer state included); cut the sequence into more slices, {hint}give more "
             "memory, or let the planner choose (drop the fixed slices)")
 
 
-def _fixed_plan(args, seq_length: int) -> Optional[tuple[str, TeraPipePlan]]:
-    """(where from, plan) when the flags fix the slices; None when the planner chooses."""
-    order = getattr(args, "terapipe_order", "1f1b")
-    slices = getattr(args, "terapipe_slices", None)
-    num_slices = getattr(args, "terapipe_num_slices", None)
-    if slices:
-        if sum(slices) != seq_length:
-            raise TeraPipeArgumentError(
-                f"--terapipe-slices {' '.join(map(str, slices))} sum to {sum(slices)} tokens but "
-                f"the sequence has {seq_length}: give lengths that sum to {seq_length}")
-        return "--terapipe-slices", TeraPipePlan(seq_slices=list(slices), order=order)
-    if num_slices is None:
-        return None
-    unit = slice_unit(args)
-    if seq_length % unit or num_slices > seq_length // unit:
-        raise TeraPipeArgumentError(
-            f"--terapipe-num-slices {num_slices} cannot cut {seq_length} tokens into slices of "
-            f"multiples of {unit} tokens (--terapipe-granularity): use at most "
-            f"{max(1, seq_length // unit)} slices or a granularity that divides {seq_length}")
-    return (f"--terapipe-num-slices {num_slices} (uniform)",
-            TeraPipePlan.uniform(seq_length, int(num_slices), order=order, multiple_of=unit))
+def fixed_plan(flags: TeraPipeSettings, grid: SliceGrid,
+               seq_length: int) -> Optional[tuple[str, TeraPipePlan]]:
+    """(where from, plan) when the flags fix the slices; None when the planner chooses. The
+    slices are checked against this batch's sequence and the TP size (sequence parallelism);
+    uniform ones are cut in whole slice units."""
+    with as_flag_error():
+        if flags.slices:
+            grid.check_sum(flags.slices, seq_length, against=f"the sequence has {seq_length}")
+            grid.check_tp_multiple([flags.slices])
+            return "--terapipe-slices", TeraPipePlan(seq_slices=list(flags.slices), order=flags.order)
+        if flags.num_slices is None:
+            return None
+        return (f"--terapipe-num-slices {flags.num_slices} (uniform)",
+                grid.uniform(seq_length, flags.num_slices, order=flags.order))
 
 
-def plan_and_report(args, seq_length: int, micro_batch_size: int,
+def plan_and_report(run: RunSettings,
                     inputs: Optional[InputsSource] = None) -> tuple[TeraPipePlan, PlanReport]:
-    """The plan the flags select for this shape, and the simulator's view of it (one process;
-    `inputs` defaults to the flags' inputs without measuring)."""
-    run = plan_run(args, seq_length, micro_batch_size, inputs)
-    return run.plan, run.report
+    """The plan the flags select for `run`'s batch, and the simulator's view of it (one
+    process; `inputs` defaults to the flags' inputs without measuring)."""
+    planned = plan_run(run, inputs)
+    return planned.plan, planned.report
 
 
 def simulated_trace_path(path: str) -> Path:

@@ -1,5 +1,6 @@
 """Measured layer profiles for --terapipe-cost-model profile: which cells to measure, how, and
-where the fitted profile is cached on disk (keyed by everything the measurement depends on)."""
+where the fitted profile is cached on disk (keyed by everything the measurement depends on:
+the model, the parallelism, the cells, the device and the versions)."""
 
 from __future__ import annotations
 
@@ -12,24 +13,32 @@ from pathlib import Path
 from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.profile.time_fitting import fit_layer_times
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
-from .model_shape import device_name, model_dims_from_args
-from .flags import DEFAULT_PROFILE_POINTS, dtype_name, granularity, slice_unit, tp_size
+from .settings import RunSettings
 
 
-def cache_dir(args) -> Path:
-    explicit = getattr(args, "terapipe_cache_dir", None)
+def device_name() -> str:
+    """The device this process runs on, as the cache key and the log name it."""
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            return torch.cuda.get_device_name()
+        except Exception:  # pragma: no cover
+            return "cuda"
+    return f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"
+
+
+def cache_dir(explicit) -> Path:
+    """--terapipe-cache-dir, else $XDG_CACHE_HOME/megatron_terapipe or ~/.cache/megatron_terapipe."""
     if explicit:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "megatron_terapipe"
 
 
-def profile_points(args) -> int:
-    return int(getattr(args, "terapipe_profile_points", DEFAULT_PROFILE_POINTS))
-
-
-def profile_cache_key(args, seq_length: int, micro_batch_size: int) -> dict:
-    """What a measured profile depends on: model shape, parallelism, grid, device, versions."""
+def profile_cache_key(run: RunSettings) -> dict:
+    """What a measured profile of `run`'s batch depends on: model shape, parallelism, grid,
+    device, versions."""
     import torch
 
     try:
@@ -38,15 +47,16 @@ def profile_cache_key(args, seq_length: int, micro_batch_size: int) -> dict:
         mcore_version = "unknown"
     from ...version import __version__
 
+    shape = run.shape
     return {
-        "model": model_dims_from_args(args).to_dict() | {"num_layers": None},
-        "tensor_parallel": tp_size(args),
-        "sequence_parallel": bool(getattr(args, "sequence_parallel", False)),
-        "dtype": dtype_name(args),
-        "seq_length": int(seq_length),
-        "micro_batch_size": int(micro_batch_size),
-        "granularity": granularity(args),
-        "points": profile_points(args),
+        "model": run.require_model().to_dict() | {"num_layers": None},
+        "tensor_parallel": shape.tensor_parallel,
+        "sequence_parallel": shape.sequence_parallel,
+        "dtype": shape.dtype,
+        "seq_length": shape.seq_length,
+        "micro_batch_size": shape.micro_batch_size,
+        "granularity": run.terapipe.granularity,
+        "points": run.terapipe.profile_points,
         "device": device_name(),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
                      "megatron.core": mcore_version, "megatron_terapipe": __version__,
@@ -54,10 +64,10 @@ def profile_cache_key(args, seq_length: int, micro_batch_size: int) -> dict:
     }
 
 
-def profile_cache_path(args, seq_length: int, micro_batch_size: int) -> Path:
-    key = profile_cache_key(args, seq_length, micro_batch_size)
+def profile_cache_path(run: RunSettings) -> Path:
+    key = profile_cache_key(run)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir(args) / f"layer-profile-{digest}.json"
+    return cache_dir(run.terapipe.cache_dir) / f"layer-profile-{digest}.json"
 
 
 def is_cached(path: Path) -> bool:
@@ -79,31 +89,31 @@ def save_profile(fit: LayerTimeFit, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def profile_cells(args, seq_length: int, micro_batch_size: int) -> list[tuple[int, int, int]]:
+def profile_cells(run: RunSettings) -> list[tuple[int, int, int]]:
     """The (batch, length, context) cells to measure: a small grid over the run's shapes."""
-    sizes = sorted({b for b in (1, micro_batch_size) if micro_batch_size % b == 0})
-    return default_grid(seq_length, sizes, granularity=slice_unit(args), points=profile_points(args))
+    mbs = run.shape.micro_batch_size
+    sizes = sorted({b for b in (1, mbs) if mbs % b == 0})
+    return default_grid(run.shape.seq_length, sizes, granularity=run.grid.unit,
+                        points=run.terapipe.profile_points)
 
 
-def default_measure(args, cells: list[tuple[int, int, int]], progress: bool = True
+def default_measure(run: RunSettings, cells: list[tuple[int, int, int]], progress: bool = True
                     ) -> LayerMeasurements:
     """Measure one layer of this model on this device (every rank runs it; see
     ArgsPlanProvider): Megatron's GPT layer with slice-aware attention on real token slices,
     tensor-parallel as the run is."""
     from ..measure.layers import measure_layer_times
 
-    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype_name(args), "float32")
-    return measure_layer_times(model_dims_from_args(args), cells, dtype=dtype,
-                               repeats=2, warmup=1, progress=progress,
-                               position_embedding_type=getattr(args, "position_embedding_type",
-                                                               None) or "learned_absolute")
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(run.shape.dtype, "float32")
+    return measure_layer_times(run.require_model(), cells, dtype=dtype, repeats=2, warmup=1,
+                               progress=progress,
+                               position_embedding_type=run.position_embedding_type)
 
 
-def fit_measurements(args, measurements: LayerMeasurements, seq_length: int,
-                     micro_batch_size: int) -> LayerTimeFit:
-    measurements.metadata.setdefault("model", model_dims_from_args(args).to_dict())
-    measurements.metadata.setdefault("tensor_parallel", tp_size(args))
+def fit_measurements(run: RunSettings, measurements: LayerMeasurements) -> LayerTimeFit:
+    measurements.metadata.setdefault("model", run.require_model().to_dict())
+    measurements.metadata.setdefault("tensor_parallel", run.shape.tensor_parallel)
     measurements.metadata.setdefault("device", device_name())
-    measurements.metadata.setdefault("dtype", dtype_name(args))
-    measurements.metadata["cache_key"] = profile_cache_key(args, seq_length, micro_batch_size)
+    measurements.metadata.setdefault("dtype", run.shape.dtype)
+    measurements.metadata["cache_key"] = profile_cache_key(run)
     return fit_layer_times(measurements)

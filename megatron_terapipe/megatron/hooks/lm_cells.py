@@ -92,11 +92,13 @@ class MegatronLMCells:
     args (megatron_lm_cell_args) and its batch through CellBatches, so that stock pretrain_gpt
     forward_step, get_batch and loss_func work unchanged, also with tensor parallelism. With a
     trace path, the measured timeline of the first two training iterations is written there
-    (the second overwrites the first: it has no warm-up effects).
+    (the second overwrites the first: it has no warm-up effects). tensor_parallel: the run's
+    TP size (with TP > 1, rank 0 sends no attention mask: see megatron_lm_cell_args).
     """
 
-    def __init__(self, trace: Optional[str] = None) -> None:
+    def __init__(self, trace: Optional[str] = None, tensor_parallel: int = 1) -> None:
         self.trace = trace
+        self.tensor_parallel = tensor_parallel
         self.training_runs = 0
 
     def wrap_forward_step(self, forward_step_func: Callable) -> Callable:
@@ -111,11 +113,10 @@ class MegatronLMCells:
             megatron_args = megatron_lm_args()
             if active is None or megatron_args is None:
                 return forward_step_func(data_iterator, model, *args, **kwargs)
-            cell = active.cell
-            tp = int(getattr(megatron_args, "tensor_model_parallel_size", 1) or 1)
+            cell, drop_mask = active.cell, self.tensor_parallel > 1
             if data_iterator is not None:
-                data_iterator = CellBatches(data_iterator, cell, must_drop_mask=tp > 1)
-            with megatron_lm_cell_args(megatron_args, cell, drop_mask=tp > 1):
+                data_iterator = CellBatches(data_iterator, cell, must_drop_mask=drop_mask)
+            with megatron_lm_cell_args(megatron_args, cell, drop_mask=drop_mask):
                 return forward_step_func(data_iterator, model, *args, **kwargs)
 
         forward_step._terapipe_cells = True  # type: ignore[attr-defined]
