@@ -189,12 +189,24 @@ def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, Any]:
     return {case.name: run_case(rank, world_size, case) for case in cases}
 
 
+def _per_token_loss_tokens(results: list[dict[str, Any]], case: Case) -> Optional[float]:
+    """With calculate_per_token_loss the gradients are of the masked token sum, not the mean:
+    the loss tokens of all microbatches (from the baseline's [sum, count] reports), by which
+    both sides are divided so that the tolerance's atol is in the same units as every other
+    case's. None for the other cases."""
+    if not case.model.calculate_per_token_loss or case.forward_only:
+        return None
+    reports = [r[case.name]["ref_losses"] for r in results if r[case.name]["last_stage"]]
+    return float(sum(report[1] for report in reports[0]))
+
+
 def check_case(results: list[dict[str, Any]], case: Case) -> None:
     """Assert one case of `run_cases` on every rank: every gradient within the case's tolerance
     (or none at all, forward-only), every reported loss equal to the baseline's, weight
     gradients deferred when the plan says so, every receive of the torch transport posted
     before it was needed (but each stage's first input), and a last stage among the ranks."""
     saw_last = False
+    tokens = _per_token_loss_tokens(results, case)
     for rank_result in results:
         r = rank_result[case.name]
         where = f"{case.name}, rank {r['rank']}"
@@ -207,7 +219,10 @@ def check_case(results: list[dict[str, Any]], case: Case) -> None:
             assert all(g is None or not g.any() for g, _ in r["grads"].values()), (
                 f"{where}: forward_only left gradients")
         else:
-            check_gradients(r["grads"], case.tolerance, where)
+            grads = r["grads"] if tokens is None else {
+                n: (None if g is None else g / tokens, ref / tokens)
+                for n, (g, ref) in r["grads"].items()}
+            check_gradients(grads, case.tolerance, where)
             if case.plan.defer_wgrad:  # the linear layers really left them to the W actions
                 assert r["deferred_wgrads"] > 0, f"{where}: nothing was deferred"
         if case.deallocate_outputs and not r["last_stage"]:  # every sent output was freed
