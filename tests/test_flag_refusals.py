@@ -11,7 +11,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_terapipe import TeraPipePlan
+from megatron_terapipe import TeraPipeConfig, TeraPipePlan
 from megatron_terapipe.megatron.args import planner_inputs as planner_inputs_module
 from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
@@ -125,11 +125,11 @@ def test_configure_refuses_dropout_in_graphs_without_a_graph_safe_tracker(rng_tr
             selection.configure(config, TeraPipePlan([32, 32]), cuda_graphs=True,
                                 graph_factory=lambda label: None)
         with pytest.raises(ValueError, match="te_rng_tracker=True"):  # at the schedule's call too
-            _check_graphs(argparse.Namespace(terapipe_cuda_graphs=True, **DROPOUT), None)
+            _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
         rng_tracker(graph_safe=True)
         selection.configure(config, TeraPipePlan([32, 32]), cuda_graphs=True,
                             graph_factory=lambda label: None)
-        _check_graphs(argparse.Namespace(terapipe_cuda_graphs=True, **DROPOUT), None)
+        _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
     finally:
         selection.deselect()
 

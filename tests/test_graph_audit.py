@@ -146,11 +146,13 @@ def test_cuda_graphs_refused_without_cuda():
      "overlap_grad_reduce would never see"),
 ])
 def test_graph_option_refused_for_what_cannot_replay(config, model, message):
+    from megatron_terapipe import TeraPipeConfig
     from megatron_terapipe.megatron.hooks.forward_backward import _check_graphs
 
     with pytest.raises(ValueError, match=message):
-        _check_graphs(argparse.Namespace(terapipe_cuda_graphs=True, **config), model)
-    _check_graphs(argparse.Namespace(terapipe_cuda_graphs=False, **config), model)  # graphs off
+        _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **config), model)
+    _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=False), **config),
+                  model)  # graphs off
 
 
 def _plan():

@@ -34,7 +34,8 @@ def run_both_transports(rank: int, world_size: int) -> dict:
 
     from harness import (TinyGPT, build_stage_model, forward_step, make_batches,
                          release_model_parallel)
-    from megatron_terapipe import TeraPipePlan, enable_cpu_mode, forward_backward_terapipe
+    from megatron_terapipe import (TeraPipeConfig, TeraPipePlan, enable_cpu_mode,
+                                   forward_backward_terapipe)
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
@@ -58,9 +59,9 @@ def run_both_transports(rank: int, world_size: int) -> dict:
             kwargs["p2p_communicator"] = communicator
             # Megatron takes a communicator only together with every process group.
             kwargs["pg_collection"] = ProcessGroupCollection.use_mpu_process_groups()
-            config.terapipe_transport = "megatron"  # TeraPipe's transport over this communicator
+            config.terapipe = TeraPipeConfig(transport="megatron")  # TeraPipe's transport over it
         losses = schedule(data_iterator=iter(batches), **common, **kwargs)
-        config.terapipe_transport = None
+        config.terapipe = TeraPipeConfig()
         runs[name] = {"losses": [float(l["lm loss"][0]) for l in losses], "grads": _grads(model),
                       "transfers": communicator.transfers if communicator else None}
     release_model_parallel()

@@ -162,7 +162,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     ref_losses, ref_grads, full_state = baseline(case, batches)
     config, model = _terapipe_model(case, full_state)
     configure(config, case.plan)
-    config.terapipe_transport = case.transport
+    config.terapipe.transport = case.transport  # configure made config.terapipe
     config.deallocate_pipeline_outputs = case.deallocate_outputs
     records: list = []
     # Megatron DDP averages over data-parallel ranks and each rank divides by its own

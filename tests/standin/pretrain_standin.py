@@ -19,6 +19,8 @@ from megatron.training import get_args, get_timers, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
 
+from megatron_terapipe import TeraPipeConfig  # test instrumentation only (report_schedule)
+
 
 TERAPIPE_RUNS = []  # what the TeraPipe schedule ran on this rank, call by call
 
@@ -53,7 +55,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
-    config.terapipe_on_run = TERAPIPE_RUNS.append  # test instrumentation (report_schedule)
+    config.terapipe = TeraPipeConfig(on_run=TERAPIPE_RUNS.append)
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                     vocab_size=args.vocab_size, max_sequence_length=args.max_position_embeddings,
                     pre_process=pre_process, post_process=post_process,
@@ -104,7 +106,7 @@ def add_standin_args(parser):
 
 def report_schedule():
     """Test instrumentation: what the TeraPipe executor ran on this rank (its run records come
-    through config.terapipe_on_run, set in model_provider)."""
+    through config.terapipe.on_run, set in model_provider)."""
     run = TERAPIPE_RUNS[-1] if TERAPIPE_RUNS else None
     cells = len(run.schedule.stages[run.stage]) if run is not None else 0
     rank = os.environ.get("RANK", "0")

@@ -28,6 +28,7 @@ from . import compat, moe_losses
 from .param_deferral import install_wgrad_deferral
 from .p2p import make_transport
 from .rope import install_rope_offsets
+from .selection import run_config
 
 RunCallback = Callable[[RunRecord], None]
 
@@ -55,19 +56,19 @@ def forward_backward_terapipe(
 
     Same keywords and return value as Megatron's built-in schedules: the list of what loss_func
     reported per microbatch on the last stage, [] elsewhere. The plan: `plan=`, else
-    `configure(config, plan)`'s. The stage's RunRecord goes to `config.terapipe_on_run`, `on_run`.
+    config.terapipe's (`configure`), else the flags' (`select`). The stage's RunRecord goes to
+    `config.terapipe.on_run` and `on_run`.
     """
     from megatron.core.utils import get_model_config
 
     model, data_iterator = _single_chunk(model, data_iterator)
     config = get_model_config(model)
-    groups = _process_groups(pg_collection)
-    if plan is None:
-        plan = resolve_plan(config, seq_length, micro_batch_size)
+    terapipe, groups = run_config(config), _process_groups(pg_collection)
+    plan = plan or resolve_plan(terapipe.plan, seq_length, micro_batch_size)
+    check_run(config, model, plan, groups, seq_length, micro_batch_size, num_microbatches,
+              decoder_seq_length, adjust_tensor_shapes_fn)
+    prepare_model(model)
     tp_size = groups.tp.size() if groups.tp is not None else 1
-    check_run(config, model, plan, seq_length, micro_batch_size, num_microbatches, tp_size,
-              groups.cp.size() if groups.cp is not None else 1, decoder_seq_length,
-              adjust_tensor_shapes_fn)
     pp, device = groups.pp, _device_of(model)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
@@ -83,7 +84,7 @@ def forward_backward_terapipe(
         _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
         pool=memory.pool, graphs=memory.graphs)
     result = executor.run()
-    for callback in filter(None, (getattr(config, "terapipe_on_run", None), on_run)):
+    for callback in filter(None, (terapipe.on_run, on_run)):
         callback(executor.record)
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
@@ -118,8 +119,6 @@ def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: Tera
     """The model's PlanMemory for one plan and batch shape (runtime/buffer_pool.py,
     runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL. A new one
     builds and validates the schedule: a bad one raises ScheduleError before any message."""
-    from .selection import cuda_graphs_enabled
-
     kept = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
     key = (plan, num_microbatches, num_stages, micro_batch_size, forward_only, lowering)
     memory = kept.pop(key, None)
@@ -127,8 +126,9 @@ def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: Tera
         memory = PlanMemory(build_lowered_schedule(plan, num_microbatches, num_stages,
                                                    micro_batch_size, forward_only, lowering),
                             BufferPool())
-        if cuda_graphs_enabled(config):
-            factory = getattr(config, "terapipe_graph_factory", None) or cuda_graph_factory(device)
+        terapipe = run_config(config)
+        if terapipe.cuda_graphs:
+            factory = terapipe.graph_factory or cuda_graph_factory(device)
             memory.graphs = CellGraphs(factory)
     kept[key] = memory
     while len(kept) > POOLS_PER_MODEL:
@@ -191,13 +191,9 @@ def _stage_model(model: torch.nn.Module, forward_step_func: Callable,
                       before_forward)
 
 
-def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
-    """The plan attached by `configure` (a plan, or a provider with plan_for(seq, mbs))."""
-    from .selection import default_plan_source
-
-    source = getattr(config, "terapipe_plan", None)
-    if source is None:
-        source = default_plan_source()
+def resolve_plan(source, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
+    """The plan for this batch from `source` (TeraPipeConfig.plan: a plan, or a provider with
+    plan_for(seq, mbs))."""
     if source is None:
         raise ValueError(
             "TeraPipe: no plan is configured for this model: call "
@@ -209,15 +205,18 @@ def resolve_plan(config, seq_length: int, micro_batch_size: int) -> TeraPipePlan
     return source.plan_for(seq_length, micro_batch_size)
 
 
-def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: int,
-              micro_batch_size: int, num_microbatches: int, tp_size: int, cp_size: int,
-              decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
-    """Everything that would make the run wrong or hang, raised before any communication."""
-    from .selection import check_config
+def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, groups, seq_length: int,
+              micro_batch_size: int, num_microbatches: int, decoder_seq_length: Optional[int],
+              adjust_tensor_shapes_fn) -> None:
+    """Everything that would make the run wrong or hang, raised before any communication.
+    Changes nothing (prepare_model hooks the model)."""
+    from .selection import check_config, check_replaced_attributes
 
+    check_replaced_attributes(config)
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
-    check_config(config, None, cp_size=cp_size)
+    tp_size = groups.tp.size() if groups.tp is not None else 1
+    check_config(config, None, cp_size=groups.cp.size() if groups.cp is not None else 1)
     if decoder_seq_length is not None and decoder_seq_length != seq_length:
         raise ValueError("TeraPipe supports decoder-only GPT models: decoder_seq_length must be unset")
     if adjust_tensor_shapes_fn is not None:
@@ -226,7 +225,6 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, seq_length: in
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
     _check_graphs(config, model)
-    prepare_model(model)
 
 
 def _check_graphs(config, model: torch.nn.Module) -> None:
@@ -253,8 +251,8 @@ def _check_graphs(config, model: torch.nn.Module) -> None:
 
 
 def prepare_model(model: torch.nn.Module) -> None:
-    """Check the model's attention and hook its RoPE offsets and linear layers; one walk per
-    model, not per call."""
+    """Check the model's attention and hook its RoPE offsets, linear layers and MoE routers;
+    one walk per model, not per call (forward_backward_terapipe calls it after check_run)."""
     if getattr(model, "_terapipe_prepared", False):
         return
     layers = [m for m in model.modules() if isinstance(m, SliceAttention)]

@@ -51,11 +51,13 @@ def make_transport(pp_group, config, device: torch.device, p2p_communicator=None
     if pp_group is None or pp_group.size() == 1:
         return Transport()
     rank, size = pp_group.rank(), pp_group.size()
-    # config.terapipe_transport ("megatron" or "torch") overrides the choice, e.g. to run
+    from .selection import run_config
+
+    # config.terapipe.transport ("megatron" or "torch") overrides the choice, e.g. to run
     # Megatron's communicator on gloo in tests.
-    choice = getattr(config, "terapipe_transport", None) or ("megatron" if device.type == "cuda" else "torch")
+    choice = run_config(config).transport or ("megatron" if device.type == "cuda" else "torch")
     if choice not in ("megatron", "torch"):
-        raise ValueError(f"terapipe_transport must be 'megatron' or 'torch', got {choice!r}")
+        raise ValueError(f"config.terapipe.transport must be 'megatron' or 'torch', got {choice!r}")
     if choice == "torch":
         return TorchTransport(pp_group, config.pipeline_dtype or torch.float32, device)
     if p2p_communicator is None:

@@ -1,21 +1,45 @@
-"""Which plan TeraPipe runs: a plan attached to a model config (`configure`), or one chosen
-for every model (`select`, e.g. from the flags). Megatron's schedule getter (install.py) and the
-schedule itself (forward_backward.py) both read this state; it imports neither."""
+"""Which plan TeraPipe runs, and how: a TeraPipeConfig attached to a model config
+(`configure` sets `config.terapipe`), or one chosen for every model (`select`, e.g. from the
+flags). Megatron's schedule getter (install.py) and the schedule itself (forward_backward.py)
+read it through `run_config`; this module imports neither."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Optional
 
 from ...plan import TeraPipePlan
+from ...runtime.trace import RunRecord
+
+
+@dataclass
+class TeraPipeConfig:
+    """What TeraPipe runs for one model: `config.terapipe` on Megatron's TransformerConfig.
+
+    A field left None takes the process-wide default (`select`: the flags' choice)."""
+
+    plan: object = None  # a TeraPipePlan, or a provider with plan_for(seq_length, micro_batch_size)
+    cuda_graphs: Optional[bool] = None  # a CUDA graph per compute action, captured once (cell_graphs.py)
+    graph_factory: Optional[Callable[[str], object]] = None  # makes each graph (tests: RecordingGraph)
+    on_run: Optional[Callable[[RunRecord], None]] = None  # gets each call's RunRecord
+    transport: Optional[str] = None  # "megatron" or "torch": overrides p2p.py's choice
+
+    def over(self, default: "TeraPipeConfig") -> "TeraPipeConfig":
+        """These settings, with `default`'s where these are None."""
+        return TeraPipeConfig(**{f.name: getattr(default, f.name) if getattr(self, f.name) is None
+                                 else getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass
 class SelectionState:
+    """What the patched get_forward_backward_func decides by, process-wide. Megatron-LM's flow
+    needs it: the flags are read (setup_from_args) before the script builds a model config, and
+    Megatron calls the getter without one; so the flags' choice waits here as the default
+    TeraPipeConfig of every model whose config has none of its own."""
+
     selected: bool = False  # get_forward_backward_func returns TeraPipe's schedule
-    default_source: object = None  # plan or provider used when a model config carries none
+    default: TeraPipeConfig = field(default_factory=TeraPipeConfig)
     schedule_wrapper: Optional[Callable[[Callable], Callable]] = None  # e.g. MegatronLMCells
-    cuda_graphs: bool = False  # --terapipe-cuda-graphs: a CUDA graph per compute action
 
 
 STATE = SelectionState()
@@ -88,29 +112,35 @@ def dropout_graphs_problem(config, option: str) -> Optional[str]:
 
 
 def select(source, cuda_graphs: bool = False) -> None:
-    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model, e.g. from
-    flags; `cuda_graphs`: capture and replay every compute action (--terapipe-cuda-graphs)."""
+    """Use `source` (a TeraPipePlan or a provider with plan_for) for every model whose config
+    has none of its own, e.g. from flags; `cuda_graphs`: capture and replay every compute
+    action (--terapipe-cuda-graphs)."""
     if not isinstance(source, TeraPipePlan) and not hasattr(source, "plan_for"):
         raise ValueError(f"select() takes a TeraPipePlan or a plan provider, got {type(source).__name__}")
-    STATE.default_source = source
-    STATE.cuda_graphs = cuda_graphs
+    STATE.default = TeraPipeConfig(plan=source, cuda_graphs=cuda_graphs)
     STATE.selected = True
 
 
 def default_plan_source():
-    return STATE.default_source
+    return STATE.default.plan
+
+
+def run_config(config) -> TeraPipeConfig:
+    """What TeraPipe runs for the model of `config`: config.terapipe over the default."""
+    return (getattr(config, "terapipe", None) or TeraPipeConfig()).over(STATE.default)
 
 
 def configure(config, plan, cuda_graphs: Optional[bool] = None,
               graph_factory: Optional[Callable[[str], object]] = None) -> None:
-    """Validate `plan` against the model config and attach it (config.terapipe_plan).
+    """Validate `plan` against the model config and attach it (config.terapipe.plan).
 
     `plan` is a TeraPipePlan, or a provider with `plan_for(seq_length, micro_batch_size)` for
     runs whose sequence length changes. Also selects TeraPipe for `get_forward_backward_func`
     once `install()` has run. `cuda_graphs`: capture every compute action (a cell's forward,
     its backward, a W action) as a CUDA graph once and replay it (runtime/cell_graphs.py);
-    needs CUDA; None leaves the choice to the flags (`select`). `graph_factory(label)` makes each graph instead of torch.cuda.CUDAGraph
-    (tests pass runtime.cell_graphs.RecordingGraph).
+    needs CUDA; None leaves the choice to the flags (`select`). `graph_factory(label)` makes
+    each graph instead of torch.cuda.CUDAGraph (tests pass runtime.cell_graphs.RecordingGraph).
+    Other fields of an existing config.terapipe (on_run, transport) are kept.
     """
     if cuda_graphs:  # before the device check: the same refusal wherever it is asked
         problem = dropout_graphs_problem(config, "TeraPipe: configure(..., cuda_graphs=True)")
@@ -125,9 +155,6 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
                 "this process sees no CUDA device: drop cuda_graphs=True (on CPU, "
                 "megatron_terapipe.runtime.graph_audit.audit_iterations checks that cells "
                 "could be captured)")
-    if cuda_graphs is not None:
-        config.terapipe_cuda_graphs = cuda_graphs
-    config.terapipe_graph_factory = graph_factory
     if isinstance(plan, TeraPipePlan):
         check_config(config, plan)
     elif not hasattr(plan, "plan_for"):
@@ -135,7 +162,9 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
             f"configure() takes a TeraPipePlan or a plan provider with plan_for(), got {type(plan).__name__}")
     else:
         check_config(config, None)
-    config.terapipe_plan = plan
+    own = getattr(config, "terapipe", None) or TeraPipeConfig()
+    config.terapipe = replace(own, plan=plan, graph_factory=graph_factory,
+                              cuda_graphs=own.cuda_graphs if cuda_graphs is None else cuda_graphs)
     STATE.selected = True
 
 
@@ -166,12 +195,26 @@ def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = 
         plan.check_multiple_of(config.tensor_model_parallel_size)
 
 
+#: The loose TransformerConfig attributes config.terapipe replaced (TeraPipeConfig's fields):
+#: a script that still sets one is told so, instead of being silently ignored.
+REPLACED_ATTRIBUTES = ("terapipe_plan", "terapipe_cuda_graphs", "terapipe_graph_factory",
+                       "terapipe_on_run", "terapipe_transport")
+
+
+def check_replaced_attributes(config) -> None:
+    stale = [name for name in REPLACED_ATTRIBUTES if hasattr(config, name)]
+    if stale:
+        field_name = stale[0].removeprefix("terapipe_")
+        raise ValueError(
+            f"TeraPipe: config.{stale[0]} is no longer read: set config.terapipe.{field_name} "
+            "(a megatron_terapipe.TeraPipeConfig; configure(config, plan) makes one) instead")
+
+
 def deselect() -> None:
     """Make get_forward_backward_func return Megatron's own schedules again."""
     STATE.selected = False
-    STATE.default_source = None
+    STATE.default = TeraPipeConfig()
     STATE.schedule_wrapper = None
-    STATE.cuda_graphs = False
 
 
 def selected() -> bool:
@@ -180,8 +223,7 @@ def selected() -> bool:
 
 def cuda_graphs_enabled(config) -> bool:
     """configure(..., cuda_graphs=...) for this model's config, else the flags' choice."""
-    own = getattr(config, "terapipe_cuda_graphs", None)
-    return STATE.cuda_graphs if own is None else bool(own)
+    return bool(run_config(config).cuda_graphs)
 
 
 def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> None:
