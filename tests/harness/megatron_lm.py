@@ -28,6 +28,8 @@ ITERATION = re.compile(r"iteration\s+(\d+)/.*lm loss: ([0-9.E+-]+).*grad norm: (
 VALIDATION = re.compile(r"validation loss at iteration \d+ on validation set \| lm loss value: "
                         r"([0-9.E+-]+)")
 STARTED = re.compile(r"iteration\s+1/")
+#: The MoE losses an iteration line carries (Megatron's tracker, averaged over the MoE layers).
+MOE_LOSS = re.compile(r" (\w*load_balancing_loss|z_loss): ([0-9.E+-]+) \|")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Pretrain:
     seconds: float
     iterations: list[tuple[int, float, float]] = field(default_factory=list)  # (i, loss, norm)
     validation: list[float] = field(default_factory=list)
+    moe_losses: list[dict[str, float]] = field(default_factory=list)  # per iteration line
 
     @property
     def started_training(self) -> bool:
@@ -69,4 +72,6 @@ def pretrain(checkout: str, nproc: int, flags: list[str], port: int, iterations:
     log = out.stdout + out.stderr
     return Pretrain(out.returncode, log, time.perf_counter() - start,
                     [(int(i), float(loss), float(norm)) for i, loss, norm in ITERATION.findall(log)],
-                    [float(v) for v in VALIDATION.findall(log)])
+                    [float(v) for v in VALIDATION.findall(log)],
+                    [{name: float(v) for name, v in MOE_LOSS.findall(line)}
+                     for line in log.splitlines() if ITERATION.search(line)])

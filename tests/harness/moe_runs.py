@@ -1,0 +1,291 @@
+"""MoE router losses under TeraPipe against Megatron's no-pipelining run in the same layout.
+
+Megatron's load-balancing losses and z-loss depend on the run's layout: the router reduces its
+counts over the tensor-parallel ranks (global_aux_loss also over the data-parallel ones), and
+each rank logs its own share. So the baseline here is Megatron's
+`forward_backward_no_pipelining` on the full model with the case's TP, DP and EP (the process
+groups are the TeraPipe run's; each pipeline rank runs the same full baseline and its pipeline
+group stays unused), and TeraPipe then runs this rank's stage on the same weights and batches.
+Compared per rank: every gradient (router weights included; under DDP the main_grad), every
+reported loss, every MoE loss Megatron's tracker logged as Megatron-LM logs it (reduced by
+`reduce_aux_losses_tracker_across_ranks`), and the routers' buffers (expert-bias counts and
+bias, global_aux_loss's running sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from .compare import FP32, Tolerance, check_gradients, check_losses, global_name, report_values, unwrap
+from .models import TinyGPT, forward_step, loss_func, make_batches, seed
+from .process_groups import release_model_parallel
+
+#: Router buffers compared after the iteration (per layer, by global name).
+ROUTER_BUFFERS = ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps")
+
+
+@dataclass(frozen=True)
+class MoEGPT(TinyGPT):
+    """TinyGPT with 4 experts and Megatron's router losses: `balancing` and `aux_coeffs` are
+    moe_router_load_balancing_type and moe_aux_loss_coeff (lists when more than one)."""
+
+    num_experts: Optional[int] = 4
+    balancing: tuple[str, ...] = ("aux_loss",)
+    aux_coeffs: tuple[float, ...] = (0.5,)
+    z_loss_coeff: Optional[float] = None
+    expert_bias: bool = False  # aux-loss-free balancing (Megatron needs sigmoid scores for it)
+
+    def config(self, tp: int = 1, pp: int = 1, ep: int = 1):
+        one = len(self.balancing) == 1
+        return dataclasses.replace(
+            super().config(tp, pp),
+            moe_router_load_balancing_type=self.balancing[0] if one else list(self.balancing),
+            moe_aux_loss_coeff=self.aux_coeffs[0] if one else list(self.aux_coeffs),
+            moe_z_loss_coeff=self.z_loss_coeff, moe_router_enable_expert_bias=self.expert_bias,
+            moe_router_score_function="sigmoid" if self.expert_bias else "softmax",
+            expert_model_parallel_size=ep)
+
+
+@dataclass(frozen=True)
+class MoECase:
+    """One TeraPipe run of an MoE model against Megatron's no-pipelining run, same layout."""
+
+    name: str
+    plan: Any  # TeraPipePlan
+    model: MoEGPT = field(default_factory=MoEGPT)
+    tp: int = 1
+    pp: int = 2
+    ep: int = 1
+    num_microbatches: int = 3
+    micro_batch_size: int = 2
+    ddp: bool = False
+    tolerance: Tolerance = FP32
+    padding: bool = False  # forward_step passes a padding mask (the router skips those tokens)
+    # Control: TeraPipe without its router-loss hooks (each cell's own Megatron losses); the
+    # router gradients must then differ from the baseline's.
+    per_cell_losses: bool = False
+
+
+def padded_forward_step(data_iterator, model):
+    """forward_step with the batch's padding mask for MoE routing (True: padding)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                   labels=batch["labels"], padding_mask=batch["padding_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _forward_step(case: MoECase):
+    return padded_forward_step if case.padding else forward_step
+
+
+def _batches(case: MoECase, dp: int, dp_rank: int) -> list[dict]:
+    n = case.num_microbatches
+    batches = make_batches(n * dp, case.micro_batch_size, case.model.seq_length,
+                           case.model.vocab_size, seed=7)[dp_rank * n:(dp_rank + 1) * n]
+    if case.padding:  # the first row ends in padding, a different length per microbatch
+        for i, batch in enumerate(batches):
+            mask = torch.zeros_like(batch["tokens"], dtype=torch.bool)
+            mask[0, case.model.seq_length - 3 - i:] = True
+            batch["padding_mask"] = mask
+    return batches
+
+
+def _baseline_spec(case: MoECase, config):
+    """Megatron's local layer spec; under sequence parallelism with norms that run it on CPU
+    (Megatron's torch norm refuses it) and a block spec for the final norm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(**case.model.spec_kwargs)
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                              TransformerBlockSubmodules)
+
+    from megatron_terapipe.megatron.hooks.spec import TorchNorm, _local_norms_to_torch
+
+    layer = _local_norms_to_torch(spec)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers, layer_norm=TorchNorm))
+
+
+def _terapipe_spec(case: MoECase, config):
+    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
+
+    if config.sequence_parallel:
+        return get_gpt_decoder_block_spec(config, **case.model.spec_kwargs)
+    return get_gpt_layer_spec(**case.model.spec_kwargs)
+
+
+def _wrap(case: MoECase, config, model):
+    if not case.ddp:
+        return model
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.no_sync_func = model.no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    model.zero_grad_buffer()
+    return model
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    inner = unwrap(model)
+    out = {}
+    for name, param in inner.named_parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        out[global_name(inner, name)] = (torch.zeros_like(param) if grad is None else grad).detach().float().clone()
+    return out
+
+
+def _buffers(model) -> dict[str, torch.Tensor]:
+    inner = unwrap(model)
+    return {global_name(inner, name): buf.detach().clone() for name, buf in inner.named_buffers()
+            if name.rsplit(".", 1)[-1] in ROUTER_BUFFERS}
+
+
+def _logged(pp_group) -> dict[str, torch.Tensor]:
+    """The MoE losses Megatron's tracker holds, reduced as Megatron-LM's training log reduces
+    them (over the pipeline, the loss's group, data-parallel average), per layer."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
+                                                         reduce_aux_losses_tracker_across_ranks)
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    names = sorted(tracker)
+    groups = SimpleNamespace(pp=pp_group, dp=parallel_state.get_data_parallel_group())
+    reduce_aux_losses_tracker_across_ranks(names, pg_collection=groups)
+    logged = {name: tracker[name]["values"].detach().clone() for name in names}
+    for name in names:
+        tracker[name]["values"].zero_()
+    return logged
+
+
+def _baseline(case: MoECase, batches: list[dict], solo_group) -> dict[str, Any]:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    seed(case.model.seed)
+    config = case.model.config(case.tp, 1, case.ep)  # the full model: every layer here
+    model = case.model.build(config, _baseline_spec(case, config))
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model = _wrap(case, config, model)
+    losses = forward_backward_no_pipelining(
+        forward_step_func=_forward_step(case), data_iterator=iter(batches), model=[model],
+        num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
+        micro_batch_size=case.micro_batch_size)
+    result = {"losses": report_values(losses), "grads": _grads(model), "state": state,
+              "buffers": _buffers(model), "logged": _logged(solo_group)}
+    del model, config
+    return result
+
+
+def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]:
+    from megatron.core import parallel_state
+
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.hooks import moe_losses
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
+
+    seed(case.model.seed + 1)  # different init: the weights must come from the copy below
+    config = case.model.config(case.tp, case.pp, case.ep)
+    model = case.model.build(config, _terapipe_spec(case, config),
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[global_name(model, name)])
+    model = _wrap(case, config, model)
+    configure(config, case.plan)
+    if case.per_cell_losses:
+        original, moe_losses.install_moe_losses = moe_losses.install_moe_losses, lambda m: 0
+    try:
+        losses = forward_backward_terapipe(
+            forward_step_func=_forward_step(case), data_iterator=iter(batches), model=[model],
+            num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
+            micro_batch_size=case.micro_batch_size)
+    finally:
+        if case.per_cell_losses:
+            moe_losses.install_moe_losses = original
+    result = {"losses": report_values(losses), "grads": _grads(model), "buffers": _buffers(model),
+              "logged": _logged(parallel_state.get_pipeline_model_parallel_group())}
+    del model, config
+    return result
+
+
+def run_moe_case(rank: int, case: MoECase, solo_group) -> dict[str, Any]:
+    """Megatron's no-pipelining run, then TeraPipe's, in the layout initialised for the case;
+    `solo_group`: a group of this rank alone (the baseline's pipeline)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    batches = _batches(case, parallel_state.get_data_parallel_world_size(),
+                       parallel_state.get_data_parallel_rank())
+    ref = _baseline(case, batches, solo_group)
+    ours = _terapipe(case, batches, ref["state"])
+    last = parallel_state.is_pipeline_last_stage()
+    get_moe_layer_wise_logging_tracker().clear()  # the next case logs from zero
+    return {"rank": rank, "last_stage": last,
+            "grads": {name: (g, ref["grads"][name]) for name, g in ours["grads"].items()},
+            "buffers": {name: (b, ref["buffers"][name]) for name, b in ours["buffers"].items()},
+            "logged": {name: (v, ref["logged"].get(name)) for name, v in ours["logged"].items()},
+            "losses": ours["losses"] if last else None, "ref_losses": ref["losses"]}
+
+
+def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str, Any]:
+    """Worker body: every case, with Megatron's process groups initialised once per run of
+    consecutive cases with the same TP / PP / EP (a gloo group costs a rendezvous to make and
+    a collection to release)."""
+    import itertools
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    results = {}
+    for (tp, pp, ep), same_layout in itertools.groupby(cases, lambda c: (c.tp, c.pp, c.ep)):
+        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+        solo_group, _ = dist.new_subgroups(group_size=1)
+        for case in same_layout:
+            results[case.name] = run_moe_case(rank, case, solo_group)
+        del solo_group
+        release_model_parallel()
+    return results
+
+
+def expected_logs(model: MoEGPT) -> set[str]:
+    """The tracker names Megatron logs for `model`'s losses."""
+    from megatron_terapipe.megatron.hooks.moe_loss_terms import SWITCH_LOSS_NAMES
+
+    names = {SWITCH_LOSS_NAMES[kind] for kind, coeff in zip(model.balancing, model.aux_coeffs)
+             if coeff > 0 and kind in SWITCH_LOSS_NAMES}
+    return names | ({"z_loss"} if model.z_loss_coeff is not None else set())
+
+
+def check_moe_case(results: list[dict[str, Any]], case: MoECase) -> None:
+    """Assert one case on every rank: gradients, reported losses, logged MoE losses (each one
+    the model has, non-zero, and nothing else) and router buffers equal the baseline's."""
+    tol = case.tolerance
+    for rank_result in results:
+        r = rank_result[case.name]
+        where = f"{case.name}, rank {r['rank']}"
+        check_gradients(r["grads"], tol, where)
+        if r["last_stage"]:
+            check_losses(r["losses"], r["ref_losses"], tol, where)
+        assert set(r["logged"]) == expected_logs(case.model), (where, sorted(r["logged"]))
+        for name, (ours, ref) in r["logged"].items():
+            assert ref is not None and ref.abs().min() > 0, f"{where}: {name} not logged per layer"
+            torch.testing.assert_close(ours, ref, rtol=tol.loss_rtol, atol=tol.loss_atol,
+                                       msg=lambda m, name=name: f"{where}: logged {name}: {m}")
+        for name, (ours, ref) in r["buffers"].items():
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0,
+                                       msg=lambda m, name=name: f"{where}: buffer {name}: {m}")
