@@ -115,7 +115,7 @@ def rng_tracker(monkeypatch):
 
 
 def test_configure_refuses_dropout_in_graphs_without_a_graph_safe_tracker(rng_tracker):
-    from megatron_terapipe.megatron.hooks.forward_backward import _check_graphs
+    from megatron_terapipe.megatron.hooks.forward_backward import check_support
 
     rng_tracker(graph_safe=False)
     config = argparse.Namespace(**DROPOUT)
@@ -125,11 +125,11 @@ def test_configure_refuses_dropout_in_graphs_without_a_graph_safe_tracker(rng_tr
             selection.configure(config, TeraPipePlan([32, 32]), cuda_graphs=True,
                                 graph_factory=lambda label: None)
         with pytest.raises(ValueError, match="te_rng_tracker=True"):  # at the schedule's call too
-            _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
+            check_support(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
         rng_tracker(graph_safe=True)
         selection.configure(config, TeraPipePlan([32, 32]), cuda_graphs=True,
                             graph_factory=lambda label: None)
-        _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
+        check_support(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
     finally:
         selection.deselect()
 

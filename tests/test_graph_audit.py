@@ -147,11 +147,11 @@ def test_cuda_graphs_refused_without_cuda():
 ])
 def test_graph_option_refused_for_what_cannot_replay(config, model, message):
     from megatron_terapipe import TeraPipeConfig
-    from megatron_terapipe.megatron.hooks.forward_backward import _check_graphs
+    from megatron_terapipe.megatron.hooks.forward_backward import check_support
 
     with pytest.raises(ValueError, match=message):
-        _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **config), model)
-    _check_graphs(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=False), **config),
+        check_support(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **config), model)
+    check_support(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=False), **config),
                   model)  # graphs off
 
 

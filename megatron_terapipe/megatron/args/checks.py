@@ -1,13 +1,12 @@
 """Checking the flags before any work: `validate_terapipe_args` parses them (settings.py) and
-raises TeraPipeArgumentError, naming the flag and the fix, for what the TeraPipe schedule
-cannot run."""
+raises TeraPipeArgumentError, naming the flag and the fix, for TeraPipe flags that make no
+sense and, through the support rules (hooks/rules.py), for what the schedule cannot run."""
 
 from __future__ import annotations
 
 import os
 
-from ..hooks.selection import (DROPOUT_GRAPHS, MOE_GRAPHS, attention_backend_problem,
-                               dropout_values, moe_problem)
+from ..hooks.rules import refusal
 from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
 from .settings import RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
 
@@ -32,7 +31,7 @@ def validate_terapipe_args(args) -> RunSettings:
                   f"{flags.schedule}): add --pipeline-schedule terapipe or auto, or drop {given[0]}")
         return run
     if flags.auto:
-        _check_auto(args, flags)
+        _check_auto(run)
     if flags.order not in ORDERS:
         _fail(f"--terapipe-order must be one of {', '.join(ORDERS)}, got {flags.order!r}")
     if flags.slices and flags.num_slices is not None:
@@ -45,8 +44,9 @@ def validate_terapipe_args(args) -> RunSettings:
         _check_slices(run, seq)
     _check_planner_flags(flags)
     _check_memory_flags(flags)
-    _check_megatron_features(args, seq)
-    _check_cuda_graphs(args)
+    problem = refusal(run.support)
+    if problem:
+        _fail(problem)
     return run
 
 
@@ -77,46 +77,13 @@ def _check_memory_flags(flags: TeraPipeSettings) -> None:
               "model's estimate")
 
 
-def _check_cuda_graphs(args) -> None:
-    if not getattr(args, "terapipe_cuda_graphs", False):
-        return
-    import torch
-
-    if getattr(args, "overlap_grad_reduce", False):
-        _fail("--terapipe-cuda-graphs replays the W actions without Python, so "
-              "--overlap-grad-reduce would never see gradients ready: drop one of the two")
-    if getattr(args, "num_experts", None):
-        _fail(MOE_GRAPHS.format(option="--terapipe-cuda-graphs"))
-    _check_dropout_rng(args)
-    if getattr(args, "terapipe_cpu", False) or not torch.cuda.is_available():
-        where = "--terapipe-cpu runs on CPU" if getattr(args, "terapipe_cpu", False) else \
-            "this process sees no CUDA device"
-        _fail(f"--terapipe-cuda-graphs captures cells as CUDA graphs, but {where}: drop "
-              "--terapipe-cuda-graphs (on CPU, megatron_terapipe.runtime.graph_audit."
-              "audit_iterations checks that cells could be captured)")
-
-
-def _check_dropout_rng(args) -> None:
-    """Dropout in CUDA graphs needs Megatron-LM's graph-safe RNG tracker: --te-rng-tracker, or
-    the one --cuda-graph-impl makes (the schedule checks the tracker built at its first call)."""
-    graph_safe = (getattr(args, "te_rng_tracker", False)
-                  or getattr(args, "cuda_graph_impl", "none") not in (None, "none"))
-    values = dropout_values(args)
-    if values and not graph_safe:
-        _fail(DROPOUT_GRAPHS.format(
-            option="--terapipe-cuda-graphs", values=", ".join(values),
-            fix="give --te-rng-tracker (Transformer Engine's tracker), or --hidden-dropout 0 "
-                "--attention-dropout 0, or drop --terapipe-cuda-graphs"))
-
-
-def _check_auto(args, flags: TeraPipeSettings) -> None:
+def _check_auto(run: RunSettings) -> None:
     """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself."""
-    if (getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None):
+    if run.support.virtual_stages:
         _fail("--pipeline-schedule auto chooses the virtual pipeline stages itself: drop "
               "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
               "or keep them with --pipeline-schedule 1f1b")
-    if flags.slices_given:
+    if run.terapipe.slices_given:
         _fail("--pipeline-schedule auto plans the token slices itself: drop --terapipe-slices / "
               "--terapipe-num-slices, or use --pipeline-schedule terapipe")
 
@@ -136,61 +103,3 @@ def _check_planner_flags(flags: TeraPipeSettings) -> None:
               "not exist: create it or choose another path")
     if flags.profile_points < 2:
         _fail(f"--terapipe-profile-points must be at least 2, got {flags.profile_points}")
-
-
-def _check_megatron_features(args, seq: int) -> None:
-    """Megatron-LM features the schedule cannot run."""
-    if int(getattr(args, "context_parallel_size", 1) or 1) > 1:
-        _fail(f"TeraPipe does not support context parallelism (--context-parallel-size "
-              f"{args.context_parallel_size}): token slices already split the sequence; "
-              "set --context-parallel-size 1, or use --pipeline-schedule 1f1b")
-    if getattr(args, "hybrid_context_parallel", False):
-        _fail("TeraPipe does not support --hybrid-context-parallel: drop it")
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if (getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-            or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
-            or (vp is not None and int(vp) > 1)):
-        _fail("TeraPipe does not support virtual pipeline stages: drop "
-              "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
-              "(or use --pipeline-schedule 1f1b for Megatron's interleaved schedule)")
-    if getattr(args, "num_experts", None):
-        problem = moe_problem(args)
-        if problem:
-            _fail(problem)
-    _check_unsupported_flags(args)
-    decoder = getattr(args, "decoder_seq_length", None)
-    if decoder is not None and int(decoder) != seq:
-        _fail("TeraPipe supports decoder-only GPT models: unset --decoder-seq-length")
-    if getattr(args, "defer_embedding_wgrad_compute", False):
-        _fail("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
-    if int(getattr(args, "tensor_model_parallel_size", 1) or 1) > 1 and getattr(args, "reset_attention_mask", False):
-        _fail("TeraPipe with --tensor-model-parallel-size > 1 supports only the causal mask: "
-              "drop --reset-attention-mask (it works with --tensor-model-parallel-size 1)")
-
-
-#: Megatron-LM flags the schedule cannot run with when set: (attribute, message).
-UNSUPPORTED = (
-    ("mtp_num_layers", "TeraPipe does not support multi-token prediction: unset --mtp-num-layers"),
-    ("use_legacy_models", "TeraPipe needs Megatron-Core models: drop --use-legacy-models"),
-    ("multi_latent_attention",
-     "TeraPipe does not support multi-latent attention yet: drop --multi-latent-attention"),
-    ("experimental_attention_variant",
-     "TeraPipe does not support --experimental-attention-variant: drop it"),
-    ("window_size", "TeraPipe does not support sliding-window attention: drop --window-size"),
-)
-
-
-def _check_unsupported_flags(args) -> None:
-    for name, message in UNSUPPORTED:
-        if getattr(args, name, None):
-            _fail(message)
-    if getattr(args, "position_embedding_type", None) == "mrope":
-        _fail("TeraPipe does not support --position-embedding-type mrope: use rope or "
-              "learned_absolute")
-    if getattr(args, "sft", False):
-        _fail("TeraPipe does not support --sft (packed THD sequences): drop --sft")
-    backend = getattr(args, "attention_backend", None)
-    problem = attention_backend_problem("auto" if backend is None else str(getattr(backend, "name", backend)))
-    if problem:
-        _fail(problem)
-

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ...plan import TeraPipePlan
 from ...planner.report import slice_picture
-from ..hooks.selection import SLICE_ATTENTION
+from ..hooks.rules import SLICE_ATTENTION
 
 PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
 #: Notes that must not be missed (a guessed GPU, ...): logged as `> terapipe: WARNING: ...`.

@@ -2,7 +2,8 @@
 TransformerConfig once): `RunSettings.from_args(args)` reads the TeraPipe flags
 (`TeraPipeSettings`, each with its one default), the run's shape and parallelism (`RunShape`),
 the model (`ModelDims`) and how the model state is kept. Everything downstream takes these
-values, never the argparse namespace. Names are Megatron-LM's (seq_length,
+values; `from_args` and the support rules' adapter (hooks/rules.py: view_from_args) are the
+only readers of the argparse namespace. Names are Megatron-LM's (seq_length,
 tensor_model_parallel_size, ...); a name a script does not define counts as unset.
 """
 
@@ -17,6 +18,7 @@ from ...plan import SliceGrid, SliceNames
 from ...planner.cost.dims import ModelDims
 from ...planner.cost.stage_memory import ModelStateConfig, parse_bytes
 from ...planner.schedule_choice import TERAPIPE, AutoChoice
+from ..hooks.rules import RunView, view_from_args
 
 
 class TeraPipeArgumentError(ValueError):
@@ -160,7 +162,8 @@ class RunShape:
         dp = int(getattr(args, "data_parallel_size", None) or max(1, world // (tp * pp * cp)))
         fixed = getattr(args, "num_microbatches", None)
         gbs = None if fixed else _int_or_none(getattr(args, "global_batch_size", None) or None)
-        dtype = "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+        dtype = ("bf16" if getattr(args, "bf16", False) else
+                 "fp16" if getattr(args, "fp16", False) else "fp32")
         shape = cls(_int_or_none(getattr(args, "seq_length", None)),
                     int(getattr(args, "micro_batch_size", None) or 1), int(fixed or 1), pp, tp, dp,
                     cp, int(getattr(args, "expert_model_parallel_size", 1) or 1),
@@ -195,7 +198,8 @@ def model_from_args(args) -> tuple[Optional[ModelDims], str]:
     why not is '' when the script gives no model shape."""
     if any(getattr(args, name, None) is None for name in MODEL_SHAPE_FLAGS):
         return None, ""
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    gqa = getattr(args, "group_query_attention", False)
+    groups = getattr(args, "num_query_groups", None) if gqa else None
     try:
         return ModelDims(num_layers=int(args.num_layers), hidden_size=int(args.hidden_size),
                          num_attention_heads=int(args.num_attention_heads),
@@ -223,6 +227,7 @@ class RunSettings:
     model_state: ModelStateConfig = field(default_factory=ModelStateConfig)
     position_embedding_type: str = "learned_absolute"
     attention_backend: str = "auto"  # --attention-backend by name
+    support: RunView = RunView()  # what the support rules test (hooks/rules.py)
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":
@@ -234,10 +239,10 @@ class RunSettings:
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             tensor_parallel=shape.tensor_parallel,
             untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
-        backend = getattr(args, "attention_backend", None)  # Megatron-LM parses it to an enum
+        support = view_from_args(args)
         return cls(TeraPipeSettings.from_args(args), shape, model, problem, state,
-                   getattr(args, "position_embedding_type", None) or "learned_absolute",
-                   "auto" if backend is None else str(getattr(backend, "name", backend)))
+                   support.position_embedding_type or "learned_absolute",
+                   support.attention_backend, support)
 
     @property
     def model_given(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
@@ -28,7 +28,8 @@ from . import compat, moe_losses
 from .param_deferral import install_wgrad_deferral
 from .p2p import make_transport
 from .rope import install_rope_offsets
-from .selection import run_config
+from .rules import RunView, check_view
+from .selection import check_replaced_attributes, config_view, run_config
 
 RunCallback = Callable[[RunRecord], None]
 
@@ -138,10 +139,8 @@ def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: Tera
 
 def _single_chunk(model, data_iterator):
     if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError(
-                f"TeraPipe does not support virtual pipeline stages ({len(model)} model chunks): "
-                "drop --num-layers-per-virtual-pipeline-stage")
+        if len(model) != 1:  # model chunks: virtual pipeline stages
+            check_view(RunView(virtual_stages=True))
         model = model[0]
     if isinstance(data_iterator, list):
         if len(data_iterator) != 1:
@@ -210,44 +209,27 @@ def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, groups, seq_le
               adjust_tensor_shapes_fn) -> None:
     """Everything that would make the run wrong or hang, raised before any communication.
     Changes nothing (prepare_model hooks the model)."""
-    from .selection import check_config, check_replaced_attributes
-
     check_replaced_attributes(config)
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
+    check_support(config, model, groups, seq_length, decoder_seq_length, adjust_tensor_shapes_fn)
     tp_size = groups.tp.size() if groups.tp is not None else 1
-    check_config(config, None, cp_size=groups.cp.size() if groups.cp is not None else 1)
-    if decoder_seq_length is not None and decoder_seq_length != seq_length:
-        raise ValueError("TeraPipe supports decoder-only GPT models: decoder_seq_length must be unset")
-    if adjust_tensor_shapes_fn is not None:
-        raise ValueError("TeraPipe derives tensor shapes from the plan: adjust_tensor_shapes_fn "
-                         "is not supported")
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
-    _check_graphs(config, model)
 
 
-def _check_graphs(config, model: torch.nn.Module) -> None:
-    from .selection import cuda_graphs_enabled
-
-    if not cuda_graphs_enabled(config):
-        return
-    if getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False):
-        raise ValueError(
-            "TeraPipe: CUDA graphs (--terapipe-cuda-graphs) replay the W actions without "
-            "Python, so Megatron DDP's overlap_grad_reduce would never see its gradients "
-            "ready: drop --overlap-grad-reduce, or drop --terapipe-cuda-graphs")
-    if getattr(config, "num_moe_experts", None):
-        from .selection import MOE_GRAPHS
-
-        raise ValueError("TeraPipe: " + MOE_GRAPHS.format(
-            option="CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True))"))
-    from .selection import dropout_graphs_problem
-
-    problem = dropout_graphs_problem(  # the tracker this process built (--te-rng-tracker needs TE)
-        config, "TeraPipe: CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True))")
-    if problem:
-        raise ValueError(problem)
+def check_support(config, model, groups=None, seq_length: Optional[int] = None,
+                  decoder_seq_length: Optional[int] = None, adjust_tensor_shapes_fn=None) -> None:
+    """The support rules (rules.py) on the model's config and what only this call knows: the
+    context-parallel group, Megatron DDP's overlap_grad_reduce, the shapes."""
+    view = config_view(config, model)
+    cp = groups.cp if groups is not None else None
+    check_view(replace(
+        view, context_parallel=cp.size() if cp is not None else view.context_parallel,
+        seq_length=seq_length, decoder_seq_length=decoder_seq_length,
+        adjust_tensor_shapes=adjust_tensor_shapes_fn is not None,
+        overlap_grad_reduce=bool(getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce",
+                                         False))))
 
 
 def prepare_model(model: torch.nn.Module) -> None:

@@ -8,7 +8,8 @@ import functools
 from typing import Callable, Optional
 
 from . import compat
-from .selection import STATE, VIRTUAL_STAGES_UNSUPPORTED
+from .rules import RunView, check_view
+from .selection import STATE
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
 _SLICE_ATTENTION_IN_GPT_MODELS = False
@@ -19,14 +20,9 @@ def _terapipe_or_megatron(*args, **kwargs):
 
     if STATE.selected:
         vp_size = kwargs.get("vp_size", args[1] if len(args) > 1 else None)
-        if vp_size is not None and vp_size > 1:
-            raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
         schedule_groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
-        if compat.is_multi_module_collection(schedule_groups):
-            raise ValueError(
-                "TeraPipe does not support multi-module pipelines (a "
-                "MultiModuleProcessGroupCollection selects Megatron's bridge schedule): use "
-                "Megatron's own schedule (drop --pipeline-schedule terapipe)")
+        check_view(RunView(virtual_stages=vp_size is not None and vp_size > 1,
+                           multi_module=compat.is_multi_module_collection(schedule_groups)))
         if STATE.schedule_wrapper is not None:
             return STATE.schedule_wrapper(forward_backward_terapipe)
         return forward_backward_terapipe

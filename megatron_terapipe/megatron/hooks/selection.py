@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 from ...plan import TeraPipePlan
 from ...runtime.trace import RunRecord
+from .rules import CONFIGURE_GRAPHS, FLAG_GRAPHS, RunView, check_view, view_from_config
 
 
 @dataclass
@@ -43,72 +44,6 @@ class SelectionState:
 
 
 STATE = SelectionState()
-VIRTUAL_STAGES_UNSUPPORTED = (
-    "TeraPipe does not support virtual pipeline stages: drop "
-    "--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
-
-
-#: Why MoE layers and CUDA graphs per cell do not go together (flag and Python option).
-MOE_GRAPHS = ("{option} replays each cell's kernels as captured, but MoE layers (--num-experts) "
-              "route tokens with counts read on the host (the token dispatcher's split sizes): "
-              "a capture would fail on that sync, or replay the first iteration's routing; drop "
-              "{option} with MoE")
-
-
-#: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
-SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
-                   "bottom-right causal mask; torch picks the kernel)")
-#: --attention-backend values the slice attention stands for: auto (Megatron-LM's default: the
-#: model chooses) and local (PyTorch attention rather than Transformer Engine's kernels).
-SLICE_ATTENTION_BACKENDS = ("auto", "local")
-
-
-def attention_backend_problem(backend: str) -> Optional[str]:
-    """Why TeraPipe cannot run --attention-backend `backend` (a Transformer Engine kernel), or None."""
-    if backend in SLICE_ATTENTION_BACKENDS:
-        return None
-    return (f"TeraPipe does not run --attention-backend {backend} (a Transformer Engine attention "
-            f"kernel): token slices need TeraPipe's {SLICE_ATTENTION}; use --attention-backend "
-            "auto (the default) or local, or --pipeline-schedule 1f1b for Megatron's attention")
-
-
-#: Why dropout and CUDA graphs need Megatron's graph-safe RNG tracker (flag and Python option).
-DROPOUT_GRAPHS = ("{option} captures dropout ({values}) in CUDA graphs, which needs Megatron's "
-                  "graph-safe RNG tracker (--te-rng-tracker): its default tracker swaps the CUDA "
-                  "generator's state (activation recomputation, RNG forks) in a way a capture "
-                  "cannot record; {fix}")
-
-
-def dropout_values(source) -> list[str]:
-    """Megatron's dropout flags above 0 (args or a TransformerConfig: the names are the same)."""
-    return [f"--{name.replace('_', '-')} {p:g}" for name in ("hidden_dropout", "attention_dropout")
-            if (p := float(getattr(source, name, 0.0) or 0.0)) > 0]
-
-
-def graph_safe_rng_tracker() -> bool:
-    """Whether Megatron's RNG tracker is set up and graph-safe (Transformer Engine's, or Megatron's
-    with use_cudagraphable_rng)."""
-    from . import compat
-
-    tp_random = compat.rng_module()
-    tracker = tp_random._CUDA_RNG_STATE_TRACKER
-    if not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED or tracker is None:
-        return False
-    check = getattr(tp_random, "is_graph_safe_cuda_rng_tracker", None)
-    return bool(check(tracker) if check else getattr(tracker, "use_cudagraphable_rng", False))
-
-
-def dropout_graphs_problem(config, option: str) -> Optional[str]:
-    """Why `config`'s dropout cannot be captured with this process's RNG tracker, or None."""
-    values = dropout_values(config)
-    if not values or graph_safe_rng_tracker():
-        return None
-    return DROPOUT_GRAPHS.format(
-        option=option, values=", ".join(values),
-        fix="seed with tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, "
-            "force_reset_rng=True) (Transformer Engine; Megatron-LM: --te-rng-tracker) or "
-            "use_cudagraphable_rng=True, or set hidden_dropout and attention_dropout to 0 "
-            "(--hidden-dropout 0 --attention-dropout 0), or turn the CUDA graphs off")
 
 
 def select(source, cuda_graphs: bool = False) -> None:
@@ -142,57 +77,43 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
     each graph instead of torch.cuda.CUDAGraph (tests pass runtime.cell_graphs.RecordingGraph).
     Other fields of an existing config.terapipe (on_run, transport) are kept.
     """
-    if cuda_graphs:  # before the device check: the same refusal wherever it is asked
-        problem = dropout_graphs_problem(config, "TeraPipe: configure(..., cuda_graphs=True)")
-        if problem:
-            raise ValueError(problem)
-    if cuda_graphs and graph_factory is None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError(
-                "TeraPipe: configure(..., cuda_graphs=True) captures cells as CUDA graphs, but "
-                "this process sees no CUDA device: drop cuda_graphs=True (on CPU, "
-                "megatron_terapipe.runtime.graph_audit.audit_iterations checks that cells "
-                "could be captured)")
-    if isinstance(plan, TeraPipePlan):
-        check_config(config, plan)
-    elif not hasattr(plan, "plan_for"):
+    if not isinstance(plan, TeraPipePlan) and not hasattr(plan, "plan_for"):
         raise ValueError(
             f"configure() takes a TeraPipePlan or a plan provider with plan_for(), got {type(plan).__name__}")
-    else:
-        check_config(config, None)
+    check_config(config, plan if isinstance(plan, TeraPipePlan) else None, bool(cuda_graphs),
+                 graph_factory)
     own = getattr(config, "terapipe", None) or TeraPipeConfig()
     config.terapipe = replace(own, plan=plan, graph_factory=graph_factory,
                               cuda_graphs=own.cuda_graphs if cuda_graphs is None else cuda_graphs)
     STATE.selected = True
 
 
-def check_config(config, plan: Optional[TeraPipePlan], cp_size: Optional[int] = None) -> None:
-    """Model-level features TeraPipe cannot run, named with the fix.
+def check_config(config, plan: Optional[TeraPipePlan] = None, cuda_graphs: bool = False,
+                 graph_factory: Optional[Callable[[str], object]] = None) -> None:
+    """What `configure` refuses: the support rules (rules.py) on `config` with the CUDA graphs
+    asked for, and a plan whose slices sequence parallelism cannot split over the TP ranks."""
+    device = ""
+    if cuda_graphs and graph_factory is None:
+        import torch
 
-    cp_size: the context-parallel group's size when known (the schedule passes it), else the
-    config's context_parallel_size.
-    """
-    cp = cp_size if cp_size is not None else getattr(config, "context_parallel_size", 1)
-    if cp > 1:
-        raise ValueError(
-            f"TeraPipe does not support context parallelism (context_parallel_size={cp}): "
-            "token slices already split the sequence; set --context-parallel-size 1")
-    if getattr(config, "virtual_pipeline_model_parallel_size", None):
-        raise ValueError(VIRTUAL_STAGES_UNSUPPORTED)
-    if getattr(config, "num_moe_experts", None) and moe_problem(config):
-        raise ValueError(moe_problem(config))
-    if getattr(config, "defer_embedding_wgrad_compute", False):
-        raise ValueError("TeraPipe does not support --defer-embedding-wgrad-compute: drop it")
-    if getattr(config, "mtp_num_layers", None):
-        raise ValueError("TeraPipe does not support multi-token prediction: unset --mtp-num-layers")
-    backend = getattr(config, "attention_backend", None)
-    problem = attention_backend_problem(str(getattr(backend, "name", backend or "auto")))
-    if problem:
-        raise ValueError(problem)
+        device = "" if torch.cuda.is_available() else "this process sees no CUDA device"
+    check_view(view_from_config(config, cuda_graphs, CONFIGURE_GRAPHS, device))
     if plan is not None and getattr(config, "sequence_parallel", False):
         plan.check_multiple_of(config.tensor_model_parallel_size)
+
+
+def config_view(config, model=None) -> RunView:
+    """The rules' view of the model `config` describes, with the CUDA graphs it runs with
+    (run_config: configure's, or the flag's); without a graph factory, a `model` not on CUDA
+    cannot capture them."""
+    terapipe, own = run_config(config), getattr(config, "terapipe", None)
+    graphs = bool(terapipe.cuda_graphs)
+    option = CONFIGURE_GRAPHS if own is not None and own.cuda_graphs is not None else FLAG_GRAPHS
+    device = ""
+    if graphs and terapipe.graph_factory is None and model is not None:
+        on = next((p.device.type for p in getattr(model, "parameters", list)()), "cuda")
+        device = "" if on == "cuda" else f"the model is on {on}"
+    return view_from_config(config, graphs, option, device)
 
 
 #: The loose TransformerConfig attributes config.terapipe replaced (TeraPipeConfig's fields):
@@ -202,6 +123,7 @@ REPLACED_ATTRIBUTES = ("terapipe_plan", "terapipe_cuda_graphs", "terapipe_graph_
 
 
 def check_replaced_attributes(config) -> None:
+    """Raise ValueError, naming the new field, for a config with one of REPLACED_ATTRIBUTES."""
     stale = [name for name in REPLACED_ATTRIBUTES if hasattr(config, name)]
     if stale:
         field_name = stale[0].removeprefix("terapipe_")
@@ -221,11 +143,6 @@ def selected() -> bool:
     return STATE.selected
 
 
-def cuda_graphs_enabled(config) -> bool:
-    """configure(..., cuda_graphs=...) for this model's config, else the flags' choice."""
-    return bool(run_config(config).cuda_graphs)
-
-
 def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> None:
     """While TeraPipe is selected, get_forward_backward_func returns `wrapper(schedule)`.
 
@@ -233,44 +150,3 @@ def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> N
     None restores the plain schedule.
     """
     STATE.schedule_wrapper = wrapper
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def moe_problem(source) -> Optional[str]:
-    """Why an MoE model (Megatron-LM's args or a TransformerConfig: the names are the same)
-    cannot train exactly under token slices, or None.
-
-    Dropless top-k routing is token-wise: a cell routes its tokens as the whole microbatch
-    would, so MoE trains exactly. What depends on all of a microbatch's tokens at once cannot
-    be split into slices: load-balancing losses (products of means over the tokens), Sinkhorn
-    routing, the router z-loss (a mean per forward pass) and capacity-based token dropping
-    (capacity counted per forward pass). Aux-loss-free balancing (expert bias) only adds up
-    token counts, which slices do exactly."""
-    coeffs = [float(c) for c in _as_list(getattr(source, "moe_aux_loss_coeff", 0.0) or 0.0)]
-    balancing = _as_list(getattr(source, "moe_router_load_balancing_type", "aux_loss"))
-    if any(c > 0 for c in coeffs) and any(b != "none" for b in balancing):
-        return (f"TeraPipe cannot run MoE load-balancing losses (--moe-aux-loss-coeff "
-                f"{' '.join(f'{c:g}' for c in coeffs)}, --moe-router-load-balancing-type "
-                f"{' '.join(balancing)}): the loss multiplies means over all the microbatch's "
-                "tokens, and a token slice sees only its own; use aux-loss-free balancing "
-                "(--moe-aux-loss-coeff 0 --moe-router-enable-expert-bias), or "
-                "--pipeline-schedule 1f1b")
-    if "sinkhorn" in balancing:
-        return ("TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn "
-                "normalises the routing over all the microbatch's tokens at once; use top-k "
-                "routing with --moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")
-    if getattr(source, "moe_z_loss_coeff", None):
-        return (f"TeraPipe cannot run the router z-loss (--moe-z-loss-coeff "
-                f"{source.moe_z_loss_coeff}): it is a mean over each forward pass's tokens, "
-                "and a token slice's mean is not the microbatch's; drop --moe-z-loss-coeff, "
-                "or use --pipeline-schedule 1f1b")
-    if getattr(source, "moe_expert_capacity_factor", None) is not None:
-        return (f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
-                f"{source.moe_expert_capacity_factor}): an expert's capacity is counted over "
-                "each forward pass's tokens, so a token slice would drop other tokens than "
-                "the whole microbatch; drop the flag (dropless routing), or use "
-                "--pipeline-schedule 1f1b")
-    return None

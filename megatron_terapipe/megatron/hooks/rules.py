@@ -1,0 +1,274 @@
+"""What TeraPipe cannot run, as one table: each entry of RULES is one refusal, what it tests on
+a RunView and the message naming the flag and the fix. A RunView describes a run the same way
+whether it comes from Megatron-LM's flags (`view_from_args`; args/checks.py applies the table at
+start-up) or from a TransformerConfig (`view_from_config`; `configure` applies it, and every
+schedule call with what only the call knows: its process groups, model chunks and shapes).
+Adding a refusal is one entry in RULES (plus the view's field, if the view lacks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+#: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
+SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
+                   "bottom-right causal mask; torch picks the kernel)")
+#: --attention-backend values the slice attention stands for: auto (Megatron-LM's default: the
+#: model chooses) and local (PyTorch attention rather than Transformer Engine's kernels).
+SLICE_ATTENTION_BACKENDS = ("auto", "local")
+#: How messages name what asked for CUDA graphs: the flag, or configure's option.
+FLAG_GRAPHS = "--terapipe-cuda-graphs"
+CONFIGURE_GRAPHS = "configure(..., cuda_graphs=True)"
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run as the rules see it, named as Megatron-LM's flags; the defaults are what TeraPipe
+    runs (an adapter leaves what its source does not know at the default)."""
+
+    seq_length: Optional[int] = None
+    decoder_seq_length: Optional[int] = None
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    hybrid_context_parallel: bool = False
+    virtual_stages: bool = False  # more than one model chunk per pipeline stage
+    num_experts: Optional[int] = None
+    moe_aux_loss_coeff: tuple = ()
+    moe_router_load_balancing_type: tuple = ("aux_loss",)
+    moe_z_loss_coeff: Optional[float] = None
+    moe_expert_capacity_factor: Optional[float] = None
+    mtp_num_layers: Optional[int] = None
+    use_legacy_models: bool = False
+    multi_latent_attention: bool = False
+    experimental_attention_variant: Optional[str] = None
+    window_size: Optional[object] = None
+    position_embedding_type: Optional[str] = None
+    sft: bool = False
+    attention_backend: str = "auto"
+    defer_embedding_wgrad_compute: bool = False
+    reset_attention_mask: bool = False
+    multi_module: bool = False  # a MultiModuleProcessGroupCollection (Megatron's bridge schedule)
+    adjust_tensor_shapes: bool = False  # the schedule got an adjust_tensor_shapes_fn
+    cuda_graphs: bool = False  # a CUDA graph per compute action ...
+    graphs_option: str = FLAG_GRAPHS  # ... asked for by this option
+    overlap_grad_reduce: bool = False
+    overlap_option: str = "--overlap-grad-reduce"  # how the source names it
+    dropout: tuple = ()  # dropout flags above 0, e.g. "--hidden-dropout 0.1"
+    graph_safe_rng: bool = False  # Megatron's RNG tracker can be captured
+    graphs_device: str = ""  # why no CUDA device captures the graphs ("" when one does)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A run TeraPipe refuses: `breaks(view)`; `message` (or message(view)) names the fix."""
+
+    breaks: Callable[[RunView], bool]
+    message: Union[str, Callable[[RunView], str]]
+
+    def text(self, view: RunView) -> str:
+        return self.message(view) if callable(self.message) else self.message
+
+
+def _moe(v: RunView) -> bool:
+    return bool(v.num_experts)
+
+
+def _aux_loss(v: RunView) -> bool:
+    return (_moe(v) and any(c > 0 for c in v.moe_aux_loss_coeff)
+            and any(b != "none" for b in v.moe_router_load_balancing_type))
+
+
+# Dropless top-k MoE routing is token-wise: a cell routes its tokens as the whole microbatch
+# would. What needs all of a microbatch's tokens at once is refused: load-balancing losses
+# (products of means over the tokens), Sinkhorn, the z-loss (a mean per forward pass) and
+# capacity-based dropping (counted per forward pass). Expert bias only adds up token counts.
+RULES = (
+    Rule(lambda v: v.context_parallel > 1, lambda v: (
+        f"TeraPipe does not support context parallelism (--context-parallel-size "
+        f"{v.context_parallel}): token slices already split the sequence; set "
+        "--context-parallel-size 1, or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.hybrid_context_parallel,
+         "TeraPipe does not support --hybrid-context-parallel: drop it"),
+    Rule(lambda v: v.virtual_stages, (
+        "TeraPipe does not support virtual pipeline stages: drop "
+        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
+        "(or use --pipeline-schedule 1f1b for Megatron's interleaved schedule)")),
+    Rule(_aux_loss, lambda v: (
+        f"TeraPipe cannot run MoE load-balancing losses (--moe-aux-loss-coeff "
+        f"{' '.join(f'{c:g}' for c in v.moe_aux_loss_coeff)}, --moe-router-load-balancing-type "
+        f"{' '.join(map(str, v.moe_router_load_balancing_type))}): the loss multiplies means "
+        "over all the microbatch's tokens, and a token slice sees only its own; use "
+        "aux-loss-free balancing (--moe-aux-loss-coeff 0 --moe-router-enable-expert-bias), or "
+        "--pipeline-schedule 1f1b")),
+    Rule(lambda v: _moe(v) and "sinkhorn" in v.moe_router_load_balancing_type, (
+        "TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn normalises the "
+        "routing over all the microbatch's tokens at once; use top-k routing with "
+        "--moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")),
+    Rule(lambda v: _moe(v) and bool(v.moe_z_loss_coeff), lambda v: (
+        f"TeraPipe cannot run the router z-loss (--moe-z-loss-coeff {v.moe_z_loss_coeff}): it "
+        "is a mean over each forward pass's tokens, and a token slice's mean is not the "
+        "microbatch's; drop --moe-z-loss-coeff, or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: _moe(v) and v.moe_expert_capacity_factor is not None, lambda v: (
+        f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
+        f"{v.moe_expert_capacity_factor}): an expert's capacity is counted over each forward "
+        "pass's tokens, so a token slice would drop other tokens than the whole microbatch; "
+        "drop the flag (dropless routing), or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: bool(v.mtp_num_layers),
+         "TeraPipe does not support multi-token prediction: unset --mtp-num-layers"),
+    Rule(lambda v: v.use_legacy_models,
+         "TeraPipe needs Megatron-Core models: drop --use-legacy-models"),
+    Rule(lambda v: v.multi_latent_attention,
+         "TeraPipe does not support multi-latent attention yet: drop --multi-latent-attention"),
+    Rule(lambda v: bool(v.experimental_attention_variant),
+         "TeraPipe does not support --experimental-attention-variant: drop it"),
+    Rule(lambda v: bool(v.window_size),
+         "TeraPipe does not support sliding-window attention: drop --window-size"),
+    Rule(lambda v: v.position_embedding_type == "mrope",
+         "TeraPipe does not support --position-embedding-type mrope: use rope or learned_absolute"),
+    Rule(lambda v: v.sft, "TeraPipe does not support --sft (packed THD sequences): drop --sft"),
+    Rule(lambda v: v.attention_backend not in SLICE_ATTENTION_BACKENDS, lambda v: (
+        f"TeraPipe does not run --attention-backend {v.attention_backend} (a Transformer Engine "
+        f"attention kernel): token slices need TeraPipe's {SLICE_ATTENTION}; use "
+        "--attention-backend auto (the default) or local, or --pipeline-schedule 1f1b for "
+        "Megatron's attention")),
+    Rule(lambda v: v.decoder_seq_length not in (None, v.seq_length),
+         "TeraPipe supports decoder-only GPT models: unset --decoder-seq-length (decoder_seq_length)"),
+    Rule(lambda v: v.defer_embedding_wgrad_compute,
+         "TeraPipe does not support --defer-embedding-wgrad-compute: drop it"),
+    Rule(lambda v: v.tensor_parallel > 1 and v.reset_attention_mask, (
+        "TeraPipe with --tensor-model-parallel-size > 1 supports only the causal mask: drop "
+        "--reset-attention-mask (it works with --tensor-model-parallel-size 1)")),
+    Rule(lambda v: v.multi_module, (
+        "TeraPipe does not support multi-module pipelines (a MultiModuleProcessGroupCollection "
+        "selects Megatron's bridge schedule): use Megatron's own schedule (drop "
+        "--pipeline-schedule terapipe)")),
+    Rule(lambda v: v.adjust_tensor_shapes, ("TeraPipe derives tensor shapes from the plan: "
+                                            "adjust_tensor_shapes_fn is not supported")),
+    Rule(lambda v: v.cuda_graphs and v.overlap_grad_reduce, lambda v: (
+        f"{v.graphs_option} replays the W actions without Python, so {v.overlap_option} would "
+        "never see gradients ready: drop one of the two (--overlap-grad-reduce, or the graphs)")),
+    Rule(lambda v: v.cuda_graphs and _moe(v), lambda v: (
+        f"{v.graphs_option} replays each cell's kernels as captured, but MoE layers "
+        "(--num-experts) route tokens with counts read on the host (the token dispatcher's "
+        "split sizes): a capture would fail on that sync, or replay the first iteration's "
+        f"routing; drop {v.graphs_option} with MoE")),
+    Rule(lambda v: v.cuda_graphs and bool(v.dropout) and not v.graph_safe_rng, lambda v: (
+        f"{v.graphs_option} captures dropout ({', '.join(v.dropout)}) in CUDA graphs, which "
+        "needs Megatron's graph-safe RNG tracker (--te-rng-tracker): its default tracker swaps "
+        "the CUDA generator's state (activation recomputation, RNG forks) in a way a capture "
+        "cannot record; give --te-rng-tracker (Transformer Engine's tracker; in Python: seed "
+        "with tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=True, "
+        "force_reset_rng=True), or use_cudagraphable_rng=True), or --hidden-dropout 0 "
+        f"--attention-dropout 0, or drop {v.graphs_option}")),
+    Rule(lambda v: v.cuda_graphs and bool(v.graphs_device), lambda v: (
+        f"{v.graphs_option} captures cells as CUDA graphs, but {v.graphs_device}: drop "
+        f"{v.graphs_option} (on CPU, megatron_terapipe.runtime.graph_audit.audit_iterations "
+        "checks that cells could be captured)")),
+)
+
+
+def refusal(view: RunView) -> Optional[str]:
+    """The message of the first rule `view` breaks, or None: TeraPipe runs it."""
+    return next((rule.text(view) for rule in RULES if rule.breaks(view)), None)
+
+
+def check_view(view: RunView) -> None:
+    """Raise ValueError (the Python API's error) for the first rule `view` breaks."""
+    message = refusal(view)
+    if message is not None:
+        raise ValueError(message if message.startswith("TeraPipe") else "TeraPipe: " + message)
+
+
+# ---- the adapters: Megatron-LM's args, a TransformerConfig ---------------------------------
+def _as_tuple(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
+
+
+def _moe_fields(source, num_experts) -> dict:
+    """The MoE fields; Megatron-LM's args and TransformerConfig share these names."""
+    coeffs = _as_tuple(getattr(source, "moe_aux_loss_coeff", 0.0) or 0.0)
+    return dict(num_experts=num_experts, moe_aux_loss_coeff=tuple(float(c) for c in coeffs),
+                moe_router_load_balancing_type=_as_tuple(
+                    getattr(source, "moe_router_load_balancing_type", "aux_loss")),
+                moe_z_loss_coeff=getattr(source, "moe_z_loss_coeff", None),
+                moe_expert_capacity_factor=getattr(source, "moe_expert_capacity_factor", None))
+
+
+def dropout_values(source) -> tuple:
+    """Megatron's dropout flags above 0 (args or a TransformerConfig: the names are the same)."""
+    return tuple(f"--{name.replace('_', '-')} {p:g}" for name in ("hidden_dropout", "attention_dropout")
+                 if (p := float(getattr(source, name, 0.0) or 0.0)) > 0)
+
+
+def backend_name(value) -> str:
+    """--attention-backend by name (Megatron parses it to an AttnBackend); auto when unset."""
+    return "auto" if value is None else str(getattr(value, "name", value))
+
+
+def view_from_args(args) -> RunView:
+    """Megatron-LM's args (names as in megatron/training/arguments.py) as the rules see them;
+    an attribute a script does not define counts as unset."""
+    def flag(name: str, default=None):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    vp = flag("virtual_pipeline_model_parallel_size")
+    graphs, decoder = bool(flag("terapipe_cuda_graphs", False)), flag("decoder_seq_length")
+    return RunView(
+        seq_length=flag("seq_length"), decoder_seq_length=None if decoder is None else int(decoder),
+        tensor_parallel=int(flag("tensor_model_parallel_size", 1) or 1),
+        context_parallel=int(flag("context_parallel_size", 1) or 1),
+        hybrid_context_parallel=bool(flag("hybrid_context_parallel", False)),
+        virtual_stages=(flag("num_layers_per_virtual_pipeline_stage") is not None
+                        or flag("num_virtual_stages_per_pipeline_rank") is not None
+                        or (vp is not None and int(vp) > 1)),
+        **_moe_fields(args, flag("num_experts")),
+        **{name: flag(name) for name in ("mtp_num_layers", "experimental_attention_variant",
+                                         "window_size", "position_embedding_type")},
+        **{name: bool(flag(name, False)) for name in (
+            "use_legacy_models", "multi_latent_attention", "sft", "defer_embedding_wgrad_compute",
+            "reset_attention_mask", "overlap_grad_reduce")},
+        attention_backend=backend_name(flag("attention_backend")),
+        cuda_graphs=graphs, dropout=dropout_values(args),
+        graph_safe_rng=bool(flag("te_rng_tracker", False)) or flag("cuda_graph_impl", "none") != "none",
+        graphs_device=_args_graphs_device(args) if graphs else "")
+
+
+def _args_graphs_device(args) -> str:
+    import torch
+
+    if getattr(args, "terapipe_cpu", False):
+        return "--terapipe-cpu runs on CPU"
+    return "" if torch.cuda.is_available() else "this process sees no CUDA device"
+
+
+def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CONFIGURE_GRAPHS,
+                     graphs_device: str = "") -> RunView:
+    """A TransformerConfig as the rules see it (what `configure` checks), with TeraPipe's CUDA
+    graphs (asked for by `graphs_option`; `graphs_device`: why no device captures them). The
+    schedule adds what its call knows with dataclasses.replace."""
+    dropout = dropout_values(config) if cuda_graphs else ()
+    return RunView(
+        context_parallel=int(getattr(config, "context_parallel_size", 1) or 1),
+        virtual_stages=bool(getattr(config, "virtual_pipeline_model_parallel_size", None)),
+        **_moe_fields(config, getattr(config, "num_moe_experts", None)),
+        mtp_num_layers=getattr(config, "mtp_num_layers", None),
+        attention_backend=backend_name(getattr(config, "attention_backend", None)),
+        defer_embedding_wgrad_compute=bool(getattr(config, "defer_embedding_wgrad_compute", False)),
+        cuda_graphs=cuda_graphs, graphs_option=graphs_option,
+        overlap_option="Megatron DDP's overlap_grad_reduce", dropout=dropout,
+        graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device)
+
+
+def graph_safe_rng_tracker() -> bool:
+    """Whether Megatron's RNG tracker is set up and graph-safe (Transformer Engine's, or Megatron's
+    with use_cudagraphable_rng)."""
+    from . import compat
+
+    tp_random = compat.rng_module()
+    tracker = tp_random._CUDA_RNG_STATE_TRACKER
+    if not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED or tracker is None:
+        return False
+    check = getattr(tp_random, "is_graph_safe_cuda_rng_tracker", None)
+    return bool(check(tracker) if check else getattr(tracker, "use_cudagraphable_rng", False))
