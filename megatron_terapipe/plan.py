@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, Union
 
+from .plan_fields import as_int_tuple as _as_int_tuple, checked_layout
+
 TokenSlices = Union[Sequence[int], Sequence[Sequence[int]]]
 
 
@@ -27,17 +29,6 @@ def __getattr__(name: str):
     if name == "ORDERS":  # the registry's names, read when asked (see order_names)
         return order_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _as_int_tuple(values, what: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(v) for v in values)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a list of integers, got {values!r}") from None
-    for v, raw in zip(out, values):
-        if isinstance(raw, float) and raw != int(raw):
-            raise ValueError(f"{what} must be whole numbers, got {raw!r}")
-    return out
 
 
 @dataclass(frozen=True)
@@ -63,6 +54,12 @@ class TeraPipePlan:
         A stage that would wait for its next output gradient there does useful work instead,
         and its last W gets shorter. Entry k is for stage k; missing entries mean none. The
         planner places them by simulation (`planner.place_wgrad_points`).
+    virtual_stages: model chunks per pipeline rank (V > 1: K * V virtual stages, rank k
+        holding k, K + k, ...; a cell goes through them in order, each chunk with its own K/V
+        and W actions; V divides a stage's layers, `check_layers`). virtual_group: microbatches
+        per group of the interleaved order (None: the fewest that make K units).
+    wgrad_after: per stage, for each of its W actions in their default order, how many of
+        its F and B actions run before it (empty: the defaults; `planner.plan_wgrad` fills it).
     """
 
     seq_slices: TokenSlices
@@ -71,6 +68,9 @@ class TeraPipePlan:
     predicted_time: Optional[float] = None
     defer_wgrad: bool = True
     wgrad_points: Sequence[Sequence[int]] = ()
+    virtual_stages: int = 1
+    virtual_group: Optional[int] = None
+    wgrad_after: Sequence[Sequence[int]] = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
@@ -126,6 +126,9 @@ class TeraPipePlan:
         object.__setattr__(self, "batch_slices", batch)
         object.__setattr__(self, "token_slices", token_slices)
         object.__setattr__(self, "wgrad_points", self._checked_wgrad_points(token_slices))
+        layout = checked_layout(self)
+        object.__setattr__(self, "virtual_stages", layout[0])
+        object.__setattr__(self, "wgrad_after", layout[1])
         if per_batch is None:
             object.__setattr__(self, "seq_slices", flat)
         else:
@@ -151,6 +154,12 @@ class TeraPipePlan:
                     f"must be between 1 and {most - 1} (slice 0's backward always ends with "
                     "a W action)")
         return points
+
+    def check_layers(self, layers_per_stage: int, where: str = "virtual_stages") -> None:
+        """ValueError unless the plan's model chunks divide a stage's layers."""
+        if layers_per_stage % self.virtual_stages:
+            raise ValueError(f"{where} {self.virtual_stages} does not divide the {layers_per_stage} "
+                             "layers of a pipeline stage: use a divisor of them")
 
     def early_w_text(self) -> str:
         """'early W: stage 0 after slices [8, 7], ...' ('' without early W actions)."""
@@ -217,6 +226,11 @@ class TeraPipePlan:
             "predicted_time": self.predicted_time,
             "defer_wgrad": self.defer_wgrad,
             "wgrad_points": [list(p) for p in self.wgrad_points],
+            # left out at their defaults: files of plans without them read as before
+            **{k: v for k, v, default in (
+                ("virtual_stages", self.virtual_stages, 1),
+                ("virtual_group", self.virtual_group, None),
+                ("wgrad_after", [list(p) for p in self.wgrad_after], [])) if v != default},
         }
 
     @classmethod
@@ -224,7 +238,10 @@ class TeraPipePlan:
         return cls(seq_slices=data["seq_slices"], batch_slices=data.get("batch_slices"),
                    order=data.get("order", "1f1b"), predicted_time=data.get("predicted_time"),
                    defer_wgrad=bool(data.get("defer_wgrad", True)),
-                   wgrad_points=data.get("wgrad_points") or ())
+                   wgrad_points=data.get("wgrad_points") or (),
+                   virtual_stages=data.get("virtual_stages", 1),
+                   virtual_group=data.get("virtual_group"),
+                   wgrad_after=data.get("wgrad_after") or ())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -236,7 +253,9 @@ class TeraPipePlan:
         wgrad = "deferred" if self.defer_wgrad else "per cell"
         if self.wgrad_points:
             wgrad += f" ({self.early_w_text()})"
-        return f"order={self.order}; wgrad={wgrad}; " + "; ".join(parts)
+        wgrad += " (W placed)" if self.wgrad_after else ""
+        chunks = f"; {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else ""
+        return f"order={self.order}{chunks}; wgrad={wgrad}; " + "; ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ to the live activation and K/V bytes become one slot each of two arrays, in the 
 order, and a running sum (numpy's cumsum adds in order, as the walk does) gives the bytes after
 every change; the walk's recorded points are a subset of those slots, and the others repeat a
 recorded value, so the peaks are the walk's exactly. Byte and time values come from the
-walk's and the simulator's own per-shape answers (one call per cell shape and stage kind).
-Forward-only schedules and model chunks take the walk itself.
+walk's and the simulator's own per-shape answers (one call per cell shape and stage kind;
+on virtual stages a shape also says whether its chunk is the first or the last). Forward-only
+schedules and Megatron's interleaved model chunks take the walk itself.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _actions(schedule: Schedule) -> _Actions:
             if id(a) not in unseen or id(a) in position:
                 continue
             c = a.cell
-            key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices)
+            key = (c.rows, c.tokens, c.context, c.batch_slice, c.token_slice, c.num_token_slices,
+                   _chunk_kind(c))
             if key not in index:
                 index[key] = len(cells)
                 cells.append(c)
@@ -104,6 +106,13 @@ def _actions(schedule: Schedule) -> _Actions:
                     cells, np.array([c.is_first_token_slice for c in cells], bool),
                     np.array([c.is_last_token_slice for c in cells], bool),
                     np.array([c.tokens for c in cells], np.int64))
+
+
+def _chunk_kind(cell) -> Optional[tuple[bool, bool, int]]:
+    """On virtual stages, (first chunk, last chunk, chunks): what of a cell's chunk its costs
+    and bytes depend on (first and last virtual stages run the edges); else None."""
+    chunks = getattr(cell, "num_chunks", None)
+    return None if chunks is None else (cell.chunk == 0, cell.chunk == chunks - 1, chunks)
 
 
 _BYTES = ("cell", "kv", "kv_grad", "hold", "rise")
@@ -120,7 +129,8 @@ def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
     rows, times = [], []
     for c in known.cells:
         last = c.is_last_token_slice  # only a last slice's backward lifts the K/V gradients
-        key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], last, kind)
+        key = (c.rows, c.tokens, c.context, seq_lengths[c.batch_slice], last, kind,
+               _chunk_kind(c))
         row = cache.get(key)
         if row is None:
             row = cache[key] = (*(walk.cell_value(what, c) for what in _BYTES[:4]),
@@ -148,7 +158,6 @@ def _w_pass(costs: CellCosts, stage: int, known: _Actions, rows: list, kinds: li
     times, freed = [0.0] * len(rows), [0.0] * len(rows)
     tokens_since: dict = {}
     held_since: dict = {}
-    first, last = stage == 0, stage == costs.num_stages - 1
     for j, (r, kind) in enumerate(zip(rows, kinds)):
         seq = known.seq[r]
         if kind == _B:
@@ -157,7 +166,7 @@ def _w_pass(costs: CellCosts, stage: int, known: _Actions, rows: list, kinds: li
         else:
             n = tokens_since.pop(seq, 0)
             if with_times and n:
-                times[j] = costs.wgrad(known.rows[r], n, 0, first, last)
+                times[j] = costs.w_time(stage, known.cells[known.shape[r]], n)
             freed[j] = held_since.pop(seq, 0.0)
     return times, freed
 

@@ -12,6 +12,9 @@ TeraPipe cells:
 - W: frees what the sequence's backwards left for it.
 Megatron's own schedules (`megatron=True`, and every ChunkCell of the interleaved schedule):
 a whole microbatch keeps `microbatch_bytes` from its forward until its backward.
+TeraPipe's virtual stages (VirtualCell) are walked as TeraPipe cells on 1/V of the stage's
+layers: activations, K/V, their gradients and what waits for the W action per (sequence,
+chunk); the output layer's bytes only on the model's last virtual stage.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..schedule import Cell, ChunkCell, Schedule, TimedAction
+from ..schedule import Cell, ChunkCell, Schedule, TimedAction, VirtualCell
 from .cost.stage_memory import StageMemory
 
 
@@ -47,7 +50,7 @@ _KEYS = {
     "kv_grad": lambda r, t, c, s, f, l, n, d: ("kv_grad", r, s, n),
     "hold": lambda r, t, c, s, f, l, n, d: ("hold", r, t, f, l, n),
     "whole": lambda r, t, c, s, f, l, n, d: ("whole", r, t, f, l, n),
-    "rise": lambda r, t, c, s, f, l, n, d: ("rise", r, t, c, s, f, l, d),
+    "rise": lambda r, t, c, s, f, l, n, d: ("rise", r, t, c, s, f, l, d, n),
 }
 
 
@@ -77,7 +80,7 @@ class MemoryWalk:
     def _where(self, cell: Cell) -> tuple[bool, bool, Optional[float]]:
         """(first, last, layers) of the cell on this stage (a model chunk has its share)."""
         K = self.schedule.num_stages
-        if isinstance(cell, ChunkCell):
+        if isinstance(cell, (ChunkCell, VirtualCell)):
             layers = getattr(self.memory, "layers_per_stage", 1) / cell.num_chunks
             return (self.stage == 0 and cell.chunk == 0,
                     self.stage == K - 1 and cell.chunk == cell.num_chunks - 1, layers)
@@ -99,13 +102,30 @@ class MemoryWalk:
                 "hold": lambda: m.wgrad_hold_bytes(cell.rows, cell.tokens, first, last, layers),
                 "whole": lambda: m.microbatch_bytes(cell.rows, cell.tokens, first, last, layers),
                 "rise": lambda: m.kv_grad_rise(cell.rows, cell.tokens, cell.context, seq, first,
-                                               last, self.schedule.defer_wgrad),
+                                               last, self.schedule.defer_wgrad,
+                                               **({} if layers is None else {"layers": layers})),
             }[what]()
             if not value >= 0:
                 raise ValueError(f"memory model {m.describe()} gave {value} bytes for {what} of "
                                  f"cell {cell}; sizes must be non-negative")
             self._cache[key] = value
         return value
+
+    def peak_with(self, ta: TimedAction) -> float:
+        """The highest activations + K/V the walk records if a TeraPipe cell's `ta` runs next;
+        the walk is left as it was (the W placement's budget check)."""
+        saved = (self.act, self.kv, self.peak_a, self.peak_kv, self.peak_t)
+        n, seq = len(self.points), ta.action.cell.sequence_key
+        held = self.held.get(seq)
+        self.terapipe(ta)
+        peak = max(p.activation_bytes + p.kv_bytes for p in self.points[n:])
+        del self.points[n:]
+        self.act, self.kv, self.peak_a, self.peak_kv, self.peak_t = saved
+        if held is None:
+            self.held.pop(seq, None)
+        else:
+            self.held[seq] = held
+        return peak
 
     def whole(self, ta: TimedAction) -> None:
         """Megatron's schedules: a microbatch's activations from its forward to its backward."""

@@ -17,6 +17,10 @@ The default StageMemory is the cost model's (`CostModelMemory`); a measured one
 Megatron's interleaved schedule (schedule/interleaved.py) runs ChunkCells: each takes its
 model chunk's share of the stage's layer time, and the edges only on the first chunk of the
 first stage (embedding) and the last chunk of the last stage (output layer and loss).
+TeraPipe's virtual stages (VirtualCell) likewise: a cell on one of V chunks takes 1/V of the
+stage's layer time for its tokens and context, the edges only on the model's first and last
+virtual stage, and a W action 1/V of the layers' weight gradients (plus the output layer's on
+the last virtual stage).
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..plan import TeraPipePlan
-from ..schedule import Action, Cell, ChunkCell, Schedule, TimedAction, build_schedule, timeline
+from ..schedule import (Action, Cell, ChunkCell, Schedule, TimedAction, VirtualCell,
+                        build_schedule, timeline)
+from ..schedule.actions import first_virtual_stage, last_virtual_stage
 from .cost.cost_model import CostModel
 from .cost.stage_memory import CostModelMemory, StageMemory
 from .memory_walk import MemoryPoint, walk_stage
@@ -122,30 +128,58 @@ class CellCosts:
         if isinstance(c, ChunkCell):
             return self._chunk(stage, action)
         m = self.cost_model
-        first, last = stage == 0, stage == self.num_stages - 1
+        # a virtual stage's chunk runs 1/V of the stage's layers (`share`); the edges run
+        # where the model's first and last layers do
+        share = 1.0 / c.num_chunks if type(c) is VirtualCell else 1.0
+        first = first_virtual_stage(c, stage)
+        last = last_virtual_stage(c, stage, self.num_stages)
         if action.kind == "W":
             # The weight gradients its sequence deferred since its last W, as the executor
             # computes them: one gradient per weight over all those tokens (context plays no
             # part).
             shapes = self._sequence(c)
             tokens = sum(shapes[t][0] for t in self.w_slices().get((stage, c), ()))
-            return self.wgrad(c.rows, tokens, 0, first, last) if tokens else 0.0
+            return self.w_time(stage, c, tokens)
         if action.kind == "F":
             layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
                                c.rows, c.tokens, c.context)
         else:
             layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
                                c.rows, c.tokens, c.context)
+        layers *= share
         if first or last:
             edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
             layers += self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
                                 c.rows, c.tokens, first, last)
         if action.kind == "B" and self.defer_wgrad:
-            saving = self._get(("WS", c.rows, c.tokens, c.context, first, last),
-                               self.cost_model.deferred_backward_saving, c.rows, c.tokens,
-                               c.context, first, last)
+            saving = self._shared(("WS", c.rows, c.tokens, c.context),
+                                  self.cost_model.deferred_backward_saving, first, last, share)
             layers = max(0.0, layers - saving)
         return layers
+
+    def _shared(self, key: tuple, fn, first: bool, last: bool, share: float) -> float:
+        """fn(*key[1:], first, last) with its layers' part scaled by `share` (a chunk's) and
+        its edges' part (the output layer's, on the last stage) whole."""
+        whole = self._get(key + (first, last), fn, *key[1:], first, last)
+        if share == 1.0:
+            return whole
+        layers = self._get(key + (False, False), fn, *key[1:], False, False)
+        return layers * share + (whole - layers)
+
+    def w_time(self, stage: int, cell: Cell, tokens: int) -> float:
+        """Seconds of a W action of `cell`'s sequence on `stage` over `tokens` deferred tokens."""
+        if not tokens:
+            return 0.0
+        share = 1.0 / cell.num_chunks if type(cell) is VirtualCell else 1.0
+        return self.wgrad_share(cell.rows, tokens, first_virtual_stage(cell, stage),
+                                last_virtual_stage(cell, stage, self.num_stages), share)
+
+    def wgrad_share(self, rows: int, tokens: int, first: bool, last: bool,
+                    share: float = 1.0) -> float:
+        """A W action's seconds over `tokens` tokens of `rows` rows, on a chunk of `share` of
+        the stage's layers (1: the whole stage)."""
+        return self._shared(("WG", rows, tokens, 0), self.cost_model.wgrad_time, first, last,
+                            share)
 
     def _chunk(self, stage: int, action: Action) -> float:
         """A model chunk's share of the stage's layers, and the edges where they run."""
@@ -159,10 +193,6 @@ class CellCosts:
             layers += self._get(("E" + kind, c.rows, c.tokens, first, last), edge_fn,
                                 c.rows, c.tokens, first, last)
         return layers
-
-    def wgrad(self, rows: int, tokens: int, context: int, first: bool, last: bool) -> float:
-        return self._get(("WG", rows, tokens, context, first, last), self.cost_model.wgrad_time,
-                         rows, tokens, context, first, last)
 
     def _sequence(self, cell: Cell) -> list[tuple[int, int]]:
         """(tokens, context) of every token slice of the cell's batch slice."""

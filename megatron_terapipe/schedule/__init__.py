@@ -1,6 +1,7 @@
 """The one schedule representation: per-stage ordered actions on cells.
 
-A cell is (microbatch, batch slice, token slice). A schedule (build.py) says in which order each
+A cell is (microbatch, batch slice, token slice), on virtual stages also a model chunk
+(`VirtualCell`). A schedule (build.py) says in which order each
 stage runs the forwards (F) and backwards (B) of every cell, in one of the registered orders
 (orders.py), and, when the plan defers weight gradients, the W actions that compute them.
 Lowering (lower.py) adds the communication actions the stage's transport needs; `validate`
@@ -23,6 +24,7 @@ from .actions import (
     Schedule,
     ScheduleError,
     TimedAction,
+    VirtualCell,
     cells_by_name,
     format_action,
     microbatch_cells,
@@ -53,6 +55,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "TimedAction",
+    "VirtualCell",
     "build_interleaved_schedule",
     "build_lowered_schedule",
     "build_schedule",

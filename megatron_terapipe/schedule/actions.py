@@ -15,14 +15,16 @@ files, the running action's label): `format_action` writes it, `parse_action` re
                             after the backward of its token slice 0 (its last W); W(m0b0t3) an
                             early W after slice 3's backward (the plan's wgrad_points)
 
-CELL is m<microbatch>b<batch slice>t<token slice>; a cell of Megatron's interleaved schedule
-(interleaved.py, whole microbatches) is m<microbatch>c<model chunk>.
+CELL is m<microbatch>b<batch slice>t<token slice>; on virtual stages (a plan's
+virtual_stages V > 1: V model chunks per rank) a TeraPipe cell also names its chunk,
+m<microbatch>b<batch slice>t<token slice>c<chunk> (`VirtualCell`); a cell of Megatron's
+interleaved schedule (interleaved.py, whole microbatches) is m<microbatch>c<model chunk>.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Iterable, Mapping, Optional, Union
 
@@ -109,6 +111,55 @@ class Cell:
 
     def __str__(self) -> str:
         return f"m{self.microbatch}b{self.batch_slice}t{self.token_slice}"
+
+
+@dataclass(frozen=True)
+class VirtualCell(Cell):
+    """A TeraPipe cell on one model chunk of a rank (plans with virtual_stages V > 1). Rank k
+    holds chunks 0..V-1, chunk c being virtual stage c * K + k of the K * V the model is cut
+    into; a cell goes forward through the virtual stages in order, so the last rank hands it
+    to the first rank's next chunk. Each chunk has its own layers, so its own K/V cache and
+    its own weight gradients: the sequence key names the chunk."""
+
+    chunk: int = 0
+    num_chunks: int = 1
+
+    @property
+    def sequence_key(self) -> tuple[int, int, int]:
+        """The sequence's rows on this chunk: its K/V cache and its W action are per chunk."""
+        return (self.microbatch, self.batch_slice, self.chunk)
+
+    def virtual_stage(self, rank: int, num_stages: int) -> int:
+        return self.chunk * num_stages + rank
+
+    def __str__(self) -> str:
+        return f"m{self.microbatch}b{self.batch_slice}t{self.token_slice}c{self.chunk}"
+
+
+def first_virtual_stage(cell: Cell, stage: int) -> bool:
+    """Whether `stage` runs the model's first layers for `cell` (no input message; the
+    embedding): stage 0, and on virtual stages only its chunk 0."""
+    return stage == 0 and getattr(cell, "chunk", 0) == 0
+
+
+def last_virtual_stage(cell: Cell, stage: int, num_stages: int) -> bool:
+    """Whether `stage` runs the model's last layers for `cell` (no output message; the
+    output layer and loss): the last stage, and on virtual stages only its last chunk."""
+    return stage == num_stages - 1 and getattr(cell, "chunk", 0) == getattr(cell, "num_chunks", 1) - 1
+
+
+def peer_cell(cell: Cell, direction: str, stage: int, num_stages: int) -> Cell:
+    """The cell under which the neighbour receives `cell`'s message in `direction` (F: to the
+    next virtual stage, B: to the previous): `cell` itself, except across the ring of
+    virtual stages, where the last rank's chunk c feeds the first rank's chunk c + 1 and the
+    first rank's chunk c sends its gradient to the last rank's chunk c - 1."""
+    if type(cell) is not VirtualCell:
+        return cell
+    if direction == "F" and stage == num_stages - 1:
+        return replace(cell, chunk=cell.chunk + 1)
+    if direction == "B" and stage == 0:
+        return replace(cell, chunk=cell.chunk - 1)
+    return cell
 
 
 @dataclass(frozen=True)
@@ -258,6 +309,11 @@ class Schedule:
     def num_stages(self) -> int:
         return len(self.stages)
 
+    @property
+    def num_chunks(self) -> int:
+        """Model chunks per stage (the plan's virtual_stages)."""
+        return self.plan.virtual_stages
+
     def cells(self) -> list[Cell]:
         return microbatch_cells_all(self.plan, self.num_microbatches, self.micro_batch_size)
 
@@ -271,18 +327,29 @@ class ScheduleError(ValueError):
         super().__init__(f"{message}\n{grid}" if grid else message)
 
 
-def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int) -> list[Cell]:
-    """Cells of one microbatch in forward order: batch slice by batch slice, tokens in order."""
+def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int,
+                     chunk: Optional[int] = None) -> list[Cell]:
+    """Cells of one microbatch in forward order: batch slice by batch slice, tokens in order.
+    `chunk`: the VirtualCells of that model chunk (plans with virtual stages)."""
     cells = []
     row = 0
     for b, (rows, token_slices) in enumerate(zip(plan.rows(micro_batch_size), plan.token_slices)):
         start = 0
         for t, length in enumerate(token_slices):
-            cells.append(Cell(microbatch, b, t, row, rows, start, length, len(token_slices)))
+            if chunk is None:
+                cells.append(Cell(microbatch, b, t, row, rows, start, length, len(token_slices)))
+            else:
+                cells.append(VirtualCell(microbatch, b, t, row, rows, start, length,
+                                         len(token_slices), chunk, plan.virtual_stages))
             start += length
         row += rows
     return cells
 
 
 def microbatch_cells_all(plan: TeraPipePlan, num_microbatches: int, micro_batch_size: int) -> list[Cell]:
-    return [c for m in range(num_microbatches) for c in microbatch_cells(plan, m, micro_batch_size)]
+    """Every cell a stage runs: per microbatch, and with virtual stages per chunk (chunk-major
+    within a microbatch)."""
+    if plan.virtual_stages == 1:
+        return [c for m in range(num_microbatches) for c in microbatch_cells(plan, m, micro_batch_size)]
+    return [c for m in range(num_microbatches) for chunk in range(plan.virtual_stages)
+            for c in microbatch_cells(plan, m, micro_batch_size, chunk)]

@@ -9,6 +9,11 @@ forwards and backwards in the order it runs them. build.py adds the W actions af
 order must also run all of a microbatch's forwards on the last stage before that
 microbatch's first backward there: the loss is normalised by the microbatch's token count.
 
+Virtual stages (a plan's virtual_stages V > 1, V model chunks per rank) take each order's
+chunked form (CHUNKED_ORDERS, same names): it gets the forwards and backwards per chunk and
+microbatch, and the group size (microbatches per group of the interleaved order). A unit is
+one cell's rows and tokens, (microbatch, batch slice, token slice); it runs on every chunk.
+
 The registry is read by `TeraPipePlan` (which orders a plan may name), the `--terapipe-order`
 flag and `terapipe-plan --order`. This module imports nothing of the package, so that
 plan.py can read it.
@@ -48,10 +53,73 @@ def one_forward_one_backward(forwards: PerMicrobatch, backwards: PerMicrobatch, 
     return order + flat_backwards[steady:]
 
 
+#: per chunk, per microbatch, its actions in forward cell order: [chunk][microbatch][cell]
+PerChunk = Sequence[PerMicrobatch]
+ChunkedOrderFunction = Callable[[PerChunk, PerChunk, int, int, int], list]
+
+
+def _backward_units(per_microbatch: PerMicrobatch) -> list:
+    """One chunk's backwards in backward unit order: microbatch by microbatch, each one's
+    cells in reverse (later token slices first: their K/V gradients reach earlier slices)."""
+    return [b for cells in per_microbatch for b in reversed(cells)]
+
+
+def gpipe_chunked(forwards: PerChunk, backwards: PerChunk, stage: int, num_stages: int,
+                  group: int) -> list:
+    """All forwards, chunk by chunk (every unit through chunk 0, then chunk 1, ...), then all
+    backwards in exactly reverse order (last chunk first)."""
+    order = [f for per_mb in forwards for cells in per_mb for f in cells]
+    return order + [b for per_mb in reversed(backwards) for cells in reversed(per_mb)
+                    for b in reversed(cells)]
+
+
+def interleaved_tables(forwards: PerChunk, backwards: PerChunk, group: int) -> tuple[list, list]:
+    """Megatron's interleaved table over units: microbatches in groups of `group`, each group
+    through chunk 0, then chunk 1, ... (forwards, units in cell order), and the backwards of
+    the same groups through the chunks mirrored (last chunk first, units in backward order)."""
+    num_chunks, num_microbatches = len(forwards), len(forwards[0])
+    fwd, bwd = [], []
+    for first in range(0, num_microbatches, group):
+        mbs = range(first, min(first + group, num_microbatches))
+        fwd += [f for c in range(num_chunks) for m in mbs for f in forwards[c][m]]
+        bwd += [b for c in reversed(range(num_chunks)) for m in mbs for b in reversed(backwards[c][m])]
+    return fwd, bwd
+
+
+def interleaved_warmup(cells_per_microbatch: int, group: int, num_chunks: int, stage: int,
+                       num_stages: int) -> int:
+    """Forwards rank `stage` runs before its first backward: Megatron's interleaved warm-up in
+    units ((K - k - 1) * 2 + (V - 1) * group units), plus the rest of the first microbatch's
+    cells, so that the last rank forwards a whole microbatch on the last chunk before its
+    first backward (exact loss normalisation)."""
+    units = group * cells_per_microbatch
+    return (num_stages - stage - 1) * 2 + (num_chunks - 1) * units + cells_per_microbatch - 1
+
+
+def one_forward_one_backward_chunked(forwards: PerChunk, backwards: PerChunk, stage: int,
+                                     num_stages: int, group: int) -> list:
+    """Interleaved 1F1B over units (`interleaved_tables`): the warm-up forwards
+    (`interleaved_warmup`), then one forward and one backward in turn, then the backwards
+    left."""
+    fwd, bwd = interleaved_tables(forwards, backwards, group)
+    warmup = min(len(fwd), interleaved_warmup(len(forwards[0][0]), group, len(forwards),
+                                              stage, num_stages))
+    order = list(fwd[:warmup])
+    for f, b in zip(fwd[warmup:], bwd):
+        order += [f, b]
+    return order + bwd[len(fwd) - warmup:]
+
+
 #: Every order by the name a plan gives it; the first is the default.
 ORDERS: dict[str, OrderFunction] = {
     "1f1b": one_forward_one_backward,
     "gpipe": gpipe,
+}
+
+#: The same orders on virtual stages (virtual_stages > 1).
+CHUNKED_ORDERS: dict[str, ChunkedOrderFunction] = {
+    "1f1b": one_forward_one_backward_chunked,
+    "gpipe": gpipe_chunked,
 }
 
 

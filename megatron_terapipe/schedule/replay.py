@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .actions import (COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError,
-                      TimedAction, format_action, opposite, recv)
+                      TimedAction, VirtualCell, format_action, opposite, peer_cell, recv)
 from .lower import Lowering, lower
 
 Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list
@@ -64,6 +64,9 @@ class _Replay:
                 to = (k + 1 if direction == "F" else k - 1) % self.num_stages
                 sent = (computed if computed is not None and computed.cell is a.cell
                         and computed.kind == direction else Action(direction, a.cell))
+                if type(a.cell) is VirtualCell:  # the receiver names its own cell (lower.py)
+                    cid = index.setdefault(peer_cell(a.cell, direction, k, self.num_stages),
+                                           len(index))
                 steps.append((_SEND, arrival[to][direction], cid, sent, None))
             if a.recv_cell is not None:  # fused: then its receive
                 back = opposite(direction)

@@ -7,11 +7,14 @@ Dependencies (what the executor relies on, and what the timing engines model):
   nothing waits for it.
 - Token slices of one (microbatch, batch slice) go forward in order and backward in reverse,
   because slice t reads the K/V of slices < t, and their K/V gradients arrive from later slices.
+Virtual stages (VirtualCell): the same per virtual stage. F(c) of virtual stage s needs F(c)
+of s - 1 (on rank (s - 1) % K, the previous chunk across the ring), B(c) needs B(c) of s + 1;
+slice order, the K/V and the W actions are per (sequence, chunk): its sequence key.
 """
 
 from __future__ import annotations
 
-from .actions import Action, Cell, Schedule, ScheduleError, opposite
+from .actions import Action, Cell, Schedule, ScheduleError, opposite, peer_cell
 from .grid import format_grid
 from .lower import Lowering, lower
 from .replay import Lowered, replay_timeline
@@ -27,7 +30,7 @@ def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> Lowered:
     for k, actions in enumerate(schedule.stages):
         _check_stage(schedule, k, actions, expected)
     lowered = lower(schedule, lowering)
-    _check_messages(lowered)
+    _check_messages(lowered, ring=schedule.plan.virtual_stages > 1)
     try:
         replay_timeline(lowered, lambda k, a: 1.0)
     except ScheduleError as exc:
@@ -108,9 +111,12 @@ def _check_w(schedule: Schedule, k: int, a: Action, backwards_seen: set[Cell],
         early_w.add(a.cell)
 
 
-def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
+def _check_messages(lowered: tuple[tuple[Action, ...], ...], ring: bool = False) -> None:
     """Each direction between two neighbours carries its messages in one order on both sides
-    (transports match them in order), and a posted receive is used before the next is posted."""
+    (transports match them in order), and a posted receive is used before the next is posted.
+    ring: virtual stages, where the last rank and the first are neighbours too, and a message
+    is named by each side's own cell (`peer_cell`)."""
+    K = len(lowered)
     sent = [{"F": [], "B": []} for _ in lowered]
     received = [{"F": [], "B": []} for _ in lowered]
     for k, actions in enumerate(lowered):
@@ -119,7 +125,7 @@ def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
             if a.is_compute:
                 continue
             if a.operation in ("SEND", "SEND_RECV"):
-                sent[k][a.direction].append(a.cell)
+                sent[k][a.direction].append(peer_cell(a.cell, a.direction, k, K))
             if a.operation == "SEND_RECV":
                 received[k][opposite(a.direction)].append(a.recv_cell)
             elif a.operation == "RECV":
@@ -136,7 +142,8 @@ def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
                     raise ScheduleError(f"stage {k} runs {a} while the receive of "
                                         f"{posted[used]} is posted", format_grid(lowered, (k, step)))
                 posted[used] = None
-    for k in range(len(lowered) - 1):
-        if sent[k]["F"] != received[k + 1]["F"] or sent[k + 1]["B"] != received[k]["B"]:
-            raise ScheduleError(f"stages {k} and {k + 1} send and receive in different orders",
+    for k in range(K if ring and K > 1 else K - 1):
+        n = (k + 1) % K
+        if sent[k]["F"] != received[n]["F"] or sent[n]["B"] != received[k]["B"]:
+            raise ScheduleError(f"stages {k} and {n} send and receive in different orders",
                                 format_grid(lowered))

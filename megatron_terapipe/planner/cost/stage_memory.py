@@ -86,14 +86,15 @@ class StageMemory(ABC):
     layers_per_stage: int = 1
 
     def kv_grad_rise(self, rows: int, tokens: int, context: int, seq_length: int, first: bool,
-                     last: bool, deferred: bool = False) -> float:
+                     last: bool, deferred: bool = False, layers: Optional[float] = None) -> float:
         """How far a sequence's first backward (its last slice's) lifts the stage's live bytes
         above where they were before it: from the top, each layer frees a share f of its
         activations a (less what it keeps for the W action), allocates its K/V gradients g,
         then frees the rest, keeping h for the W action; the output layer and loss free theirs
         first (o, less what they keep). The highest point is after layer 1 or layer L:
-        max(g - f a, L g - (L - 1)(a - h) - f a) - o, or no rise at all."""
-        L = self.layers_per_stage
+        max(g - f a, L g - (L - 1)(a - h) - f a) - o, or no rise at all. `layers`: L, when the
+        cell runs on fewer than the stage's layers (a model chunk)."""
+        L = self.layers_per_stage if layers is None else layers
         no_layers = self.cell_bytes(rows, tokens, context, False, False, 0)
         a = (self.cell_bytes(rows, tokens, context, False, False, L) - no_layers) / L
         out = self.cell_bytes(rows, tokens, context, False, last, 0) - no_layers
