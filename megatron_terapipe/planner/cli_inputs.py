@@ -78,8 +78,26 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
                         args.num_microbatches, args.order, args.granularity,
                         batch_sizes=batch_sizes,
                         defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
-                        refine=not args.no_refine, memory=memory)
+                        refine=not args.no_refine, memory=memory,
+                        virtual_stages=_virtual_stages(args, model, parser),
+                        place_wgrad=args.wgrad_placement == "auto")
     return PlannerInputs(model, cost, space, _budget(args, model, cost, parser))
+
+
+def _virtual_stages(args, model: ModelDims, parser) -> tuple[int, ...]:
+    """--virtual-stages: every chunk count that divides a stage's layers (auto), or the list
+    given, each of which must divide them."""
+    layers = model.num_layers // args.pipeline_stages
+    if args.virtual_stages == "auto":
+        return tuple(v for v in range(2, layers + 1) if layers % v == 0)
+    try:
+        given = tuple(int(v) for v in args.virtual_stages.split(",") if v.strip())
+    except ValueError:
+        given = ()
+    if not given or any(v < 1 or layers % v for v in given):
+        parser.error(f"--virtual-stages: expected auto or model chunk counts that divide the "
+                     f"{layers} layers of a stage, such as 1,{layers}; got {args.virtual_stages!r}")
+    return tuple(v for v in given if v > 1)
 
 
 def _budget(args, model: ModelDims, cost: CostModel, parser) -> MemoryBudget:

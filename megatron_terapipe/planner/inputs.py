@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from ..plan import TeraPipePlan
 from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
@@ -18,6 +19,7 @@ from .cost.stage_memory import (MemoryBudget, MemoryBudgetError, ModelStateConfi
 from .memory_search import search_within_budget
 from .schedule_choice import ScheduleTable, compare_schedules
 from .search import SearchResult, SearchSpace, pipeline_link
+from .virtual_search import VirtualSearchResult, search_virtual
 
 
 @dataclass
@@ -51,11 +53,32 @@ class PlannerInputs:
             raise found
         return found
 
+    def search_virtual(self, order: str, chunks: int) -> VirtualSearchResult:
+        """The plan search in `order` on `chunks` model chunks per stage (virtual_search.py),
+        started from the order's one-chunk plan; made once per (order, chunks)."""
+        key = (order, chunks)
+        if key not in self._searches:
+            try:
+                hint: Optional[TeraPipePlan] = self.search(order).plan
+            except MemoryBudgetError:
+                hint = None
+            try:
+                self._searches[key] = search_virtual(
+                    self.cost_model, replace(self.space, order=order), self.budget, chunks, hint)
+            except MemoryBudgetError as error:
+                self._searches[key] = error
+        found = self._searches[key]
+        if isinstance(found, MemoryBudgetError):
+            raise found
+        return found
+
     def schedule_table(self, interleaved: bool = True) -> ScheduleTable:
         """Megatron's schedules and TeraPipe's, timed and held against the budget;
-        interleaved: whether Megatron's interleaved 1F1B is open to the run."""
+        interleaved: whether Megatron's interleaved 1F1B is open to the run (TeraPipe on
+        virtual stages is open where the space's virtual_stages says)."""
         return compare_schedules(self.cost_model, self.space, self.budget,
-                                 self.layers_per_stage if interleaved else 1, search=self.search)
+                                 self.layers_per_stage if interleaved else 1, search=self.search,
+                                 virtual=self.search_virtual)
 
 
 def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,

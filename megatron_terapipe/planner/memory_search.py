@@ -8,6 +8,8 @@ state) held against a per-GPU budget.
    the rows in one batch slice or cut into smaller ones, in the space's weight-gradient mode
    (both modes when it is automatic: deferring holds more). The fastest that fits wins.
 3. Refinement (hill climb, fewer cells) polishes it; a step counts only if it still fits.
+4. With `SearchSpace.place_wgrad`, the chosen plan's W actions are placed where its stages
+   would wait (wgrad_placement.py), within the budget, when that is faster.
 If nothing fits, MemoryBudgetError names the smallest peak found and what to change.
 """
 
@@ -27,6 +29,7 @@ from .refine import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
 from .slicer import cell_arrays
 from .list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
+from .wgrad_placement import plan_wgrad
 
 MAX_CANDIDATES = 120  # simulations of step 2
 
@@ -160,8 +163,32 @@ def _polished(cost_model: CostModel, space: SearchSpace, start: Candidate,
 
 def search_within_budget(cost_model: CostModel, space: SearchSpace,
                          budget: MemoryBudget) -> SearchResult:
-    """The search's plan if it fits `budget`, else the fastest plan of steps 2-3 that does.
-    Raises MemoryBudgetError when none does."""
+    """The search's plan if it fits `budget`, else the fastest plan of steps 2-3 that does;
+    with `space.place_wgrad`, its W actions then placed (step 4). Raises MemoryBudgetError
+    when none fits."""
+    result = _fitting(cost_model, space, budget)
+    return with_placed_wgrad(cost_model, space, budget, result) if space.place_wgrad else result
+
+
+def with_placed_wgrad(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
+                      result: SearchResult) -> SearchResult:
+    """Step 4: the chosen plan with its W actions placed where its stages would wait
+    (wgrad_placement.py), as one more step, when that is faster: never slower, and within
+    the budget wherever the chosen plan is."""
+    chosen = result.chosen
+    if not chosen.plan.defer_wgrad:
+        return result
+    placed, _ = plan_wgrad(chosen.plan, cost_model, space.num_microbatches, space.num_stages,
+                           space.micro_batch_size, budget, space.memory,
+                           cache=shared_caches(cost_model, None).costs)
+    if not placed.wgrad_after:
+        return result
+    step = Candidate(chosen.name, placed, space.simulate(placed, cost_model))
+    plan = replace(placed, order=space.order, predicted_time=step.time)
+    return replace(result, plan=plan, chosen=step, steps=(*result.steps, step))
+
+
+def _fitting(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget) -> SearchResult:
     base = search(cost_model, space)
     if budget.budget_bytes is None or fits(base.chosen, budget):
         return base

@@ -75,7 +75,7 @@ def schedule_table_lines(table: ScheduleTable) -> list[str]:
     budget = table.budget
     lines = [f"schedules, best first ({budget.limit_text()}; peaks count activations, K/V and "
              f"{budget.state_text()} of weights, gradients and optimizer state):",
-             f"  {'':30} {'iteration':>12} {'vs 1F1B':>8}  peak GiB per stage"]
+             f"  {'':30} {'iteration':>12} {'vs 1F1B':>8} {'bubble':>6}  peak GiB per stage"]
     return lines + ["  " + schedule_row(o, base) for o in table.options]
 
 
@@ -86,10 +86,12 @@ def megatron_1f1b_time(table: ScheduleTable) -> Optional[float]:
 
 def schedule_row(o: ScheduleOption, base: Optional[float]) -> str:
     if not o.runnable:
-        return f"{o.name:30} {'-':>12} {'-':>8}  {o.note}"
+        return f"{o.name:30} {'-':>12} {'-':>8} {'-':>6}  {o.note}"
     speedup = f"{base / o.time:>7.2f}x" if base else f"{'-':>8}"
+    bubble = f"{100 * o.result.bubble_fraction:>5.1f}%"
     note = f"  {o.note}" if o.note else ""
-    return f"{o.name:30} {o.time * 1e3:>9.2f} ms {speedup}  {memory_text(o.totals)}{note}"
+    return (f"{o.name:30} {o.time * 1e3:>9.2f} ms {speedup} {bubble}  {memory_text(o.totals)}"
+            f"{note}")
 
 
 def auto_text(choice: AutoChoice) -> str:

@@ -1,7 +1,8 @@
 """Which pipeline schedule to run: Megatron's 1F1B, Megatron's interleaved 1F1B with each
 number of model chunks that divides a stage's layers, and TeraPipe with its best plan in each
-order, all timed by the same cost model on their action lists (the simulator) and held
-against the same memory budget. `compare_schedules` makes the table terapipe-plan prints;
+order (and, for each chunk count in `SearchSpace.virtual_stages` that divides a stage's
+layers, on that many virtual stages per rank: virtual_search.py), all timed by the same cost
+model on their action lists (the simulator) and held against the same memory budget. `compare_schedules` makes the table terapipe-plan prints;
 `ScheduleTable.auto` is what `--pipeline-schedule auto` runs: the fastest schedule that fits,
 except that TeraPipe must be predicted at least AUTO_MIN_GAIN faster than Megatron's best,
 or Megatron's schedule runs.
@@ -18,8 +19,9 @@ from ..schedule.orders import order_names
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError
 from .memory_search import search_within_budget
-from .search import SearchResult, SearchSpace
+from .search import Candidate, SearchResult, SearchSpace
 from .simulator import SimulationResult, simulate
+from .virtual_search import VirtualSearchResult, search_virtual
 
 #: TeraPipe must be predicted at least this much faster than Megatron's best schedule.
 AUTO_MIN_GAIN = 0.03
@@ -131,37 +133,70 @@ def _option(name, family, order, chunks, result, budget, plan, note) -> Schedule
 
 #: A search for one order within the budget (raises MemoryBudgetError as search_within_budget).
 OrderSearch = Callable[[str], SearchResult]
+#: A search for one order on V chunks per stage (raises as search_virtual).
+VirtualSearch = Callable[[str, int], VirtualSearchResult]
 
 
-def _terapipe_option(order: str, search: OrderSearch, budget: MemoryBudget) -> ScheduleOption:
-    name = f"TeraPipe {order}"
+def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
+                     budget: MemoryBudget) -> ScheduleOption:
+    name = f"TeraPipe {order}" + (f", {chunks} chunks" if chunks > 1 else "")
     lean = ""
     try:
-        chosen = search(order).chosen
+        chosen: Candidate = search().chosen  # type: ignore[attr-defined]
     except MemoryBudgetError as exc:  # the leanest plan found, marked as not fitting
         chosen, lean = exc.leanest, "leanest: "  # type: ignore[attr-defined]
-    plan = chosen.plan
+    except ValueError as exc:  # virtual stages this run cannot have
+        if chunks == 1:
+            raise
+        return ScheduleOption(name, TERAPIPE, order, chunks, note=f"cannot run: {exc}")
+    return _option(name, TERAPIPE, order, chunks, chosen.result, budget, chosen.plan,
+                   lean + plan_note(chosen.plan))
+
+
+def plan_note(plan: TeraPipePlan) -> str:
+    """A TeraPipe plan in brief: '3 slices x 2 batch slices +W, W placed, groups of 4'."""
     n = len(plan.seq_slices)
-    note = f"{lean}{n} slice{'s' if n > 1 else ''}" + (
+    note = f"{n} slice{'s' if n > 1 else ''}" + (
         f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
         " +W" if plan.defer_wgrad else "")
-    return _option(name, TERAPIPE, order, 1, chosen.result, budget, plan, note)
+    note += ", early W" if plan.wgrad_points else ""
+    note += ", W placed" if plan.wgrad_after else ""
+    return note + (f", groups of {plan.virtual_group}" if plan.virtual_group else "")
+
+
+def virtual_chunk_counts(space: SearchSpace, layers_per_stage: int) -> list[int]:
+    """The space's chunk counts (besides 1) that divide a stage's layers, on 2 or more stages."""
+    if space.num_stages < 2:
+        return []
+    return [v for v in space.virtual_stages if v > 1 and layers_per_stage % v == 0]
 
 
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                       layers_per_stage: int, orders: Optional[Sequence[str]] = None,
-                      search: Optional[OrderSearch] = None) -> ScheduleTable:
+                      search: Optional[OrderSearch] = None,
+                      virtual: Optional[VirtualSearch] = None) -> ScheduleTable:
     """Every candidate schedule for the run `space` describes, timed and held against
     `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
     those that cannot run. `orders`: TeraPipe's orders to try (default: every registered
     one, schedule/orders.py). `search`: TeraPipe's plan search per order (default:
-    search_within_budget; PlannerInputs passes the searches it already made)."""
+    search_within_budget; PlannerInputs passes the searches it already made); `virtual`:
+    its search per order on V chunks per stage, for V in `virtual_chunk_counts` (default:
+    search_virtual, started from the order's one-chunk plan)."""
     if search is None:
         def search(order: str) -> SearchResult:
             return search_within_budget(cost_model, replace(space, order=order), budget)
+    if virtual is None:
+        def virtual(order: str, chunks: int) -> VirtualSearchResult:
+            try:
+                hint = search(order).plan
+            except MemoryBudgetError:
+                hint = None
+            return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    options += [_terapipe_option(order, search, budget)
-                for order in (order_names() if orders is None else orders)]
+    for order in order_names() if orders is None else orders:
+        options.append(_terapipe_option(order, 1, lambda o=order: search(o), budget))
+        options += [_terapipe_option(order, v, lambda o=order, v=v: virtual(o, v), budget)
+                    for v in virtual_chunk_counts(space, layers_per_stage)]
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
                                             round((o.time or 0.0) * 1e6),

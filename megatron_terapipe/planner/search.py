@@ -72,6 +72,9 @@ class SearchSpace:
     defer_wgrad: Optional[bool] = True  # False: in every backward; None: the simulator decides
     refine: bool = True
     memory: Optional[StageMemory] = None  # what stages keep (default: the cost model's)
+    # model chunks per stage the schedule table may also try (virtual_search.py), besides 1
+    virtual_stages: tuple[int, ...] = ()
+    place_wgrad: bool = False  # plan where W actions run (wgrad_placement.py)
 
     @property
     def unit(self) -> int:
@@ -97,9 +100,11 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """The name, with " +W" for deferred weight gradients and ", early W" for W points."""
+        """The name, with " +W" for deferred weight gradients, ", early W" for W points and
+        ", W placed" for planned W places."""
         text = self.name + (" +W" if self.plan.defer_wgrad else "")
-        return text + (", early W" if self.plan.wgrad_points else "")
+        text += ", early W" if self.plan.wgrad_points else ""
+        return text + (", W placed" if self.plan.wgrad_after else "")
 
 
 @dataclass(frozen=True)
