@@ -21,6 +21,7 @@ K = 1. Writes benchmarks/results/host_ops.json, its provenance first (benchmarks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -97,8 +98,10 @@ def graph_counts(model, plan, batch, args) -> tuple[int, int]:
     config = model.config
     saved = model.__dict__.pop("_terapipe_pools", None)
     graphs: list[RecordingGraph] = []
-    config.terapipe_cuda_graphs = True
-    config.terapipe_graph_factory = lambda key: graphs.append(RecordingGraph(key)) or graphs[-1]
+    own = getattr(config, "terapipe", None) or mt.TeraPipeConfig()
+    config.terapipe = dataclasses.replace(
+        own, cuda_graphs=True,
+        graph_factory=lambda key: graphs.append(RecordingGraph(key)) or graphs[-1])
     # Replays write the gradients where the capture put them: zeroed in place, not set to None.
     graph_args = argparse.Namespace(**{**vars(args), "cuda_graphs": True})
     run = lambda: bench_stage.iteration(mt.forward_backward_terapipe, model, batch, graph_args, plan=plan)  # noqa: E731
@@ -107,8 +110,7 @@ def graph_counts(model, plan, batch, args) -> tuple[int, int]:
         run()  # capture
         replayed_ops = count_ops(run)
     finally:
-        config.terapipe_cuda_graphs = False
-        config.terapipe_graph_factory = None
+        config.terapipe = own
         model.__dict__.pop("_terapipe_pools", None)
         if saved is not None:
             model._terapipe_pools = saved

@@ -85,7 +85,11 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
 
         communicator = HostStagedP2PCommunicator(
             parallel_state.get_pipeline_model_parallel_group(), config)
-        config.terapipe_transport = "megatron"  # TeraPipe's transport over the same communicator
+        # TeraPipe's transport over the same communicator
+        from megatron_terapipe import TeraPipeConfig
+
+        config.terapipe = replace(getattr(config, "terapipe", None) or TeraPipeConfig(),
+                                  transport="megatron")
     batches = [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
                for b in make_batches(case.num_microbatches, 1, case.model.seq_length,
                                      case.model.vocab_size, masked_rows=False)]
@@ -153,7 +157,10 @@ def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: d
             forward_backward_pipelining_without_interleaving(
                 data_iterator=iter(batches), model=[model], **common)
             return
-        model.config.terapipe_cuda_graphs = label in case.graphed
+        from megatron_terapipe import TeraPipeConfig
+
+        model.config.terapipe = replace(getattr(model.config, "terapipe", None) or TeraPipeConfig(),
+                                        cuda_graphs=label in case.graphed)
         model.__dict__["_terapipe_pools"] = memories[label]  # the label's buffers and graphs
         forward_backward_terapipe(data_iterator=iter(batches), model=[model], plan=plan,
                                   on_run=runs.append, **common)
