@@ -20,7 +20,7 @@ def _config(**kw):
     (dict(context_parallel_size=2), "context parallelism"),
     (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     (dict(num_moe_experts=8, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
-    (dict(num_moe_experts=8, moe_aux_loss_coeff=0.01), "load-balancing losses"),
+    (dict(num_moe_experts=8, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4), "multiples of the tensor-parallel size 4"),
 ])
 def test_configure_rejects_unsupported_models(kw, message):

@@ -76,13 +76,37 @@ def _moe(v: RunView) -> bool:
 
 def _aux_loss(v: RunView) -> bool:
     return (_moe(v) and any(c > 0 for c in v.moe_aux_loss_coeff)
-            and any(b != "none" for b in v.moe_router_load_balancing_type))
+            and any(b not in ("none", "sinkhorn") for b in v.moe_router_load_balancing_type))
+
+
+def _router_losses(v: RunView) -> bool:
+    """A load-balancing loss or the z-loss (Megatron adds it whenever the coefficient is set)."""
+    return _aux_loss(v) or (_moe(v) and v.moe_z_loss_coeff is not None)
+
+
+def _router_loss_flags(v: RunView) -> str:
+    flags = []
+    if _aux_loss(v):
+        flags.append(f"--moe-aux-loss-coeff {' '.join(f'{c:g}' for c in v.moe_aux_loss_coeff)} "
+                     f"--moe-router-load-balancing-type "
+                     f"{' '.join(map(str, v.moe_router_load_balancing_type))}")
+    if _moe(v) and v.moe_z_loss_coeff is not None:
+        flags.append(f"--moe-z-loss-coeff {v.moe_z_loss_coeff:g}")
+    return ", ".join(flags)
+
+
+def _router_losses_line_problem() -> Optional[str]:
+    from .moe_losses import line_problem  # imports torch: only for MoE runs with losses
+
+    return line_problem()
 
 
 # Dropless top-k MoE routing is token-wise: a cell routes its tokens as the whole microbatch
-# would. What needs all of a microbatch's tokens at once is refused: load-balancing losses
-# (products of means over the tokens), Sinkhorn, the z-loss (a mean per forward pass) and
-# capacity-based dropping (counted per forward pass). Expert bias only adds up token counts.
+# would. The load-balancing losses and the z-loss need the whole microbatch's counts: each cell
+# adds its counts and its backward takes the microbatch's gradient (moe_losses.py), on the
+# megatron-core lines whose router TeraPipe reproduces. Refused: Sinkhorn (normalised over all
+# the tokens at once) and capacity-based dropping (counted per forward pass). Expert bias only
+# adds up token counts.
 RULES = (
     Rule(lambda v: v.context_parallel > 1, lambda v: (
         f"TeraPipe does not support context parallelism (--context-parallel-size "
@@ -94,21 +118,12 @@ RULES = (
         "TeraPipe does not support virtual pipeline stages: drop "
         "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
         "(or use --pipeline-schedule 1f1b for Megatron's interleaved schedule)")),
-    Rule(_aux_loss, lambda v: (
-        f"TeraPipe cannot run MoE load-balancing losses (--moe-aux-loss-coeff "
-        f"{' '.join(f'{c:g}' for c in v.moe_aux_loss_coeff)}, --moe-router-load-balancing-type "
-        f"{' '.join(map(str, v.moe_router_load_balancing_type))}): the loss multiplies means "
-        "over all the microbatch's tokens, and a token slice sees only its own; use "
-        "aux-loss-free balancing (--moe-aux-loss-coeff 0 --moe-router-enable-expert-bias), or "
-        "--pipeline-schedule 1f1b")),
+    Rule(lambda v: _router_losses(v) and _router_losses_line_problem() is not None, lambda v: (
+        f"MoE router losses ({_router_loss_flags(v)}): {_router_losses_line_problem()}")),
     Rule(lambda v: _moe(v) and "sinkhorn" in v.moe_router_load_balancing_type, (
         "TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn normalises the "
         "routing over all the microbatch's tokens at once; use top-k routing with "
         "--moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")),
-    Rule(lambda v: _moe(v) and bool(v.moe_z_loss_coeff), lambda v: (
-        f"TeraPipe cannot run the router z-loss (--moe-z-loss-coeff {v.moe_z_loss_coeff}): it "
-        "is a mean over each forward pass's tokens, and a token slice's mean is not the "
-        "microbatch's; drop --moe-z-loss-coeff, or use --pipeline-schedule 1f1b")),
     Rule(lambda v: _moe(v) and v.moe_expert_capacity_factor is not None, lambda v: (
         f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
         f"{v.moe_expert_capacity_factor}): an expert's capacity is counted over each forward "
