@@ -57,7 +57,9 @@ class TeraPipePlan:
     virtual_stages: model chunks per pipeline rank (V > 1: K * V virtual stages, rank k
         holding k, K + k, ...; a cell goes through them in order, each chunk with its own K/V
         and W actions; V divides a stage's layers, `check_layers`). virtual_group: microbatches
-        per group of the interleaved order (None: the fewest that make K units).
+        per group of the interleaved order (None: the fewest that make K units); virtual_warmup:
+        at most this many of the second K - k - 1 warm-up forwards of Megatron's interleaved
+        1F1B on stage k (None: all; fewer keep fewer activations alive, orders.py).
     wgrad_after: per stage, for each of its W actions in their default order, how many of
         its F and B actions run before it (empty: the defaults; `planner.plan_wgrad` fills it).
     """
@@ -70,6 +72,7 @@ class TeraPipePlan:
     wgrad_points: Sequence[Sequence[int]] = ()
     virtual_stages: int = 1
     virtual_group: Optional[int] = None
+    virtual_warmup: Optional[int] = None
     wgrad_after: Sequence[Sequence[int]] = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
@@ -230,6 +233,7 @@ class TeraPipePlan:
             **{k: v for k, v, default in (
                 ("virtual_stages", self.virtual_stages, 1),
                 ("virtual_group", self.virtual_group, None),
+                ("virtual_warmup", self.virtual_warmup, None),
                 ("wgrad_after", [list(p) for p in self.wgrad_after], [])) if v != default},
         }
 
@@ -241,6 +245,7 @@ class TeraPipePlan:
                    wgrad_points=data.get("wgrad_points") or (),
                    virtual_stages=data.get("virtual_stages", 1),
                    virtual_group=data.get("virtual_group"),
+                   virtual_warmup=data.get("virtual_warmup"),
                    wgrad_after=data.get("wgrad_after") or ())
 
     def to_json(self) -> str:

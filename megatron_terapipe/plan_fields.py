@@ -21,12 +21,17 @@ def as_int_tuple(values, what: str) -> tuple[int, ...]:
 
 
 def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """virtual_stages (virtual_group with it) and wgrad_after, checked."""
+    """virtual_stages (virtual_group and virtual_warmup with it) and wgrad_after, checked."""
     v, g, raw = plan.virtual_stages, plan.virtual_group, plan.wgrad_after or ()
     if not _whole(v) or (g is not None and not (_whole(g) and v > 1)):
         raise ValueError(f"TeraPipePlan.virtual_stages must be at least 1 model chunk per rank "
                          f"and virtual_group a number of microbatches (with virtual_stages > 1), "
                          f"got {v!r} and {g!r}")
+    lead = plan.virtual_warmup
+    if lead is not None and not (isinstance(lead, int) and not isinstance(lead, bool)
+                                 and lead >= 0 and v > 1):
+        raise ValueError("TeraPipePlan.virtual_warmup must be a number of forwards, 0 or more, "
+                         f"with virtual_stages > 1, got {lead!r}")
     if isinstance(raw, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in raw):
         raise ValueError(f"TeraPipePlan.wgrad_after must be one list per stage, got {raw!r}")
     places = tuple(as_int_tuple(p, "wgrad_after[k]") for p in raw)

@@ -25,13 +25,15 @@ def plan_of(slices, batch, V, order="1f1b", group=None, defer=True, **kw) -> Ter
 
 
 def test_plan_fields_round_trip_and_are_checked():
-    plan = TeraPipePlan([4, 4], virtual_stages=2, virtual_group=1, wgrad_after=[[1, 2], [3]])
+    plan = TeraPipePlan([4, 4], virtual_stages=2, virtual_group=1, virtual_warmup=0,
+                        wgrad_after=[[1, 2], [3]])
     assert TeraPipePlan.from_dict(plan.to_dict()) == plan
     assert set(TeraPipePlan([4, 4]).to_dict()) == {  # files of one-chunk plans as before
         "seq_slices", "batch_slices", "order", "predicted_time", "defer_wgrad", "wgrad_points"}
     for kwargs, message in [(dict(virtual_stages=0), "virtual_stages"),
                             (dict(virtual_stages=True), "virtual_stages"),
                             (dict(virtual_group=2), "virtual_group"),
+                            (dict(virtual_stages=2, virtual_warmup=-1), "virtual_warmup"),
                             (dict(wgrad_after=[[2, 1]]), "non-decreasing"),
                             (dict(wgrad_after=[[1]], defer_wgrad=False), "defer_wgrad")]:
         with pytest.raises(ValueError, match=message):
@@ -55,15 +57,18 @@ def test_cells_name_their_chunk_and_sequence_keys_are_per_chunk():
 @pytest.mark.parametrize("slices,batch", SLICINGS)
 def test_every_allowed_group_gives_a_valid_schedule(K, V, slices, batch):
     """Every microbatch count works (the default group always exists); every group
-    allowed_group accepts validates (dependencies, slice order, messages, no deadlock)."""
+    allowed_group accepts validates (dependencies, slice order, messages, no deadlock), with
+    Megatron's warm-up and the shorter ones (virtual_warmup)."""
     rows = sum(batch) if batch else 1
     cells = plan_of(slices, batch, V).num_cells
     for M in range(1, 8):
         groups = [g for g in range(1, M + 1) if allowed_group(g, M, K, cells)]
         assert virtual_group(plan_of(slices, batch, V), M, K) in groups
         for group in groups:
-            for order in ("1f1b", "gpipe"):
-                validate(build_schedule(plan_of(slices, batch, V, order, group), M, K, rows))
+            validate(build_schedule(plan_of(slices, batch, V, "gpipe", group), M, K, rows))
+            for lead in (None, 0, 1):
+                plan = plan_of(slices, batch, V, "1f1b", group, virtual_warmup=lead)
+                validate(build_schedule(plan, M, K, rows))
 
 
 def test_groups_outside_the_rule_are_refused_and_would_deadlock(monkeypatch):

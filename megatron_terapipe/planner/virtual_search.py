@@ -10,8 +10,11 @@ shrinks and each cell crosses more links, so the search here times plans instead
    keep the first rank busy while a unit goes round the ring, and keep more memory), in the
    space's weight-gradient mode(s);
 2. taken in order of their compute floor (memory_search.compute_floor: no schedule built)
-   until it passes the fastest timed so far; each one's exact peaks from its lists
-   (list_estimate), and those that fit timed by the simulator;
+   until it passes the fastest timed so far; each one's exact peaks and busiest stage's
+   compute from its lists (list_estimate), and those that fit timed by the simulator unless
+   that compute already passes the fastest;
+   a 1f1b plan that does not fit is tried with a shorter warm-up (virtual_warmup 1, then 0:
+   fewer activations alive, as fast when one group holds every microbatch);
 3. with `SearchSpace.place_wgrad`, the fastest few then get their W actions placed
    (wgrad_placement.py), within the budget; the fastest of all is chosen.
 If nothing fits, MemoryBudgetError names the leanest plan (kept on the error as `leanest`).
@@ -35,6 +38,7 @@ from .wgrad_placement import plan_wgrad
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)
 PLACED = 2  # the fastest fitting plans whose W actions are placed
+LEAD_REACH = 1.15  # shorter warm-ups are tried for plans that pass the budget by less
 
 
 @dataclass(frozen=True)
@@ -94,11 +98,21 @@ def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudg
     for i in sorted(range(len(plans)), key=lambda i: (floors[i], i)):
         if timed and floors[i] > min(timed)[0]:
             break  # this plan and every later one take longer than the fastest found
-        schedule = build_schedule(plans[i][1], *shape)
-        found = estimate_lists(schedule, cost_model, space.memory, caches, with_times=False)
-        peaks[i] = max(budget.totals(found.peak_memory_bytes))
-        if budget.fits(found.peak_memory_bytes):
-            timed.append((plan_time(plans[i][1], cost_model, *shape, cache=caches.costs), i))
+        for lead in (None, 1, 0) if space.order == "1f1b" else (None,):
+            # a shorter warm-up keeps less alive: tried when Megatron's does not fit by less
+            # than LEAD_REACH (it saves a few units' activations)
+            if lead is not None and peaks[i] > budget.budget_bytes * LEAD_REACH:
+                break
+            plan = replace(plans[i][1], virtual_warmup=lead)
+            schedule = build_schedule(plan, *shape)
+            found = estimate_lists(schedule, cost_model, space.memory, caches)
+            peaks[i] = min(peaks.get(i, float("inf")), max(budget.totals(found.peak_memory_bytes)))
+            if budget.fits(found.peak_memory_bytes):
+                plans[i] = (plans[i][0] + ("" if lead is None else f", warm-up {lead}"), plan)
+                # its busiest stage's compute bounds it, W places or not: timed if below
+                if not timed or found.busiest_compute < min(timed)[0]:
+                    timed.append((plan_time(plan, cost_model, *shape, cache=caches.costs), i))
+                break
     if not timed:
         raise _no_fit(cost_model, space, budget, plans, peaks, num_chunks)
     timed.sort()

@@ -37,7 +37,8 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
         if V == 1:
             ordered = ORDERS[plan.order](forwards[0], backwards[0], k, num_stages)
         else:
-            ordered = CHUNKED_ORDERS[plan.order](forwards, backwards, k, num_stages, group)
+            ordered = CHUNKED_ORDERS[plan.order](forwards, backwards, k, num_stages, group,
+                                                 plan.virtual_warmup)
         actions = _with_weight_grads(ordered, plan, k, weight_grads, last_w)
         if plan.wgrad_after:
             actions = place_weight_grads(actions, plan.wgrad_after[k] if k < len(plan.wgrad_after)

@@ -21,7 +21,7 @@ plan.py can read it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 PerMicrobatch = Sequence[Sequence[T]]
@@ -55,7 +55,8 @@ def one_forward_one_backward(forwards: PerMicrobatch, backwards: PerMicrobatch, 
 
 #: per chunk, per microbatch, its actions in forward cell order: [chunk][microbatch][cell]
 PerChunk = Sequence[PerMicrobatch]
-ChunkedOrderFunction = Callable[[PerChunk, PerChunk, int, int, int], list]
+# (forwards, backwards, stage, stages, group, lead: TeraPipePlan.virtual_warmup)
+ChunkedOrderFunction = Callable[[PerChunk, PerChunk, int, int, int, Optional[int]], list]
 
 
 def _backward_units(per_microbatch: PerMicrobatch) -> list:
@@ -65,7 +66,7 @@ def _backward_units(per_microbatch: PerMicrobatch) -> list:
 
 
 def gpipe_chunked(forwards: PerChunk, backwards: PerChunk, stage: int, num_stages: int,
-                  group: int) -> list:
+                  group: int, lead: Optional[int] = None) -> list:
     """All forwards, chunk by chunk (every unit through chunk 0, then chunk 1, ...), then all
     backwards in exactly reverse order (last chunk first)."""
     order = [f for per_mb in forwards for cells in per_mb for f in cells]
@@ -87,23 +88,28 @@ def interleaved_tables(forwards: PerChunk, backwards: PerChunk, group: int) -> t
 
 
 def interleaved_warmup(cells_per_microbatch: int, group: int, num_chunks: int, stage: int,
-                       num_stages: int) -> int:
+                       num_stages: int, lead: Optional[int] = None) -> int:
     """Forwards rank `stage` runs before its first backward: Megatron's interleaved warm-up in
     units ((K - k - 1) * 2 + (V - 1) * group units), plus the rest of the first microbatch's
     cells, so that the last rank forwards a whole microbatch on the last chunk before its
-    first backward (exact loss normalisation)."""
+    first backward (exact loss normalisation). `lead`: at most this many of the second
+    K - k - 1 (None: all; fewer keep fewer activations alive, and cost time where the
+    steady state needs them to cover the ring: TeraPipePlan.virtual_warmup)."""
     units = group * cells_per_microbatch
-    return (num_stages - stage - 1) * 2 + (num_chunks - 1) * units + cells_per_microbatch - 1
+    downstream = num_stages - stage - 1
+    extra = downstream if lead is None else min(downstream, lead)
+    return downstream + extra + (num_chunks - 1) * units + cells_per_microbatch - 1
 
 
 def one_forward_one_backward_chunked(forwards: PerChunk, backwards: PerChunk, stage: int,
-                                     num_stages: int, group: int) -> list:
+                                     num_stages: int, group: int,
+                                     lead: Optional[int] = None) -> list:
     """Interleaved 1F1B over units (`interleaved_tables`): the warm-up forwards
     (`interleaved_warmup`), then one forward and one backward in turn, then the backwards
     left."""
     fwd, bwd = interleaved_tables(forwards, backwards, group)
     warmup = min(len(fwd), interleaved_warmup(len(forwards[0][0]), group, len(forwards),
-                                              stage, num_stages))
+                                              stage, num_stages, lead))
     order = list(fwd[:warmup])
     for f, b in zip(fwd[warmup:], bwd):
         order += [f, b]
