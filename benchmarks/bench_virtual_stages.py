@@ -1,0 +1,123 @@
+"""TeraPipe on virtual stages with planned W places against Megatron's schedules, simulated.
+
+    python benchmarks/bench_virtual_stages.py [--microbatches 1,8,32]
+        [--out benchmarks/results/virtual_stages.json]
+
+gpt3-13b on the H100 preset, 8 pipeline stages x TP 8 (inter-node pipeline links), sequences
+of 8192 tokens, micro batch 1. For each microbatch count the memory budget is 20 GiB per GPU
+or Megatron 1F1B's own predicted peak, whichever is larger. terapipe-plan's schedule table is
+made three ways under the same analytic cost model: as it stands (every chunk count that
+divides a stage's 5 layers, W placement on), as before virtual stages and W placement
+(--virtual-stages 1 --wgrad-placement off: "before"), and with no budget (what the fastest
+layouts would need). Each row: predicted iteration, speed-up over Megatron's 1F1B, bubble,
+peak per stage (activations, K/V and model state), whether it fits, and the plan (slices,
+chunks, group, warm-up, W places). The bubble-free limit is Megatron 1F1B's time over its
+busiest stage's compute. Everything is simulated: no GPU is involved. The JSON starts with
+its provenance (benchmarks/provenance.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_terapipe.planner.cli import build_parser  # noqa: E402
+from megatron_terapipe.planner.cli_inputs import inputs_from_options  # noqa: E402
+from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
+from megatron_terapipe.planner.schedule_choice import ScheduleOption, ScheduleTable  # noqa: E402
+from provenance import provenance, script_command  # noqa: E402
+
+MODEL = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel-size 8 "
+         "--seq-length 8192 --micro-batch-size 1").split()
+TARGETS = {1: 3.12, 8: 1.55, 32: 1.15}  # speed-up over Megatron 1F1B to reach
+BEFORE = ["--virtual-stages", "1", "--wgrad-placement", "off"]
+
+
+def table(microbatches: int, extra: list[str]) -> tuple[ScheduleTable, float]:
+    """terapipe-plan's schedule table for `microbatches` with options `extra`, and seconds."""
+    parser = build_parser()
+    args = parser.parse_args(MODEL + ["--num-microbatches", str(microbatches), *extra])
+    start = time.perf_counter()
+    out = inputs_from_options(args, parser).schedule_table()
+    return out, time.perf_counter() - start
+
+
+def row(option: ScheduleOption, base: float) -> dict:
+    out = {"name": option.name, "note": option.note, "fits": option.fits}
+    if option.runnable:
+        r = option.result
+        out.update(iteration_ms=round(r.iteration_time * 1e3, 3),
+                   speedup=round(base / r.iteration_time, 4),
+                   bubble=round(r.bubble_fraction, 4),
+                   peak_gib=[round(t / GiB, 3) for t in option.totals],
+                   busy_ms=[round(b * 1e3, 3) for b in r.busy])
+    if option.plan is not None:
+        out["plan"] = option.plan.to_dict()
+        out["plan"].pop("wgrad_after", None)  # long: its presence is in "W placed"
+        out["w_placed"] = bool(option.plan.wgrad_after)
+    return out
+
+
+def best(rows: list[dict], family_prefix: str) -> dict:
+    return min((r for r in rows if r["fits"] and r["name"].startswith(family_prefix)
+                and "iteration_ms" in r), key=lambda r: r["iteration_ms"], default={})
+
+
+def case(microbatches: int) -> dict:
+    free, _ = table(microbatches, [])
+    megatron = next(o for o in free.options if o.name == "Megatron 1F1B")
+    base = megatron.time
+    budget = max(20 * GiB, max(megatron.totals))
+    limited, seconds = table(microbatches, ["--memory-budget", str(budget)])
+    before, _ = table(microbatches, ["--memory-budget", str(budget), *BEFORE])
+    rows = [row(o, base) for o in limited.options]
+    chosen = best(rows, "TeraPipe")
+    interleaved = best(rows, "Megatron interleaved")
+    target = TARGETS.get(microbatches)
+    return {
+        "microbatches": microbatches,
+        "budget_gib": round(budget / GiB, 3),
+        "megatron_1f1b_ms": round(base * 1e3, 3),
+        "bubble_free_limit": round(base / max(megatron.result.busy), 4),
+        "planning_seconds": round(seconds, 2),
+        "best_terapipe": chosen,
+        "target_speedup": target,
+        "target_met": bool(target and chosen and chosen["speedup"] >= target),
+        "not_below_megatron_interleaved": (not interleaved
+                                           or chosen["iteration_ms"] <= interleaved["iteration_ms"]),
+        "rows": rows,
+        "before": [row(o, base) for o in before.options if o.family == "terapipe"],
+        "no_budget": [row(o, base) for o in free.options if o.family == "terapipe"],
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--microbatches", default="1,8,32", help="comma list (default 1,8,32)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results", "virtual_stages.json"))
+    args = p.parse_args(argv)
+    origin = provenance(script_command(__file__, argv))
+    cases = [case(int(m)) for m in args.microbatches.split(",")]
+    for c in cases:
+        b = c["best_terapipe"]
+        print(f"{c['microbatches']:>3} microbatches, budget {c['budget_gib']:.2f} GiB: "
+              f"{b.get('name')} {b.get('iteration_ms')} ms, {b.get('speedup')}x over Megatron "
+              f"1F1B ({c['megatron_1f1b_ms']} ms; bubble-free limit {c['bubble_free_limit']}x; "
+              f"target {c['target_speedup']}x {'met' if c['target_met'] else 'NOT met'}); "
+              f"planned in {c['planning_seconds']} s")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"provenance": origin, "cases": cases}, f, indent=1)
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
