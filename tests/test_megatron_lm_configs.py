@@ -19,6 +19,7 @@ import pytest
 
 from harness.megatron_lm import pretrain
 from harness.spawn import free_port
+from megatron_terapipe.megatron.hooks import moe_losses
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 
@@ -42,6 +43,7 @@ class Config:
     name: str
     nproc: int
     flags: tuple[str, ...]
+    moe_logs: tuple[str, ...] = ()  # the MoE losses its iteration lines must carry
 
 
 EQUAL = [
@@ -70,6 +72,29 @@ EQUAL = [
     Config("MoE, DP=2 x EP=2", 4, (*MOE, "--expert-model-parallel-size", "2")),
 ]
 
+#: MoE router losses: equal to Megatron's on the megatron-core lines whose losses TeraPipe
+#: reproduces (hooks/moe_losses.py), refused with the flags named elsewhere.
+MOE_LOSSES = [
+    (Config("MoE + load-balancing loss (aux_loss)", 2, (*MOE, "--moe-aux-loss-coeff", "1e-2"),
+            ("load_balancing_loss",)), "--moe-aux-loss-coeff"),
+    (Config("MoE + seq_aux_loss", 2, (*MOE, "--moe-router-load-balancing-type", "seq_aux_loss",
+                                      "--moe-aux-loss-coeff", "1e-2"),
+            ("seq_load_balancing_loss",)), "--moe-aux-loss-coeff"),
+    (Config("MoE + global_aux_loss", 2, (*MOE, "--moe-router-load-balancing-type",
+                                         "global_aux_loss", "--moe-aux-loss-coeff", "1e-2"),
+            ("global_load_balancing_loss",)), "--moe-aux-loss-coeff"),
+    (Config("MoE + z-loss", 2, (*MOE, "--moe-z-loss-coeff", "1e-3"), ("z_loss",)),
+     "--moe-z-loss-coeff"),
+    (Config("MoE + all three load-balancing losses + z-loss, DP=2 x EP=2", 4,
+            (*MOE, "--expert-model-parallel-size", "2", "--moe-router-load-balancing-type",
+             "aux_loss", "seq_aux_loss", "global_aux_loss", "--moe-aux-loss-coeff", "1e-2",
+             "1e-2", "1e-2", "--moe-z-loss-coeff", "1e-3"),
+            ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+             "z_loss")), "--moe-aux-loss-coeff"),
+]
+if moe_losses.line_problem() is None:
+    EQUAL += [config for config, _ in MOE_LOSSES]
+
 #: (configuration, what TeraPipe's error must say, whether Megatron's 1f1b trains it on CPU:
 #: context parallelism needs Transformer Engine's attention, which the CPU has not)
 REFUSED = [
@@ -77,13 +102,13 @@ REFUSED = [
                                     "--num-layers-per-virtual-pipeline-stage", "1")),
      "--num-layers-per-virtual-pipeline-stage", True),
     (Config("CP=2", 4, ("--context-parallel-size", "2")), "--context-parallel-size", False),
-    (Config("MoE + load-balancing loss", 2, (*MOE, "--moe-aux-loss-coeff", "0.01")),
-     "--moe-aux-loss-coeff 0.01", True),
     (Config("MoE + capacity factor", 2, (*MOE, "--moe-expert-capacity-factor", "1.0")),
      "--moe-expert-capacity-factor 1.0", True),
-    (Config("MoE + z-loss", 2, (*MOE, "--moe-z-loss-coeff", "0.001")), "--moe-z-loss-coeff",
-     True),
+    (Config("MoE + Sinkhorn routing", 2, (*MOE, "--moe-router-load-balancing-type", "sinkhorn",
+                                         "--moe-router-topk", "1")), "sinkhorn", True),
 ]
+if moe_losses.line_problem() is not None:
+    REFUSED += [(config, flag, True) for config, flag in MOE_LOSSES]
 
 
 @pytest.mark.parametrize("config", EQUAL, ids=[c.name for c in EQUAL])
@@ -99,6 +124,9 @@ def test_terapipe_equals_1f1b(config):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} loss"
         assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
     assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+    for i, (mine, ref) in enumerate(zip(ours.moe_losses, theirs.moe_losses), start=1):
+        assert sorted(mine) == sorted(ref) == sorted(config.moe_logs), f"iteration {i}: {mine}"
+        assert mine == pytest.approx(ref, rel=1e-5), f"iteration {i} MoE losses"
 
 
 @pytest.mark.parametrize("config, flag, megatron_trains", REFUSED,
