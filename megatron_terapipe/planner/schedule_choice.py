@@ -154,14 +154,16 @@ def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
 
 
 def plan_note(plan: TeraPipePlan) -> str:
-    """A TeraPipe plan in brief: '3 slices x 2 batch slices +W, W placed, groups of 4'."""
+    """A TeraPipe plan in brief: '3 slices x 2 batch slices +W, W placed, groups of 4'
+    (virtual stages: microbatches per group, and a shorter warm-up when it has one)."""
     n = len(plan.seq_slices)
     note = f"{n} slice{'s' if n > 1 else ''}" + (
         f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
         " +W" if plan.defer_wgrad else "")
     note += ", early W" if plan.wgrad_points else ""
     note += ", W placed" if plan.wgrad_after else ""
-    return note + (f", groups of {plan.virtual_group}" if plan.virtual_group else "")
+    note += f", groups of {plan.virtual_group}" if plan.virtual_group else ""
+    return note + (f", warm-up {plan.virtual_warmup}" if plan.virtual_warmup is not None else "")
 
 
 def virtual_chunk_counts(space: SearchSpace, layers_per_stage: int) -> list[int]:
