@@ -10,7 +10,8 @@ model and GPU shapes, the analytic model, a stage's memory), profile/ (measured 
 memory, their fits, the profiled cost model); slicer (the DP), memory_walk and simulator (both
 replay the schedule's action lists), list_estimate (a plan's peaks and compute from its lists,
 as arrays), refine, search (the one plan search), memory_search (within
-a budget), schedule_choice (Megatron's schedules vs TeraPipe's), inputs (PlannerInputs: what
+a budget), wgrad_placement (where W actions run, by list scheduling), virtual_search (plans on
+virtual stages: V model chunks per rank), schedule_choice (Megatron's schedules vs TeraPipe's), inputs (PlannerInputs: what
 every question to the planner starts from), report and timeline (text and pictures), cli and
 cli_inputs (terapipe-plan).
 
@@ -30,6 +31,8 @@ from .search import SearchResult, SearchSpace, search, solve
 from .simulator import SimulationResult, plan_time, simulate, simulate_plan
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve_slicing
 from .timeline import chrome_trace, write_chrome_trace, write_png
+from .virtual_search import search_virtual
+from .wgrad_placement import place_wgrad, plan_wgrad
 
 __all__ = [
     "AnalyticCostModel",
@@ -58,11 +61,14 @@ __all__ = [
     "fit_layer_times",
     "hardware_preset",
     "model_preset",
+    "place_wgrad",
     "place_wgrad_points",
+    "plan_wgrad",
     "plan_objective",
     "plan_time",
     "refine",
     "search",
+    "search_virtual",
     "simulate",
     "simulate_plan",
     "solve",
