@@ -146,3 +146,15 @@ def test_chunk_counts_must_divide_a_stage_s_layers(capsys):
             .splitlines() if line.startswith("  TeraPipe")]
     assert len(rows) == 4  # each order on 1 and 3 chunks
     assert sum(", 3 chunks" in r for r in rows) == 2 and not any("2 chunks" in r for r in rows)
+
+
+def test_schedule_files_keep_chunks_and_w_places(tmp_path):
+    from megatron_terapipe.schedule import dump_schedule, load_schedule
+
+    plan = TeraPipePlan([4, 4], virtual_stages=2, wgrad_after=[[16] * 4, [16] * 4])
+    schedule = build_schedule(plan, 2, 2, 1)
+    path = dump_schedule(schedule, tmp_path / "schedule.json")
+    assert '"F(m0b0t1c1)"' in path.read_text()
+    again = load_schedule(path)
+    assert again.plan == plan and again.stages == schedule.stages
+    assert [a.kind for a in again.stages[0][-4:]] == ["W"] * 4
