@@ -27,6 +27,7 @@ import functools
 import os
 import runpy
 import sys
+import time
 from typing import Callable, Optional, Sequence
 
 USAGE = """\
@@ -145,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return _run(rest, lambda: runpy.run_path(script, run_name="__main__"))
 
 
+#: How long the other ranks wait, after a flag error, before exiting (rank 0 prints it).
+REPORT_GRACE_S = 3.0
+
+
 def _run(args: Sequence[str], script: Callable[[], object]) -> int:
     """Run the script with the hooks; a TeraPipe flag error (raised before torch.distributed
     starts) is printed once, by rank 0, as argparse prints its own, and every rank exits with 2."""
@@ -157,6 +162,9 @@ def _run(args: Sequence[str], script: Callable[[], object]) -> int:
     except (TeraPipeArgumentError, LauncherError) as exc:
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"megatron_terapipe.megatron.launch: error: {exc}\n")
+            sys.stderr.flush()
+        else:  # torchrun stops every rank once one exits: give rank 0 time to say why
+            time.sleep(REPORT_GRACE_S)
         return 2
     return 0
 
