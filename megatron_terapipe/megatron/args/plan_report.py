@@ -58,7 +58,7 @@ class PlanReport:
         out.append(">   weight gradients .......... " + wgrad)
         if plan.defer_wgrad:  # the rule, and how to change it
             out.append(">     (the default: exact, one accumulation per parameter and sequence;")
-            out.append(">     Transformer Engine layers keep theirs in the backward cells;")
+            out.append(">     layers TeraPipe does not hook (Transformer Engine's) keep theirs there;")
             out.append(">     --terapipe-defer-wgrad off: all there, less memory held)")
         out.append(f">   slices from ............... {self.source}")
         if self.attention:

@@ -83,7 +83,8 @@ def _defer_linear(module: torch.nn.Module, column: type, fused_accumulate) -> No
 def install_wgrad_deferral(model: torch.nn.Module) -> int:
     """Let the parameters of `model` defer their gradients inside TeraPipe backward cells.
     Idempotent; returns how many parameters can defer (those of the modules above that
-    require grad; Transformer Engine layers keep computing their gradients at once)."""
+    require grad; Transformer Engine layers are not hooked, so they would keep computing their
+    gradients at once: not tried, no Transformer Engine on the test machines)."""
     column, row = compat.parallel_linear_classes()
     embeddings = (torch.nn.Embedding, compat.vocab_parallel_embedding_class())
     fused_accumulate = compat.fused_wgrad_accumulate()
