@@ -1,7 +1,7 @@
 """Zero-edit launcher: run an unmodified Megatron-LM training script with TeraPipe available.
 
     torchrun --nproc-per-node 8 -m megatron_terapipe.megatron.launch pretrain_gpt.py \\
-        <Megatron-LM arguments> --pipeline-schedule terapipe [--terapipe-* flags]
+        <Megatron-LM arguments> --pipeline-schedule {terapipe,auto} [--terapipe-* flags]
 
 The launcher puts the script's directory first on sys.path (as `python pretrain_gpt.py` does),
 installs the hooks (`install_hooks`) and runs the script with runpy as __main__. The hooks:
@@ -35,7 +35,7 @@ usage: python -m megatron_terapipe.megatron.launch SCRIPT [script arguments ...]
        python -m megatron_terapipe.megatron.launch -m MODULE [module arguments ...]
 
 Runs a Megatron-LM training script (e.g. pretrain_gpt.py) unmodified, with TeraPipe's flags
-(--pipeline-schedule {1f1b,terapipe}, --terapipe-*) added to its arguments. Use it under
+(--pipeline-schedule {1f1b,terapipe,auto}, --terapipe-*) added to its arguments. Use it under
 torchrun: torchrun --nproc-per-node N -m megatron_terapipe.megatron.launch pretrain_gpt.py ...
 """
 
