@@ -46,7 +46,8 @@ def run_settings(args: argparse.Namespace, seq_length: int, micro_batch_size: in
 
 def plan_and_report(args: argparse.Namespace, seq_length: int, micro_batch_size: int):
     """The plan the flags select for this batch and its report, as one process makes them."""
-    return planning.plan_and_report(run_settings(args, seq_length, micro_batch_size))
+    planned = planning.plan_run(run_settings(args, seq_length, micro_batch_size))
+    return planned.plan, planned.report
 
 
 def test_defaults_keep_megatron_schedule():

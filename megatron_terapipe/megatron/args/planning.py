@@ -150,14 +150,6 @@ def fixed_plan(flags: TeraPipeSettings, grid: SliceGrid,
                 grid.uniform(seq_length, flags.num_slices, order=flags.order))
 
 
-def plan_and_report(run: RunSettings,
-                    inputs: Optional[InputsSource] = None) -> tuple[TeraPipePlan, PlanReport]:
-    """The plan the flags select for `run`'s batch, and the simulator's view of it (one
-    process; `inputs` defaults to the flags' inputs without measuring)."""
-    planned = plan_run(run, inputs)
-    return planned.plan, planned.report
-
-
 def simulated_trace_path(path: str) -> Path:
     """Where --terapipe-trace PATH puts the simulated timeline: PATH's '.simulated' sibling."""
     p = Path(path)
