@@ -59,6 +59,10 @@ CASES_4 = [
     # Counts reduced over TP; the z-loss logged per rank over its Megatron sequence chunk.
     MoECase("tp2_pp2_sequence_parallel_ddp", TeraPipePlan([6, 6, 4]), tp=2, ddp=True,
             model=MoEGPT(sequence_parallel=True, **ALL_AUX)),
+    # Per-token losses under TP: 0.19 scales them by the TP x CP size as well as the tokens.
+    MoECase("tp2_pp2_sequence_parallel_per_token_ddp", TeraPipePlan([6, 6, 4], order="gpipe"),
+            tp=2, ddp=True, model=MoEGPT(sequence_parallel=True, calculate_per_token_loss=True,
+                                         **ALL_AUX)),
     # global_aux_loss's counts also reduced over the data-parallel ranks.
     MoECase("dp2_pp2_ddp", PLANS["gpipe_w"], ddp=True, num_microbatches=2,
             model=MoEGPT(calculate_per_token_loss=True, **ALL_AUX)),

@@ -152,20 +152,55 @@ def _buffers(model) -> dict[str, torch.Tensor]:
             if name.rsplit(".", 1)[-1] in ROUTER_BUFFERS}
 
 
+def _tracker_values() -> dict[str, torch.Tensor]:
+    """Megatron's MoE loss tracker, name -> its per-layer values (the tracker's own tensors):
+    0.19's `get_moe_metrics_tracker()`, 0.16's layer-wise dict."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return {name: entry["values"] for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
+
+
+def _empty_tracker() -> None:
+    """Forget every logged name, so that the next case logs from nothing."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
+def _reduce_tracker(names: list[str], groups) -> None:
+    """Megatron's reduction of the logged values, as its training log does it (0.19's tracker
+    does it in report(), which also empties the values, so its _sync_metrics here)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:  # 0.16
+        from megatron.core.transformer.moe.moe_utils import reduce_aux_losses_tracker_across_ranks
+
+        reduce_aux_losses_tracker_across_ranks(names, pg_collection=groups)
+    else:
+        get_moe_metrics_tracker()._sync_metrics(names, groups)
+
+
 def _logged(pp_group) -> dict[str, torch.Tensor]:
     """The MoE losses Megatron's tracker holds, reduced as Megatron-LM's training log reduces
     them (over the pipeline, the loss's group, data-parallel average), per layer."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import (get_moe_layer_wise_logging_tracker,
-                                                         reduce_aux_losses_tracker_across_ranks)
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    names = sorted(tracker)
+    names = sorted(_tracker_values())
     groups = SimpleNamespace(pp=pp_group, dp=parallel_state.get_data_parallel_group())
-    reduce_aux_losses_tracker_across_ranks(names, pg_collection=groups)
-    logged = {name: tracker[name]["values"].detach().clone() for name in names}
+    _reduce_tracker(names, groups)
+    values = _tracker_values()
+    logged = {name: values[name].detach().clone() for name in names}
     for name in names:
-        tracker[name]["values"].zero_()
+        values[name].zero_()
     return logged
 
 
@@ -224,14 +259,13 @@ def run_moe_case(rank: int, case: MoECase, solo_group) -> dict[str, Any]:
     """Megatron's no-pipelining run, then TeraPipe's, in the layout initialised for the case;
     `solo_group`: a group of this rank alone (the baseline's pipeline)."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     batches = _batches(case, parallel_state.get_data_parallel_world_size(),
                        parallel_state.get_data_parallel_rank())
     ref = _baseline(case, batches, solo_group)
     ours = _terapipe(case, batches, ref["state"])
     last = parallel_state.is_pipeline_last_stage()
-    get_moe_layer_wise_logging_tracker().clear()  # the next case logs from zero
+    _empty_tracker()  # the next case logs from zero
     return {"rank": rank, "last_stage": last,
             "grads": {name: (g, ref["grads"][name]) for name, g in ours["grads"].items()},
             "buffers": {name: (b, ref["buffers"][name]) for name, b in ours["buffers"].items()},

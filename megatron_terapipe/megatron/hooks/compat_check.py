@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from . import compat
+from . import compat, compat_moe
 
 
 def check_all() -> list[tuple[str, Optional[str]]]:
@@ -27,6 +27,7 @@ def check_all() -> list[tuple[str, Optional[str]]]:
               ("CPU mode modules", compat.cpu_mode_modules),
               ("RNG state (tensor_parallel.random)", compat.rng_module),
               ("TopKRouter's loss methods", _router_class),
+              ("MoE loss tracker", compat_moe.metrics_recorder),
               ("TransformerConfig fields", missing_config_fields)]
     results = []
     for name, check in checks:
@@ -46,13 +47,17 @@ def _router_class():
 
 
 def missing_config_fields() -> list[str]:
-    """CONFIG_FIELDS_READ that the installed TransformerConfig does not define."""
+    """CONFIG_FIELDS_READ, and the line-specific fields of the installed line, that the
+    installed TransformerConfig does not define."""
     import dataclasses
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return [name for name in compat.CONFIG_FIELDS_READ if name not in fields]
+    line = compat.megatron_core_version()[:2]
+    read = [*compat.CONFIG_FIELDS_READ,
+            *(name for name, since in compat_moe.LINE_CONFIG_FIELDS.items() if line >= since)]
+    return [name for name in read if name not in fields]
 
 
 def main() -> int:

@@ -16,8 +16,10 @@ either way; what Megatron keeps per rank (the z-loss it logs, the token count th
 per-token and z-loss gradients) is binned here by the rank that owns each token in Megatron's
 layout (`token_owners`) and summed over TP when the microbatch is complete.
 
-Formulas, scaling and logging follow megatron-core 0.16's router.py and moe_utils.py
-(`switch_load_balancing_loss_func`, `attach_and_log_load_balancing_loss`, `apply_z_loss`).
+Formulas, scaling and logging follow megatron-core's router.py and moe_utils.py
+(`switch_load_balancing_loss_func`, `attach_and_log_load_balancing_loss`, `apply_z_loss`); where
+0.16 and 0.19 scale per-token losses differently, LossShape carries the line's convention
+(compat_moe.py).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class LossShape:
     loss_scale: Callable[[], torch.Tensor]  # Megatron's MoEAuxLossAutoScaler scale, at backward
     tp_size: int = 1  # the router's TP x CP group (sequence-parallel chunks)
     tp_rank: int = 0
+    per_token_factor: int = 1  # per-token losses x this beyond the token count (0.19: TP x CP)
+    seq_aux_tokens_per_sequence: bool = True  # seq_aux_loss's per-token count per row (0.16)
 
 
 def token_owners(shape: LossShape, token_start: int, local_tokens: int) -> torch.Tensor:
@@ -113,7 +117,8 @@ class SwitchTerm:
         self.local_tokens = owner_tokens
         if self.kind == "seq_aux_loss":
             self.total_tokens = self.total_tokens / self.shape.micro_batch_size
-            self.local_tokens = owner_tokens / self.shape.micro_batch_size
+            if self.shape.seq_aux_tokens_per_sequence:
+                self.local_tokens = owner_tokens / self.shape.micro_batch_size
         self.counts_for_loss = self.counts
         if self.kind == "global_aux_loss":
             router.global_tokens_per_expert += self.counts
@@ -133,7 +138,8 @@ class SwitchTerm:
     def score_grad(self, scores_shape: torch.Size, rows: slice, owners: torch.Tensor) -> torch.Tensor:
         """d loss / d scores of one cell ([seq x rows, E]): the microbatch's counts, scaled as
         Megatron scales the loss it attaches (the autoscaler's scale, 1 / rows for
-        seq_aux_loss, and per token the token count of the rank that routes it)."""
+        seq_aux_loss, and per token the token count of the rank that routes it, x the line's
+        per-token factor)."""
         require_complete(self)
         grad = self.shape.loss_scale()
         if self.kind == "seq_aux_loss":
@@ -144,7 +150,8 @@ class SwitchTerm:
             per_expert = per_expert[rows].unsqueeze(0)  # [1, rows, E]
         grad = per_expert.expand(seq, bsz, -1)
         if self.shape.per_token_loss:
-            grad = grad * self.local_tokens[owners].view(seq, 1, 1).to(grad.dtype)
+            tokens = self.local_tokens[owners] * self.shape.per_token_factor
+            grad = grad * tokens.view(seq, 1, 1).to(grad.dtype)
         return grad.reshape(scores_shape)
 
 
@@ -176,7 +183,9 @@ class ZTerm:
         grad = self.shape.loss_scale() * self.coeff  # per-token loss: each token's own term
         seq = owners.shape[0]
         per_position = grad.expand(seq)
-        if not self.shape.per_token_loss:
+        if self.shape.per_token_loss:
+            per_position = per_position * self.shape.per_token_factor
+        else:
             per_position = per_position / torch.clamp(self.tokens[owners], min=1.0)
         return per_position.view(seq, 1).expand(seq, values_shape[0] // seq).reshape(values_shape)
 

@@ -28,13 +28,13 @@ import torch
 
 from ...runtime.context import ActiveCell, active_cell
 from ...schedule import ActionKind, Schedule
-from . import compat
+from . import compat, compat_moe
 from .moe_loss_terms import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
                              SwitchTerm, ZLossGrad, ZTerm, squared_logsumexp, token_owners)
 
-#: megatron-core lines whose router losses TeraPipe reproduces: 0.19 scales per-token losses
-#: by the TP x CP size and logs through another tracker.
-EXACT_LOSS_LINES = ((0, 16),)
+#: megatron-core lines whose router losses TeraPipe reproduces (compat_moe.py: how each one
+#: scales and logs them).
+EXACT_LOSS_LINES = tuple(compat_moe.ROUTER_LOSS_CONVENTIONS)
 #: TopKRouter methods replaced per router (name -> the load-balancing type it applies).
 SWITCH_METHODS = {"_apply_aux_loss": "aux_loss", "_apply_seq_aux_loss": "seq_aux_loss",
                   "_apply_global_aux_loss": "global_aux_loss"}
@@ -47,10 +47,12 @@ def line_problem() -> Optional[str]:
     version = compat.megatron_core_version()
     if version[:2] in EXACT_LOSS_LINES:
         return None
+    lines = " and ".join(f"{a}.{b}.x" for a, b in compat_moe.ROUTER_LOSS_CONVENTIONS)
     return (f"TeraPipe reproduces the MoE load-balancing losses and the router z-loss of "
-            f"megatron-core 0.16.x, but megatron-core {compat.version_text(version)} scales and "
-            "logs them differently: drop --moe-aux-loss-coeff and --moe-z-loss-coeff (use "
-            "--moe-router-enable-expert-bias for balancing), or use --pipeline-schedule 1f1b")
+            f"megatron-core {lines} (each line scales and logs them its own way), not those of "
+            f"megatron-core {compat.version_text(version)}: install one of those lines, drop "
+            "--moe-aux-loss-coeff and --moe-z-loss-coeff (use --moe-router-enable-expert-bias "
+            "for balancing), or use --pipeline-schedule 1f1b")
 
 
 def router_class() -> type:
@@ -108,8 +110,7 @@ def set_aux_loss_scale(config, num_microbatches: int, device: torch.device) -> N
     microbatch): the loss scale, divided by the microbatch count unless per-token."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    ones = torch.ones(1, device=device)
-    loss_scale = config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+    loss_scale = compat_moe.moe_loss_scale(config, device)
     if config.calculate_per_token_loss:
         MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
     else:
@@ -165,7 +166,9 @@ class RouterLosses:
         router = self.router
         self.shape = LossShape(router.config.num_moe_experts, router.topk, micro_batch_size,
                                seq_length, bool(router.calculate_per_token_loss), _loss_scale,
-                               router.tp_cp_group.size(), router.tp_cp_group.rank())
+                               router.tp_cp_group.size(), router.tp_cp_group.rank(),
+                               compat_moe.per_token_factor(router),
+                               compat_moe.seq_aux_tokens_per_sequence())
         self.tokens_per_microbatch = micro_batch_size * seq_length
         self.microbatches = {}
 
@@ -229,8 +232,6 @@ class RouterLosses:
     def _finish(self, losses: MicrobatchLosses) -> None:
         """The microbatch's last cell was counted: sum the per-rank bins over TP, complete the
         terms, log each loss once."""
-        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
-
         router = self.router
         with torch.no_grad():
             if self.shape.tp_size > 1:
@@ -240,14 +241,13 @@ class RouterLosses:
             layers = router.config.num_layers
             for kind, term in losses.switch.items():
                 term.finish(router, losses.owner_tokens)
-                save_to_aux_losses_tracker(
+                compat_moe.record_router_loss(
                     SWITCH_LOSS_NAMES[kind], term.value() / term.coeff, router.layer_number,
                     layers, reduce_group=self._group(kind),
-                    reduce_group_has_dp=kind == "global_aux_loss")
+                    dp_average=kind != "global_aux_loss")
             if losses.z is not None:
                 losses.z.tokens, losses.z.complete = losses.owner_tokens, True
-                save_to_aux_losses_tracker("z_loss", losses.z.value() / losses.z.coeff,
-                                           router.layer_number, layers)
+                compat_moe.record_z_loss(router, losses.z.value() / losses.z.coeff, layers)
         losses.complete = True
 
 
