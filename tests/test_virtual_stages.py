@@ -133,10 +133,11 @@ def test_messages_go_round_the_ring_named_by_each_side(lowering):
     assert all(c.chunk == 1 for c in receives_f0)  # the model's first layers receive nothing
 
 
-def test_the_executor_refuses_virtual_stages_until_it_runs_them():
+def test_lowered_schedules_keep_virtual_stages_for_the_executor():
+    """The executor runs them (tests/test_virtual_runs.py): validated and lowered once."""
     schedule = build_schedule(plan_of([4, 4], None, 2), 2, 2, 1)
-    with pytest.raises(ValueError, match="virtual_stages=1"):
-        LoweredSchedule.of(schedule)
+    lowered = LoweredSchedule.of(schedule, Lowering(post_receives_early=True))
+    assert lowered.stages == lower(schedule, Lowering(post_receives_early=True))
 
 
 COST = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"), layers_per_stage=6,

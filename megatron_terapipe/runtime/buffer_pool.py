@@ -42,9 +42,9 @@ class BufferPool:
     allocations: tensors created so far (the first iteration's; none in the steady state).
     log: every take of the iteration being recorded (`record()`), for the capture audit.
     label_of: names the running action for the log (set by the executor).
-    stage_reads_data: whether forward_step read the data iterator on this stage, learned in
-    the first iteration (None before): later iterations read and stage each microbatch
-    before its first cell, outside it (runtime/batching.py).
+    chunks_reading_data: per model chunk of the stage, whether forward_step read its data
+    iterator, learned in the first iteration (None before): later iterations read and stage
+    each microbatch before its first cell, outside it (runtime/batching.py).
     """
 
     slots: dict[PoolKey, list[torch.Tensor]] = field(default_factory=dict)
@@ -53,7 +53,7 @@ class BufferPool:
     allocations: int = 0
     log: Optional[list[PoolTake]] = None
     label_of: Callable[[], str] = lambda: "outside a cell"
-    stage_reads_data: Optional[bool] = None
+    chunks_reading_data: Optional[tuple[bool, ...]] = None
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
              zeroed: bool = False) -> torch.Tensor:

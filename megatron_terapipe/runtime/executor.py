@@ -12,16 +12,18 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Union
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..schedule import (Action, Cell, LoweredSchedule, Schedule, TimedAction, format_action,
                         opposite)
+from ..schedule.actions import last_virtual_stage
 from .batching import CellData
 from .buffer_pool import BufferPool
 from .cell_graphs import CellGraphs
 from .context import current_action_or_outside, running_action, running_cell
+from .grad_sync import GradSync, SyncFunc
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import RunRecord
@@ -43,8 +45,9 @@ class StageOptions:
     autocast_dtype: Optional[torch.dtype] = None
     # Megatron's deallocate_pipeline_outputs: free a stage output's data once it is sent.
     deallocate_outputs: bool = False
-    no_sync_func: Callable[[], ContextManager] = contextlib.nullcontext
-    grad_sync_func: Optional[Callable] = None
+    # one callable, or one per model chunk (grad_sync.py)
+    no_sync_func: SyncFunc = contextlib.nullcontext
+    grad_sync_func: SyncFunc = None
 
 
 @dataclass
@@ -62,15 +65,20 @@ class StageExecutor:
     the RunRecord in `record`.
 
     `schedule`: the schedule already validated and lowered for the transport (built once per
-    plan and batch shape, schedule/lowered.py); a plain Schedule is validated and lowered here."""
+    plan and batch shape, schedule/lowered.py); a plain Schedule is validated and lowered here.
+    `model`, `data`: the stage's StageModel and CellData, or one of each per model chunk (a
+    plan with virtual_stages V > 1)."""
 
-    def __init__(self, schedule: Union[LoweredSchedule, Schedule], stage: int, model: StageModel,
-                 data: CellData, transport: Transport, options: StageOptions,
-                 device: torch.device, pool: Optional[BufferPool] = None,
+    def __init__(self, schedule: Union[LoweredSchedule, Schedule], stage: int,
+                 model: Union[StageModel, Sequence[StageModel]],
+                 data: Union[CellData, Sequence[CellData]], transport: Transport,
+                 options: StageOptions, device: torch.device, pool: Optional[BufferPool] = None,
                  graphs: Optional[CellGraphs] = None) -> None:
         lowered = _lowered_for(schedule, transport)
         schedule = lowered.schedule
-        self.schedule, self.stage, self.model, self.data = schedule, stage, model, data
+        self.models, self.chunk_data = _per_chunk(schedule, model, data)
+        self.schedule, self.stage = schedule, stage
+        self.model, self.data = self.models[0], self.chunk_data[-1]  # the loss reads the last's
         self.graphs = graphs  # CUDA graphs per compute action (cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
         self.actions = lowered.stage(stage)
@@ -80,24 +88,25 @@ class StageExecutor:
         self.pool = pool if pool is not None else BufferPool()
         self.pool.label_of = current_action_or_outside
         transport.pool = self.pool
-        if data.pool is None:
-            data.pool = self.pool
-        self.loss = LossBook(data, schedule.num_microbatches, device, options.collect_non_loss_data,
+        for chunk_data in self.chunk_data:
+            if chunk_data.pool is None:
+                chunk_data.pool = self.pool
+        self.loss = LossBook(self.data, schedule.num_microbatches, device, options.collect_non_loss_data,
                              keep_for_backward=not options.forward_only, pool=self.pool)
         # Received buffers a sequence's deferred pieces may still read, until its W action.
-        self.held: dict[tuple[int, int], list[Optional[torch.Tensor]]] = {}
-        self.cache = KVCache(seq_length=data.seq_length, pool=self.pool)
+        self.held: dict[tuple, list[Optional[torch.Tensor]]] = {}
+        self.cache = KVCache(seq_length=self.data.seq_length, pool=self.pool)
         # Linear layers defer weight gradients to the schedule's W actions when it has them.
         self.wgrad = WeightGradStore() if schedule.defer_wgrad else None
-        self.grad_sync = _GradSync(options, sync_at_last_backward=self.is_first)
+        self.grad_sync = GradSync(options.no_sync_func, options.grad_sync_func, self.actions,
+                                  schedule.defer_wgrad, first_stage=self.is_first)
         self.inputs: dict[Cell, Optional[torch.Tensor]] = {}  # kept for their gradient
         self.outputs: dict[Cell, torch.Tensor] = {}  # the backward roots of non-last stages
         self.outbox: dict[tuple[str, Cell], torch.Tensor] = {}  # results waiting for a SEND
         self.inbox: dict[tuple[str, Cell], torch.Tensor] = {}  # messages waiting for a compute
-        self.forwarded: dict[int, int] = {}  # cells forwarded per microbatch
+        self.forwarded: dict[tuple[int, int], int] = {}  # cells forwarded per (chunk, microbatch)
         self.outputs_sent = 0  # forward messages sent so far
         self.output_send_position: dict[Cell, int] = {}  # until the cell's gradient is back
-        self.last_backward = next((a for a in reversed(self.actions) if a.kind == "B"), None)
         self.record = RunRecord(schedule, stage, self.actions)
         self._run_action = {"F": self._compute, "B": self._compute, "W": self._weight_grads,
                             "SEND": self._send, "RECV": self._recv, "POST": self._post,
@@ -106,17 +115,17 @@ class StageExecutor:
     def run(self) -> list[Any]:
         self.record.start = time.perf_counter()
         if self.graphs is not None:
-            self.graphs.start_iteration(self.model.module.named_parameters())
+            self.graphs.start_iteration(self._named_parameters())
         if not self.options.forward_only:
             self.grad_sync.pause()
         for action in self.actions:
             self._run_action[action.operation](action)
         self.transport.finish()
         if not self.options.forward_only:
-            self.grad_sync.at_end(self.model.module)
+            self.grad_sync.at_end([m.module for m in self.models])
         self._release_run_buffers()
         if self.graphs is not None:
-            self.graphs.end_iteration(self.model.module.named_parameters())
+            self.graphs.end_iteration(self._named_parameters())
         if len(self.cache):
             raise RuntimeError(f"TeraPipe: K/V cache of {len(self.cache)} sequences left after the run")
         if self.wgrad is not None and len(self.wgrad):
@@ -129,26 +138,36 @@ class StageExecutor:
         record.receives_posted_early = self.transport.receives_posted_early
         return self.loss.results
 
+    def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """Every chunk's parameters; on virtual stages named chunk<c>.<name> (chunks share
+        their modules' names)."""
+        for c, model in enumerate(self.models):
+            prefix = f"chunk{c}." if len(self.models) > 1 else ""
+            for name, param in model.module.named_parameters():
+                yield prefix + name, param
+
     def activation_shape(self, cell: Cell) -> tuple[int, int, int]:
         return (cell.tokens // self.options.seq_divisor, cell.rows, self.options.hidden_size)
 
     def _release_run_buffers(self) -> None:
         """Pooled buffers whose last reader has run; the loss total stays readable (for
         finalize_model_grads) until the next iteration takes it again."""
-        self.data.release_staged()
+        for chunk_data in self.chunk_data:
+            chunk_data.release_staged()
         self.pool.give_back(self.loss.total_num_tokens)
-        if self.pool.stage_reads_data is None:
-            self.pool.stage_reads_data = self.data.read_any
+        if self.pool.chunks_reading_data is None:
+            self.pool.chunks_reading_data = tuple(d.read_any for d in self.chunk_data)
 
     # -- compute actions ------------------------------------------------------------------------
     def _compute(self, action: Action) -> None:
-        """F or B: run the cell on what arrived for it (nothing on the first stage's forwards
-        and the last stage's backwards) and leave the result for its SEND."""
+        """F or B: run the cell on what arrived for it (nothing on the model's first virtual
+        stage's forwards and its last one's backwards) and leave the result for its SEND."""
         cell = action.cell
-        if action == self.last_backward:
-            self.grad_sync.at_last_backward()
-        if action.kind == "F" and not self.forwarded.get(cell.microbatch) and self.pool.stage_reads_data:
-            self.data.prefetch(cell.microbatch)  # outside the cell, at a fixed address
+        chunk = _chunk(cell)
+        sync = self.grad_sync.before(action)
+        if (action.kind == "F" and not self.forwarded.get((chunk, cell.microbatch))
+                and self.pool.chunks_reading_data and self.pool.chunks_reading_data[chunk]):
+            self.chunk_data[chunk].prefetch(cell.microbatch)  # outside the cell, at a fixed address
         received = self.inbox.pop((action.kind, cell), None)
         held = [received, self.inputs.get(cell)] if action.kind == "B" else [received]
         start = time.perf_counter()
@@ -164,6 +183,8 @@ class StageExecutor:
             self.held.setdefault(cell.sequence_key, []).extend(held)
         elif action.kind == "B" or self.options.forward_only:
             self._give_back(held)
+        if sync:
+            self.grad_sync.pause()
         self._record_span(action, start)
 
     def _give_back(self, tensors: list[Optional[torch.Tensor]]) -> None:
@@ -171,6 +192,9 @@ class StageExecutor:
             self.pool.give_back(tensor)
 
     def _weight_grads(self, action: Action) -> None:
+        """A sequence's deferred weight gradients on its chunk (the store is keyed by the
+        cell's sequence key, which names the chunk)."""
+        sync = self.grad_sync.before(action)
         start = time.perf_counter()
         with running_action("W", action.cell):
             if self.graphs is None:
@@ -178,6 +202,8 @@ class StageExecutor:
             else:
                 self._graphed(action, lambda: self.wgrad.flush(action.cell.sequence_key), None)
         self._give_back(self.held.pop(action.cell.sequence_key, []))
+        if sync:
+            self.grad_sync.pause()
         self._record_span(action, start)
 
     def _graphed(self, action: Action, run: Callable[[], Any], received: Optional[torch.Tensor]) -> Any:
@@ -194,9 +220,7 @@ class StageExecutor:
         self.loss.results.extend(self.graphs.reports.get(key, []))
         cell = action.cell
         if action.kind == "F":
-            self.forwarded[cell.microbatch] = self.forwarded.get(cell.microbatch, 0) + 1
-            if self.forwarded[cell.microbatch] == self.schedule.plan.num_cells:
-                self.data.release(cell.microbatch)
+            self._count_forward(cell)
             if not self.options.forward_only:
                 self.inputs[cell] = received
         elif action.kind == "B":
@@ -257,35 +281,43 @@ class StageExecutor:
 
     # -- one cell's forward and backward ------------------------------------------------------------
     def _forward_cell(self, cell: Cell, input_tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Run the model on the cell; returns the output to send (None on the last stage)."""
-        options = self.options
+        """Run the cell's chunk on it; returns the output to send (None on the model's last
+        virtual stage, which computes the loss)."""
+        options, model = self.options, self.models[_chunk(cell)]
         if input_tensor is not None and not options.forward_only:
             input_tensor.requires_grad_(True)
-        self.model.set_input_tensor([input_tensor])
-        self.model.before_forward(cell)
+        model.set_input_tensor([input_tensor])
+        model.before_forward(cell)
         autocast = (torch.autocast(self.device.type, dtype=options.autocast_dtype)
                     if options.autocast else contextlib.nullcontext())
         with running_cell(cell, self.cache, "forward", keep_grad=not options.forward_only,
                           wgrad=self.wgrad), autocast:
-            output, loss_func = self.model.forward_step_func(self.data.iterator_for(cell),
-                                                             self.model.module)
-        m = cell.microbatch
-        self.forwarded[m] = self.forwarded.get(m, 0) + 1
-        microbatch_done = self.forwarded[m] == self.schedule.plan.num_cells
+            output, loss_func = model.forward_step_func(
+                self.chunk_data[_chunk(cell)].iterator_for(cell), model.module)
         if options.forward_only and cell.is_last_token_slice:
             self.cache.release_sequence(cell)
-        if self.is_last:
+        last = last_virtual_stage(cell, self.stage, self.schedule.num_stages)
+        if last:
+            microbatch_done = self.forwarded.get((_chunk(cell), cell.microbatch), 0) + 1 == \
+                self.schedule.plan.num_cells
             self.loss.record(cell, output, loss_func, microbatch_done)
         else:
             self._check_output(cell, output)
-        if microbatch_done:
-            self.data.release(m)
+        self._count_forward(cell)
         if not options.forward_only:
             # Kept until this cell's backward: the input for its gradient, the output as root.
             self.inputs[cell] = input_tensor
-            if not self.is_last:
+            if not last:
                 self.outputs[cell] = output
-        return None if self.is_last else output
+        return None if last else output
+
+    def _count_forward(self, cell: Cell) -> None:
+        """One more forward of the cell's microbatch on its chunk; after the last, the chunk's
+        data of that microbatch goes."""
+        key = (_chunk(cell), cell.microbatch)
+        self.forwarded[key] = self.forwarded.get(key, 0) + 1
+        if self.forwarded[key] == self.schedule.plan.num_cells:
+            self.chunk_data[key[0]].release(cell.microbatch)
 
     def _check_output(self, cell: Cell, output: Any) -> None:
         expected = self.activation_shape(cell)
@@ -300,14 +332,15 @@ class StageExecutor:
         """Backpropagate the cell; returns the gradient of its input (None on the first stage)."""
         options = self.options
         input_tensor = self.inputs.pop(cell, None)
-        if self.is_last:
+        last = last_virtual_stage(cell, self.stage, self.schedule.num_stages)
+        if last:
             root = self.loss.backward_root(cell, options.per_token_loss, options.grad_scale_func)
         else:
             root = self.outputs.pop(cell)
         with running_cell(cell, self.cache, "backward", wgrad=self.wgrad):
             if root.requires_grad:
-                _backward(root, None if self.is_last else output_grad,
-                          freed=options.deallocate_outputs and not self.is_last)
+                _backward(root, None if last else output_grad,
+                          freed=options.deallocate_outputs and not last)
         self.cache.release_slice(cell)
         if input_tensor is None:
             return None
@@ -340,33 +373,19 @@ def _backward(root: torch.Tensor, grad: Optional[torch.Tensor], freed: bool) -> 
         inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
-class _GradSync:
-    """Megatron's gradient-sync protocol: no sync (config.no_sync_func) until the stage's last
-    backward on the first stage or without a grad_sync_func, else until the end of the run,
-    which then calls grad_sync_func."""
+def _chunk(cell: Cell) -> int:
+    """The model chunk a cell runs on (0 without virtual stages)."""
+    return getattr(cell, "chunk", 0)
 
-    def __init__(self, options: StageOptions, sync_at_last_backward: bool) -> None:
-        self.no_sync_func = options.no_sync_func
-        self.grad_sync_func = options.grad_sync_func
-        self.sync_at_last_backward = sync_at_last_backward or options.grad_sync_func is None
-        self.context: Optional[ContextManager] = None
 
-    def pause(self) -> None:
-        if self.context is None:
-            self.context = self.no_sync_func()
-            self.context.__enter__()
-
-    def resume(self) -> None:
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
-
-    def at_last_backward(self) -> None:
-        if self.sync_at_last_backward:
-            self.resume()
-
-    def at_end(self, module: torch.nn.Module) -> None:
-        if self.context is not None:
-            self.resume()
-            if self.grad_sync_func is not None:
-                self.grad_sync_func(module.parameters())
+def _per_chunk(schedule: Schedule, model, data) -> tuple[list[StageModel], list[CellData]]:
+    """The StageModel and CellData of every model chunk, one per chunk of the plan."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunk_data = list(data) if isinstance(data, (list, tuple)) else [data]
+    V = schedule.num_chunks
+    if len(models) != V or len(chunk_data) != V:
+        raise ValueError(
+            f"TeraPipe: the plan runs {V} model chunks per stage (virtual_stages) but the stage "
+            f"got {len(models)} models and {len(chunk_data)} data sources: give one of each "
+            "per chunk, or a plan with virtual_stages equal to the model chunks")
+    return models, chunk_data

@@ -63,15 +63,26 @@ class Transport:
 
 
 class TorchTransport(Transport):
-    def __init__(self, pp_group, dtype: torch.dtype, device: torch.device) -> None:
+    """`ring`: virtual stages, where the last rank sends forward to the first (its next model
+    chunk) and the first backward to the last; the tags keep the two directions apart also
+    where both neighbours are one rank (two stages).
+
+    A sent tensor is kept (a detached alias of its storage) until its send is waited on: gloo
+    reads it only once the receiver has posted its receive, and a stage output freed after
+    its send (deallocated pipeline outputs) would otherwise hand that memory to the next
+    allocation while the send still reads it."""
+
+    def __init__(self, pp_group, dtype: torch.dtype, device: torch.device,
+                 ring: bool = False) -> None:
         self.group = pp_group
         self.dtype = dtype
         self.device = device
         rank = dist.get_rank(pp_group)
         ranks = dist.get_process_group_ranks(pp_group)
+        K = len(ranks)
         # The neighbour each direction sends to; it receives from the other one.
-        self.peer = {"F": ranks[rank + 1] if rank + 1 < len(ranks) else None,
-                     "B": ranks[rank - 1] if rank > 0 else None}
+        self.peer = {"F": ranks[(rank + 1) % K] if ring or rank + 1 < K else None,
+                     "B": ranks[(rank - 1) % K] if ring or rank > 0 else None}
         # Sends in flight per direction, oldest first, and how many were sent in all.
         self._sending: dict[str, deque[tuple[dist.Work, torch.Tensor]]] = {"F": deque(), "B": deque()}
         self._sent = {"F": 0, "B": 0}

@@ -29,14 +29,7 @@ class LoweredSchedule:
 
     @classmethod
     def of(cls, schedule: Schedule, lowering: Lowering = Lowering()) -> "LoweredSchedule":
-        """Validate `schedule` (ScheduleError with its grid) and keep its lowered lists.
-        Raises ValueError for virtual stages: the executor runs one model chunk per stage
-        (what it must do for more: docs/design.md, virtual stages)."""
-        if schedule.plan.virtual_stages > 1:
-            raise ValueError(
-                f"the TeraPipe plan runs {schedule.plan.virtual_stages} model chunks per stage "
-                "(virtual_stages), which the planner and simulator handle but the executor does "
-                "not run yet: use virtual_stages=1 (terapipe-plan --virtual-stages 1)")
+        """Validate `schedule` (ScheduleError with its grid) and keep its lowered lists."""
         return cls(schedule, lowering, validate(schedule, lowering))
 
     @property

@@ -79,7 +79,7 @@ def _check_memory_flags(flags: TeraPipeSettings) -> None:
 
 def _check_auto(run: RunSettings) -> None:
     """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself."""
-    if run.support.virtual_stages:
+    if run.support.virtual_stages > 1:
         _fail("--pipeline-schedule auto chooses the virtual pipeline stages itself: drop "
               "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
               "or keep them with --pipeline-schedule 1f1b")

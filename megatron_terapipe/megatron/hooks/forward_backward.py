@@ -26,7 +26,7 @@ from ...runtime.trace import RunRecord
 from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
 from . import compat, moe_losses
 from .param_deferral import install_wgrad_deferral
-from .p2p import make_transport
+from .p2p import check_shared_link, make_transport
 from .rope import install_rope_offsets
 from .rules import RunView, check_view
 from .selection import check_replaced_attributes, config_view, run_config
@@ -62,26 +62,25 @@ def forward_backward_terapipe(
     """
     from megatron.core.utils import get_model_config
 
-    model, data_iterator = _single_chunk(model, data_iterator)
-    config = get_model_config(model)
+    models, iterators = _model_chunks(model, data_iterator)
+    config = get_model_config(models[0])
     terapipe, groups = run_config(config), _process_groups(pg_collection)
     plan = plan or resolve_plan(terapipe.plan, seq_length, micro_batch_size)
-    check_run(config, model, plan, groups, seq_length, micro_batch_size, num_microbatches,
+    check_run(config, models, plan, groups, seq_length, micro_batch_size, num_microbatches,
               decoder_seq_length, adjust_tensor_shapes_fn)
-    prepare_model(model)
+    for chunk in models:
+        prepare_model(chunk)
     tp_size = groups.tp.size() if groups.tp is not None else 1
-    pp, device = groups.pp, _device_of(model)
+    pp, device = groups.pp, _device_of(models[0])
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
-    transport = make_transport(pp, config, device, p2p_communicator)
-    memory = plan_memory(model, config, device, plan, num_microbatches,
-                         pp.size() if pp is not None else 1, micro_batch_size, forward_only,
-                         transport.lowering)
-    moe_losses.begin_iteration(model, config, memory.schedule.schedule, device)
+    transport, memory = _transport_and_memory(models, config, device, plan, num_microbatches,
+                                              pp, micro_batch_size, forward_only,
+                                              p2p_communicator)
     executor = StageExecutor(
         memory.schedule, pp.rank() if pp is not None else 0,
-        _stage_model(model, forward_step_func, first_val_step, forward_only),
-        CellData(data_iterator, seq_length, micro_batch_size), transport,
+        [_stage_model(chunk, forward_step_func, first_val_step, forward_only) for chunk in models],
+        [CellData(it, seq_length, micro_batch_size) for it in iterators], transport,
         _stage_options(config, tp_size, forward_only, collect_non_loss_data), device,
         pool=memory.pool, graphs=memory.graphs)
     result = executor.run()
@@ -89,11 +88,27 @@ def forward_backward_terapipe(
         callback(executor.record)
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
-            [model], executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
+            models, executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
             pg_collection=groups, force_all_reduce=force_all_reduce)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return result
+
+
+def _transport_and_memory(models: list, config, device: torch.device, plan: TeraPipePlan,
+                          num_microbatches: int, pp, micro_batch_size: int, forward_only: bool,
+                          p2p_communicator):
+    """The stage's transport (a ring with virtual stages) and the plan's schedule and buffers,
+    with each chunk's MoE loss counters started for the iteration."""
+    transport = make_transport(pp, config, device, p2p_communicator, ring=len(models) > 1)
+    memory = plan_memory(models[0], config, device, plan, num_microbatches,
+                         pp.size() if pp is not None else 1, micro_batch_size, forward_only,
+                         transport.lowering)
+    if getattr(transport, "ring", False):  # Megatron's communicator on virtual stages
+        check_shared_link(memory.schedule)
+    for chunk in models:
+        moe_losses.begin_iteration(chunk, config, memory.schedule.schedule, device)
+    return transport, memory
 
 
 #: Pools kept per model (the most recently used plans and batch shapes; a PlanTable run with
@@ -137,16 +152,26 @@ def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: Tera
     return memory
 
 
-def _single_chunk(model, data_iterator):
-    if isinstance(model, list):
-        if len(model) != 1:  # model chunks: virtual pipeline stages
-            check_view(RunView(virtual_stages=True))
-        model = model[0]
-    if isinstance(data_iterator, list):
-        if len(data_iterator) != 1:
-            raise ValueError("TeraPipe takes one data iterator (no virtual pipeline stages)")
-        data_iterator = data_iterator[0]
-    return model, data_iterator
+def _model_chunks(model, data_iterator) -> tuple[list, list]:
+    """The stage's model chunks and one data iterator per chunk (Megatron's interleaved schedule
+    takes both as lists; one model takes one iterator)."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not models:
+        raise ValueError("TeraPipe: model is an empty list: give the stage's model (chunks)")
+    if data_iterator is None:
+        return models, [None] * len(models)
+    if not isinstance(data_iterator, (list, tuple)):
+        if len(models) > 1:
+            raise ValueError(
+                f"TeraPipe: {len(models)} model chunks (virtual pipeline stages) need one data "
+                "iterator per chunk, as Megatron's interleaved schedule takes them: pass "
+                "data_iterator as a list")
+        return models, [data_iterator]
+    if len(data_iterator) != len(models):
+        raise ValueError(
+            f"TeraPipe: {len(data_iterator)} data iterators for {len(models)} model chunks: give "
+            "one per chunk")
+    return models, list(data_iterator)
 
 
 def _process_groups(pg_collection):
@@ -204,32 +229,37 @@ def resolve_plan(source, seq_length: int, micro_batch_size: int) -> TeraPipePlan
     return source.plan_for(seq_length, micro_batch_size)
 
 
-def check_run(config, model: torch.nn.Module, plan: TeraPipePlan, groups, seq_length: int,
-              micro_batch_size: int, num_microbatches: int, decoder_seq_length: Optional[int],
-              adjust_tensor_shapes_fn) -> None:
+def check_run(config, models: List[torch.nn.Module], plan: TeraPipePlan, groups,
+              seq_length: int, micro_batch_size: int, num_microbatches: int,
+              decoder_seq_length: Optional[int], adjust_tensor_shapes_fn) -> None:
     """Everything that would make the run wrong or hang, raised before any communication.
-    Changes nothing (prepare_model hooks the model)."""
+    Changes nothing (prepare_model hooks the model). `models`: the stage's model chunks."""
     check_replaced_attributes(config)
     if num_microbatches <= 0:
         raise ValueError(f"TeraPipe: num_microbatches must be positive, got {num_microbatches}")
-    check_support(config, model, groups, seq_length, decoder_seq_length, adjust_tensor_shapes_fn)
+    check_support(config, models, groups, seq_length, decoder_seq_length, adjust_tensor_shapes_fn,
+                  plan)
     tp_size = groups.tp.size() if groups.tp is not None else 1
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
 
 
 def check_support(config, model, groups=None, seq_length: Optional[int] = None,
-                  decoder_seq_length: Optional[int] = None, adjust_tensor_shapes_fn=None) -> None:
+                  decoder_seq_length: Optional[int] = None, adjust_tensor_shapes_fn=None,
+                  plan: Optional[TeraPipePlan] = None) -> None:
     """The support rules (rules.py) on the model's config and what only this call knows: the
-    context-parallel group, Megatron DDP's overlap_grad_reduce, the shapes."""
-    view = config_view(config, model)
+    context-parallel group, the model chunks (`model`: one module or the list of chunks) and
+    the plan's, Megatron DDP's overlap_grad_reduce, the shapes."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    view = config_view(config, models[0])
     cp = groups.cp if groups is not None else None
     check_view(replace(
         view, context_parallel=cp.size() if cp is not None else view.context_parallel,
         seq_length=seq_length, decoder_seq_length=decoder_seq_length,
         adjust_tensor_shapes=adjust_tensor_shapes_fn is not None,
-        overlap_grad_reduce=bool(getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce",
-                                         False))))
+        model_chunks=len(models), plan_virtual_stages=plan.virtual_stages if plan else None,
+        overlap_grad_reduce=any(getattr(getattr(m, "ddp_config", None), "overlap_grad_reduce",
+                                        False) for m in models)))
 
 
 def prepare_model(model: torch.nn.Module) -> None:

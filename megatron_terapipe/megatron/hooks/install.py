@@ -19,10 +19,9 @@ def _terapipe_or_megatron(*args, **kwargs):
     from .forward_backward import forward_backward_terapipe
 
     if STATE.selected:
-        vp_size = kwargs.get("vp_size", args[1] if len(args) > 1 else None)
+        # virtual stages (vp_size) run when the plan has as many chunks: checked at the call
         schedule_groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
-        check_view(RunView(virtual_stages=vp_size is not None and vp_size > 1,
-                           multi_module=compat.is_multi_module_collection(schedule_groups)))
+        check_view(RunView(multi_module=compat.is_multi_module_collection(schedule_groups)))
         if STATE.schedule_wrapper is not None:
             return STATE.schedule_wrapper(forward_backward_terapipe)
         return forward_backward_terapipe

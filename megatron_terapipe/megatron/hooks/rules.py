@@ -32,7 +32,10 @@ class RunView:
     tensor_parallel: int = 1
     context_parallel: int = 1
     hybrid_context_parallel: bool = False
-    virtual_stages: bool = False  # more than one model chunk per pipeline stage
+    virtual_stages: int = 1  # model chunks per pipeline stage (Megatron's virtual pipeline size)
+    model_chunks: Optional[int] = None  # the model chunks a schedule call got
+    plan_virtual_stages: Optional[int] = None  # the TeraPipe plan's chunks per stage, if known
+    layers_per_stage: Optional[int] = None  # transformer layers per pipeline stage, if known
     num_experts: Optional[int] = None
     moe_aux_loss_coeff: tuple = ()
     moe_router_load_balancing_type: tuple = ("aux_loss",)
@@ -101,6 +104,30 @@ def _router_losses_line_problem() -> Optional[str]:
     return line_problem()
 
 
+_VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+
+# Virtual stages: a plan's virtual_stages model chunks per stage, built as Megatron builds them
+# for its interleaved schedule (GPTModel(..., vp_stage=c) under virtual_pipeline_model_parallel
+# _size). Only a mismatch is refused.
+VIRTUAL_STAGE_RULES = (
+    Rule(lambda v: v.layers_per_stage is not None and v.layers_per_stage % v.virtual_stages != 0,
+         lambda v: (
+             f"{v.virtual_stages} virtual pipeline stages per rank do not divide the "
+             f"{v.layers_per_stage} layers of a pipeline stage: give {_VP_FLAGS} so that each "
+             "chunk gets whole layers (a divisor of the stage's layers), or drop them")),
+    Rule(lambda v: v.model_chunks is not None and v.model_chunks != v.virtual_stages, lambda v: (
+        f"TeraPipe got {v.model_chunks} model chunks per pipeline stage but the model config's "
+        f"virtual_pipeline_model_parallel_size is {v.virtual_stages if v.virtual_stages > 1 else None}"
+        f": build one chunk per virtual stage (GPTModel(..., vp_stage=c) for each c) with "
+        f"config.virtual_pipeline_model_parallel_size = the number of chunks ({_VP_FLAGS})")),
+    Rule(lambda v: v.plan_virtual_stages not in (None, v.virtual_stages), lambda v: (
+        f"TeraPipe: the plan runs {v.plan_virtual_stages} model chunks per stage "
+        f"(TeraPipePlan.virtual_stages) but the model has {v.virtual_stages} per pipeline stage "
+        f"({_VP_FLAGS}, config.virtual_pipeline_model_parallel_size): plan with "
+        f"virtual_stages={v.virtual_stages}, or build {v.plan_virtual_stages} chunks per stage "
+        f"(--num-virtual-stages-per-pipeline-rank {v.plan_virtual_stages})")),
+)
+
 # Dropless top-k MoE routing is token-wise: a cell routes its tokens as the whole microbatch
 # would. The load-balancing losses and the z-loss need the whole microbatch's counts: each cell
 # adds its counts and its backward takes the microbatch's gradient (moe_losses.py), on the
@@ -114,10 +141,7 @@ RULES = (
         "--context-parallel-size 1, or use --pipeline-schedule 1f1b")),
     Rule(lambda v: v.hybrid_context_parallel,
          "TeraPipe does not support --hybrid-context-parallel: drop it"),
-    Rule(lambda v: v.virtual_stages, (
-        "TeraPipe does not support virtual pipeline stages: drop "
-        "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
-        "(or use --pipeline-schedule 1f1b for Megatron's interleaved schedule)")),
+    *VIRTUAL_STAGE_RULES,
     Rule(lambda v: _router_losses(v) and _router_losses_line_problem() is not None, lambda v: (
         f"MoE router losses ({_router_loss_flags(v)}): {_router_losses_line_problem()}")),
     Rule(lambda v: _moe(v) and "sinkhorn" in v.moe_router_load_balancing_type, (
@@ -228,16 +252,13 @@ def view_from_args(args) -> RunView:
         value = getattr(args, name, None)
         return default if value is None else value
 
-    vp = flag("virtual_pipeline_model_parallel_size")
     graphs, decoder = bool(flag("terapipe_cuda_graphs", False)), flag("decoder_seq_length")
     return RunView(
         seq_length=flag("seq_length"), decoder_seq_length=None if decoder is None else int(decoder),
         tensor_parallel=int(flag("tensor_model_parallel_size", 1) or 1),
         context_parallel=int(flag("context_parallel_size", 1) or 1),
         hybrid_context_parallel=bool(flag("hybrid_context_parallel", False)),
-        virtual_stages=(flag("num_layers_per_virtual_pipeline_stage") is not None
-                        or flag("num_virtual_stages_per_pipeline_rank") is not None
-                        or (vp is not None and int(vp) > 1)),
+        **_virtual_fields(args),
         **_moe_fields(args, flag("num_experts")),
         **{name: flag(name) for name in ("mtp_num_layers", "experimental_attention_variant",
                                          "window_size", "position_embedding_type")},
@@ -248,6 +269,21 @@ def view_from_args(args) -> RunView:
         cuda_graphs=graphs, dropout=dropout_values(args),
         graph_safe_rng=bool(flag("te_rng_tracker", False)) or flag("cuda_graph_impl", "none") != "none",
         graphs_device=_args_graphs_device(args) if graphs else "")
+
+
+def _virtual_fields(args) -> dict:
+    """Chunks per pipeline stage as Megatron-LM's validate_args sets them from its flags
+    (virtual_pipeline_model_parallel_size once validated), and the layers of a stage."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
+    layers = getattr(args, "num_layers", None)
+    per_stage = int(layers) // pp if layers is not None and int(layers) % pp == 0 else None
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vp is None:
+        vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if vp is None and per_chunk is not None and per_stage is not None:
+        vp = max(1, per_stage // int(per_chunk))  # Megatron-LM asserts that it divides
+    return dict(virtual_stages=int(vp or 1), layers_per_stage=per_stage)
 
 
 def _args_graphs_device(args) -> str:
@@ -266,7 +302,7 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
     dropout = dropout_values(config) if cuda_graphs else ()
     return RunView(
         context_parallel=int(getattr(config, "context_parallel_size", 1) or 1),
-        virtual_stages=bool(getattr(config, "virtual_pipeline_model_parallel_size", None)),
+        virtual_stages=int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1),
         **_moe_fields(config, getattr(config, "num_moe_experts", None)),
         mtp_num_layers=getattr(config, "mtp_num_layers", None),
         attention_backend=backend_name(getattr(config, "attention_backend", None)),

@@ -91,13 +91,14 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
 def check_config(config, plan: Optional[TeraPipePlan] = None, cuda_graphs: bool = False,
                  graph_factory: Optional[Callable[[str], object]] = None) -> None:
     """What `configure` refuses: the support rules (rules.py) on `config` with the CUDA graphs
-    asked for, and a plan whose slices sequence parallelism cannot split over the TP ranks."""
+    asked for and the plan's model chunks per stage, and a plan whose slices sequence parallelism cannot split over the TP ranks."""
     device = ""
     if cuda_graphs and graph_factory is None:
         import torch
 
         device = "" if torch.cuda.is_available() else "this process sees no CUDA device"
-    check_view(view_from_config(config, cuda_graphs, CONFIGURE_GRAPHS, device))
+    view = view_from_config(config, cuda_graphs, CONFIGURE_GRAPHS, device)
+    check_view(replace(view, plan_virtual_stages=plan.virtual_stages) if plan is not None else view)
     if plan is not None and getattr(config, "sequence_parallel", False):
         plan.check_multiple_of(config.tensor_model_parallel_size)
 

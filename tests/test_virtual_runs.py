@@ -1,0 +1,100 @@
+"""TeraPipe plans on virtual stages (V model chunks per rank) run as Megatron runs its
+interleaved schedule's chunks, and train exactly: every parameter gradient and every reported
+loss equal to Megatron's no-pipelining run on the full model (K * V chunks of layers), at the
+equivalence suite's fp32 tolerances (harness.compare.FP32), and one case equal to Megatron's own
+interleaved 1F1B (forward_backward_pipelining_with_interleaving) on the same chunks.
+
+Each world (2 or 4 gloo processes) runs its cases once (module fixture); harness.virtual_runs
+builds the chunks with GPTModel(..., vp_stage=c) and harness.check_case compares, as for one
+chunk per rank (test_equivalence.py). Also: what the schedule call refuses about chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from harness import TinyGPT, check_case, spawn
+from harness.virtual_runs import VirtualCase
+from megatron_terapipe import TeraPipePlan
+from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
+from megatron_terapipe.planner.wgrad_placement import plan_wgrad
+
+
+def plan(slices=(5, 7, 4), V=2, order="1f1b", defer=True, **kwargs) -> TeraPipePlan:
+    return TeraPipePlan(list(slices), order=order, virtual_stages=V, defer_wgrad=defer, **kwargs)
+
+
+def planned_places(tiny: TeraPipePlan, M: int, K: int, rows: int) -> TeraPipePlan:
+    """`tiny` with the W places the planner gives a plan of the same cells (same slice count,
+    order, chunks, microbatches) on a GPT3-1B cost model: places depend on the cells only."""
+    cost = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"),
+                             layers_per_stage=6, tensor_parallel=2)
+    big = TeraPipePlan.uniform(512 * len(tiny.seq_slices), len(tiny.seq_slices),
+                               order=tiny.order, multiple_of=64)
+    placed, _ = plan_wgrad(replace(big, virtual_stages=tiny.virtual_stages), cost, M, K, rows)
+    assert placed.wgrad_after, "the planner kept the default places: pick another shape"
+    return replace(tiny, wgrad_after=placed.wgrad_after)
+
+
+FOUR_LAYERS, EIGHT_LAYERS = TinyGPT(num_layers=4), TinyGPT(num_layers=8)
+
+CASES_2 = [
+    VirtualCase("v2_1f1b", plan(defer=False)),
+    VirtualCase("v2_gpipe", plan(order="gpipe", defer=False)),
+    VirtualCase("w_v2_1f1b", plan()),
+    VirtualCase("w_v2_gpipe", plan(order="gpipe"), num_microbatches=2),
+    VirtualCase("w_v2_planned_w_places", planned_places(plan(), 3, 2, 2)),
+    VirtualCase("w_v2_gpipe_planned_w_places", planned_places(plan(order="gpipe"), 3, 2, 2)),
+    VirtualCase("w_v2_one_microbatch_one_slice", plan([16]), num_microbatches=1),
+    VirtualCase("w_v2_batch_slices", TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2],
+                                                 virtual_stages=2), micro_batch_size=3),
+    VirtualCase("w_v3_six_layers", plan(V=3), model=TinyGPT(num_layers=6), num_microbatches=2),
+    VirtualCase("w_v2_tied_embeddings_ddp_overlap_grad_sync", planned_places(plan(), 3, 2, 2),
+                model=TinyGPT(num_layers=4, untie=False), ddp=True, overlap_grad_reduce=True,
+                grad_sync_func=True),
+    VirtualCase("w_v2_deallocate_outputs", plan(), deallocate_outputs=True),
+    # Megatron's communicator: sends do not wait; on 2 ranks one channel, in one order
+    VirtualCase("w_v2_megatron_p2p", plan([8, 8]), transport="megatron", num_microbatches=4),
+    # Megatron's interleaved 1F1B on the same chunks (its groups: K microbatches)
+    VirtualCase("w_v2_against_megatron_interleaved", plan(), num_microbatches=4,
+                reference="interleaved"),
+]
+
+CASES_4 = [
+    VirtualCase("v2_pp4_1f1b", plan(defer=False), pp=4, model=EIGHT_LAYERS, num_microbatches=5),
+    VirtualCase("v2_pp4_gpipe", plan(order="gpipe", defer=False), pp=4, model=EIGHT_LAYERS),
+    VirtualCase("w_v2_pp4_1f1b", plan(), pp=4, model=EIGHT_LAYERS, num_microbatches=5),
+    VirtualCase("w_v2_pp4_gpipe", plan(order="gpipe"), pp=4, model=EIGHT_LAYERS),
+    VirtualCase("w_v2_pp4_planned_w_places", planned_places(plan(), 4, 4, 2), pp=4,
+                model=EIGHT_LAYERS, num_microbatches=4),
+    VirtualCase("w_v2_pp4_megatron_p2p", plan([8, 8]), pp=4, model=EIGHT_LAYERS,
+                num_microbatches=4, transport="megatron"),
+    VirtualCase("w_v2_tp2_pp2", plan([6, 6, 4]), tp=2, model=FOUR_LAYERS),
+    VirtualCase("v2_tp2_pp2_gpipe", plan([6, 6, 4], order="gpipe", defer=False), tp=2,
+                model=FOUR_LAYERS),
+    VirtualCase("w_v2_dp2_pp2_ddp_overlap", plan(), ddp=True, overlap_grad_reduce=True,
+                num_microbatches=2),
+    VirtualCase("v2_dp2_pp2_ddp_gpipe", plan(order="gpipe", defer=False), ddp=True),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(2, "harness.virtual_runs:run_virtual_cases", CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(4, "harness.virtual_runs:run_virtual_cases", CASES_4, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_two_processes(world2, case):
+    check_case(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_four_processes(world4, case):
+    check_case(world4, case)
