@@ -70,6 +70,12 @@ EQUAL = [
     Config("MoE + aux-loss-free balancing (expert bias)", 2,
            (*MOE, "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")),
     Config("MoE, DP=2 x EP=2", 4, (*MOE, "--expert-model-parallel-size", "2")),
+    # Virtual stages: TeraPipe's cells on Megatron's model chunks, against its interleaved 1F1B
+    Config("virtual pipeline (PP=2 x V=2)", 2, ("--num-layers", "4",
+                                                "--num-layers-per-virtual-pipeline-stage", "1")),
+    Config("virtual pipeline (PP=4 x V=2)", 4, ("--num-layers", "8", "--pipeline-model-parallel-"
+                                                "size", "4", "--num-virtual-stages-per-pipeline-"
+                                                "rank", "2")),
 ]
 
 #: MoE router losses: equal to Megatron's on the megatron-core lines whose losses TeraPipe
@@ -98,9 +104,6 @@ if moe_losses.line_problem() is None:
 #: (configuration, what TeraPipe's error must say, whether Megatron's 1f1b trains it on CPU:
 #: context parallelism needs Transformer Engine's attention, which the CPU has not)
 REFUSED = [
-    (Config("virtual pipeline", 2, ("--num-layers", "4",
-                                    "--num-layers-per-virtual-pipeline-stage", "1")),
-     "--num-layers-per-virtual-pipeline-stage", True),
     (Config("CP=2", 4, ("--context-parallel-size", "2")), "--context-parallel-size", False),
     (Config("MoE + capacity factor", 2, (*MOE, "--moe-expert-capacity-factor", "1.0")),
      "--moe-expert-capacity-factor 1.0", True),

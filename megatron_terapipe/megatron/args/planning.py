@@ -49,15 +49,19 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     if not predicted:
         _refuse_unpredicted(flags)
     inputs = inputs or (lambda: planner_inputs(run))
+    chunks = run.support.virtual_stages  # Megatron's virtual pipeline stages: model chunks
     fixed = fixed_plan(flags, run.grid, shape.seq_length)
     given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        searched = _search(given)
+        searched = _search(given, chunks)
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
+        if chunks > 1:
+            source += f", on {chunks} virtual stages per rank"
         plan = searched.plan
     else:
         source, plan = fixed
+        plan = replace(plan, virtual_stages=chunks)
     if flags.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
         plan = replace(plan, defer_wgrad=flags.defer_wgrad)
     report = PlanReport(shape.seq_length, shape.micro_batch_size, shape.num_microbatches,
@@ -110,9 +114,12 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     return plan
 
 
-def _search(inputs: PlannerInputs) -> SearchResult:
-    """The planner's search, within the memory budget when one is given."""
+def _search(inputs: PlannerInputs, chunks: int = 1):
+    """The planner's search (on `chunks` model chunks per stage: Megatron's virtual pipeline
+    stages), within the memory budget when one is given."""
     try:
+        if chunks > 1:
+            return inputs.search_virtual(inputs.space.order, chunks)
         return inputs.search()
     except MemoryBudgetError as exc:
         raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None

@@ -1,0 +1,70 @@
+"""CPU mode's pipeline sends: keep what is sent alive until the send is done.
+
+Megatron's schedules free a stage's output right after sending it (`deallocate_output_tensor`
+swaps the tensor's storage for one element), and its interleaved 1F1B overlaps sends with the
+next chunk's compute. On a GPU the sent storage stays reserved until NCCL is done with it
+(the caching allocator's `record_stream`); with gloo on CPU the send reads the storage when the
+receiver posts its receive, by which time the freed memory may hold the next tensor: the
+receiver gets garbage (a NaN loss in some runs). Here every send made through Megatron's
+P2P module keeps a detached alias of the sent storage with its request until it is waited on.
+TeraPipe's own torch transport does the same (runtime/transport.py)."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class KeptSend:
+    """A send's request with an alias of what it sends, dropped once waited on."""
+
+    def __init__(self, work: Any, aliases: list[torch.Tensor]) -> None:
+        self.work = work
+        self.aliases = aliases
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        done = self.work.wait(*args, **kwargs)
+        self.aliases = []
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> KeptSend:
+    return KeptSend(dist.isend(tensor, *args, **kwargs), [tensor.detach()])
+
+
+def batch_isend_irecv(ops: list) -> list:
+    aliases = [op.tensor.detach() for op in ops if op.op is dist.isend]
+    works = dist.batch_isend_irecv(ops)
+    return [KeptSend(work, aliases) for work in works] if aliases else works
+
+
+class DistributedProxy(types.ModuleType):
+    """`torch.distributed` as Megatron's P2P module sees it in CPU mode (P2POp keeps the real
+    isend, which it checks; batch_isend_irecv keeps the aliases)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    isend = staticmethod(isend)
+    batch_isend_irecv = staticmethod(batch_isend_irecv)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+
+class P2PTorchProxy(types.ModuleType):
+    """`torch` as Megatron's p2p_communication module sees it in CPU mode."""
+
+    def __init__(self, base: types.ModuleType) -> None:
+        super().__init__("torch")
+        self._base = base
+        self.distributed = DistributedProxy()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._base, name)
