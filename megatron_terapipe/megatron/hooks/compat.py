@@ -281,19 +281,6 @@ CPU_MODE_MODULES = ("megatron.core.pipeline_parallel.schedules",
                         "token_dispatcher", "moe_utils", "router", "experts", "shared_experts")))
 
 
-def p2p_module():
-    """Megatron's P2P module, whose sends CPU mode keeps alive (cpu_p2p.py): it must call
-    torch.distributed's isend and batch_isend_irecv through its module-level `torch`."""
-    import torch
-    from megatron.core.pipeline_parallel import p2p_communication
-
-    require_tested("CPU mode")
-    if getattr(p2p_communication, "torch", None) is not torch:
-        raise moved("CPU mode", "pipeline_parallel.p2p_communication no longer imports torch "
-                    "at module level")
-    return p2p_communication
-
-
 def cpu_mode_modules() -> list:
     """The imported CPU_MODE_MODULES, each checked to use a module-level `torch`."""
     require_tested("CPU mode")

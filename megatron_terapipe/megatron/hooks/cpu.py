@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from . import compat
-from .cpu_p2p import P2PTorchProxy
+from .cpu_p2p import P2PTorchProxy, p2p_module
 
 _ENABLED = False
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original), in patching order
@@ -167,7 +167,7 @@ def enable_cpu_mode() -> None:
     patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _moe_on_cpu({m.__name__: m for m in modules})
-    p2p = compat.p2p_module()  # sends keep their storage until waited on (cpu_p2p.py)
+    p2p = p2p_module()  # sends keep their storage until waited on (cpu_p2p.py)
     patch_for_cpu(p2p, "torch", P2PTorchProxy(p2p.torch))
     keep_freed_host_memory()
     _ENABLED = True

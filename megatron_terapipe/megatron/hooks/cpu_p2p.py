@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import compat
+
 
 class KeptSend:
     """A send's request with an alias of what it sends, dropped once waited on."""
@@ -68,3 +70,15 @@ class P2PTorchProxy(types.ModuleType):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._base, name)
+
+
+def p2p_module():
+    """Megatron's P2P module, whose sends CPU mode keeps alive (cpu_p2p.py): it must call
+    torch.distributed's isend and batch_isend_irecv through its module-level `torch`."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    compat.require_tested("CPU mode")
+    if getattr(p2p_communication, "torch", None) is not torch:
+        raise compat.moved("CPU mode", "pipeline_parallel.p2p_communication no longer "
+                           "imports torch at module level")
+    return p2p_communication
