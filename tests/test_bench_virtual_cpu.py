@@ -1,0 +1,77 @@
+"""What bench_virtual_cpu.py's rows compare (no processes started): each row's ratio pairs its
+runs with the Megatron rows' runs of the same round, a round's time is its slower stage, the
+targets are read off the rows, and a smoke run never overwrites the full run's results."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import bench_virtual_cpu as bench  # noqa: E402
+from virtual_runs_bench import Row  # noqa: E402
+
+from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
+from megatron_terapipe.planner import AnalyticCostModel, ModelDims, hardware_preset  # noqa: E402
+
+MODEL = bench.TinyGPT(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=128,
+                      seq_length=256)
+ROWS = [Row("megatron_1f1b", bench.MEGATRON_1F1B),
+        Row("megatron_interleaved_v2", bench.MEGATRON_INTERLEAVED, 2),
+        Row("terapipe_v2", bench.TERAPIPE, 2,
+            TeraPipePlan([128, 128], order="gpipe", virtual_stages=2))]
+
+
+def _cost():
+    dims = ModelDims(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=128)
+    return AnalyticCostModel(dims, hardware_preset("h100"), 2, dtype_bytes=4)
+
+
+def _per_rank() -> list[dict]:
+    losses = [[10.0, 256.0]] * 4
+    stage = {"megatron_1f1b": [2.0, 4.0, 2.0], "megatron_interleaved_v2": [1.6, 3.0, 2.0],
+             "terapipe_v2": [1.0, 4.0, 1.6], "busy:terapipe_v2": [0.5, 0.6, 0.7]}
+    slower = {k: [t + 0.1 for t in v] for k, v in stage.items()}  # the last stage: slower
+    return [{"last_stage": False, **stage, **{"losses:" + r.label: None for r in ROWS}},
+            {"last_stage": True, **slower, **{"losses:" + r.label: losses for r in ROWS}}]
+
+
+def test_ratios_pair_each_run_with_the_megatron_runs_of_its_round():
+    per_rank = _per_rank()
+    rows = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0)
+    tera = next(r for r in rows if r["config"] == "terapipe_v2")
+    slower = per_rank[1]  # every round's slower stage
+    mega, inter = slower["megatron_1f1b"], slower["megatron_interleaved_v2"]
+    assert tera["runs_s"] == slower["terapipe_v2"]
+    assert tera["measured_s"] == statistics.median(slower["terapipe_v2"])
+    assert tera["speedup_vs_megatron_1f1b"] == statistics.median(
+        m / t for m, t in zip(mega, tera["runs_s"]))
+    assert tera["speedup_vs_megatron_interleaved"] == statistics.median(
+        i / t for i, t in zip(inter, tera["runs_s"]))
+    assert tera["stage_busy_s"] == [statistics.median(p["busy:terapipe_v2"]) for p in per_rank]
+    assert tera["predicted_over_measured"] == tera["predicted_s"] / tera["measured_s"]
+    assert tera["loss_rel_diff_vs_megatron_1f1b"] == 0.0
+    assert rows[0]["speedup_vs_megatron_1f1b"] == 1.0 and rows[0]["stage_busy_s"] is None
+
+
+def test_targets_are_read_off_the_rows():
+    rows = bench.result_rows(ROWS, _per_rank(), _cost(), MODEL, 4, 2.0)
+    for r in rows:
+        r["predicted_over_measured"] = 1.05
+    goal = bench.targets(rows)
+    assert goal["best_terapipe_virtual"] == "terapipe_v2"
+    assert goal["speedup_met"] == (goal["speedup_vs_megatron_1f1b"] >= 1.20)
+    assert goal["simulator_within_tolerance"] is True
+    rows[1]["predicted_over_measured"] = 0.85  # one row off by more than 10%
+    assert bench.targets(rows)["simulator_within_tolerance"] is False
+
+
+def test_a_smoke_run_writes_its_own_file():
+    quick, full = bench.parse_args(["--quick"]), bench.parse_args([])
+    assert os.path.basename(full.out) == "virtual_cpu.json"
+    assert os.path.basename(quick.out) == "virtual_cpu_quick.json"
+    assert (full.seq_length, full.hidden_size, full.microbatches, full.rounds) == (2048, 512, 4, 7)
+    assert quick.rounds == 2
