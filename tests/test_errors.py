@@ -18,7 +18,8 @@ def _config(**kw):
 
 @pytest.mark.parametrize("kw, message", [
     (dict(context_parallel_size=2), "context parallelism"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
+    # virtual stages: the plan must run as many model chunks as the model has
+    (dict(virtual_pipeline_model_parallel_size=2), r"1 model chunks per stage \(TeraPipePlan"),
     (dict(num_moe_experts=8, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor"),
     (dict(num_moe_experts=8, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
     (dict(sequence_parallel=True, tensor_model_parallel_size=4), "multiples of the tensor-parallel size 4"),
@@ -26,6 +27,11 @@ def _config(**kw):
 def test_configure_rejects_unsupported_models(kw, message):
     with pytest.raises(ValueError, match=message):
         configure(_config(**kw), TeraPipePlan([6, 10]))
+
+
+def test_configure_takes_a_plan_with_the_models_chunks():
+    configure(_config(virtual_pipeline_model_parallel_size=2),
+              TeraPipePlan([6, 10], virtual_stages=2))
 
 
 def test_configure_rejects_non_plans():

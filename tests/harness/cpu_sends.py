@@ -22,7 +22,9 @@ def freed_before_received(rank: int, world_size: int, keep: bool, batched: bool)
     if rank == 0:
         sent = torch.arange(N, dtype=torch.float32)
         if batched:
-            reqs = api.batch_isend_irecv([dist.P2POp(dist.isend, sent, 1)])
+            # as Megatron's _batched_p2p_ops makes it: P2POp(torch.distributed.isend, ...)
+            make_op = cpu_p2p.DistributedProxy().P2POp if keep else dist.P2POp
+            reqs = api.batch_isend_irecv([make_op(api.isend, sent, 1)])
         else:
             reqs = [api.isend(sent, 1)]
         sent.data = torch.empty(1)  # Megatron's deallocate_output_tensor

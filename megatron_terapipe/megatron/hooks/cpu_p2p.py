@@ -40,6 +40,11 @@ def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> KeptSend:
     return KeptSend(dist.isend(tensor, *args, **kwargs), [tensor.detach()])
 
 
+def p2p_op(op: Any, *args: Any, **kwargs: Any) -> dist.P2POp:
+    """torch's P2POp, which accepts only torch's own isend and irecv."""
+    return dist.P2POp(dist.isend if op is isend else op, *args, **kwargs)
+
+
 def batch_isend_irecv(ops: list) -> list:
     aliases = [op.tensor.detach() for op in ops if op.op is dist.isend]
     works = dist.batch_isend_irecv(ops)
@@ -47,13 +52,14 @@ def batch_isend_irecv(ops: list) -> list:
 
 
 class DistributedProxy(types.ModuleType):
-    """`torch.distributed` as Megatron's P2P module sees it in CPU mode (P2POp keeps the real
-    isend, which it checks; batch_isend_irecv keeps the aliases)."""
+    """`torch.distributed` as Megatron's P2P module sees it in CPU mode: isend and
+    batch_isend_irecv keep the aliases; P2POp takes this isend for torch's."""
 
     def __init__(self) -> None:
         super().__init__("torch.distributed")
 
     isend = staticmethod(isend)
+    P2POp = staticmethod(p2p_op)
     batch_isend_irecv = staticmethod(batch_isend_irecv)
 
     def __getattr__(self, name: str) -> Any:
