@@ -12,7 +12,7 @@
 Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
 machine keeps on disk; on 3.12 it downloads the CUDA build, which also runs without a GPU),
 then the plugin with its test extra and the session's megatron-core line, prints what the
-compatibility module finds (`python -m megatron_terapipe.megatron.hooks.compat_check`) and runs pytest.
+compatibility module finds (`python -m megatron_terapipe.megatron.platform.compat_check`) and runs pytest.
 Virtual environments go to .nox/ (ignored by git). A Python that is not on PATH but installed
 with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_19 to a Megatron-LM work tree of
 the matching release (core_v0.16.1, core_v0.19.0) to also check the launcher and the patch
@@ -62,7 +62,7 @@ def install(session: nox.Session, line: str) -> None:
     session.install("-e", ".[test]", LINES[line][1])
     session.run("python", "-c", "import torch, megatron.core as m; "
                 "print('torch', torch.__version__, '| megatron-core', m.__version__)")
-    session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.hooks.compat_check")
+    session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.platform.compat_check")
 
 
 #: pytest's default run leaves out `slow` (pyproject.toml); an empty -m selects every test.

@@ -12,7 +12,7 @@ compare the schedules, not attention kernels. `--megatron-local-spec` adds Megat
 local spec (unfused DotProductAttention), a row labelled as such. Per row: aten ops dispatched in one iteration (a TorchDispatchMode), per cell
 (ops / K), the median host time of an iteration (perf_counter; on CPU that is all of it), and
 for TeraPipe how many graphs `--terapipe-cuda-graphs` would capture for the plan and the aten
-ops a replayed iteration still dispatches outside them (counted with runtime/cell_graphs.py's
+ops a replayed iteration still dispatches outside them (counted with runtime/graphs/cell_graphs.py's
 RecordingGraph, whose replays run nothing). Targets: TeraPipe at K = 1 no more ops than
 Megatron's unsliced iteration on the same attention; ops per cell at K = 32 within 1.1x of
 K = 1. Writes benchmarks/results/host_ops.json, its provenance first (benchmarks/provenance.py).
@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 
 import bench_stage  # noqa: E402  (its models, batch, iteration and op counter)
 import megatron_terapipe as mt  # noqa: E402
-from megatron_terapipe.runtime.cell_graphs import RecordingGraph  # noqa: E402
+from megatron_terapipe.runtime.graphs.cell_graphs import RecordingGraph  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 
 

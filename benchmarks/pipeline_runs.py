@@ -72,7 +72,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
 
         enter_stage(rank, world_size)
     if device == "cpu":
-        from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode, pin_to_core
+        from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
 
         enable_cpu_mode()
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
@@ -274,7 +274,7 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int,
               stages: int) -> tuple[dict, dict]:
     """Megatron (None), the DP plan (better order by simulation) and the best uniform slicing."""
     from megatron_terapipe.planner import best_uniform_slicing, place_wgrad_points, solve
-    from megatron_terapipe.planner.simulator import plan_time
+    from megatron_terapipe.planner.evaluate.simulator import plan_time
 
     seq = model.seq_length
     best = None
@@ -302,7 +302,7 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int,
 def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches: int,
             cores: float, stages: int) -> float:
     """Simulated iteration time; Megatron's 1F1B is the 1f1b order with one slice."""
-    from megatron_terapipe.planner.simulator import plan_time
+    from megatron_terapipe.planner.evaluate.simulator import plan_time
 
     if plan is None:
         plan = TeraPipePlan([model.seq_length], order="1f1b")

@@ -130,7 +130,7 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     from megatron.core import parallel_state
 
     from harness import make_batches, release_model_parallel, report_values
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
 
     enable_cpu_mode()
     pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs

@@ -44,7 +44,7 @@ class TeraPipePlan:
     predicted_time: seconds per iteration the planner expects, if a planner made this plan.
     defer_wgrad: compute a sequence's parameter gradients in one W action after its last
         backward cell, instead of per cell: thin GEMMs and one accumulation per parameter in
-        every cell's backward (see megatron_terapipe.runtime.wgrad). The default: it is exact,
+        every cell's backward (see megatron_terapipe.runtime.wgrad.store). The default: it is exact,
         and per iteration each parameter then accumulates once per sequence, however many token
         slices there are. False computes them in every backward cell (less memory held until
         the W action). Layers that cannot defer (Transformer Engine's) compute theirs at once

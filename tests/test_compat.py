@@ -1,4 +1,4 @@
-"""megatron/hooks/compat.py: the version check, the supported range, and each touch point's adapter
+"""megatron/platform/compat.py: the version check, the supported range, and each touch point's adapter
 on the installed megatron-core (run on both lines by noxfile.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from megatron_terapipe.megatron.hooks import compat
-from megatron_terapipe.megatron.hooks import compat_check, compat_checkpoints
+from megatron_terapipe.megatron.platform import compat
+from megatron_terapipe.megatron.platform import compat_check, compat_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_terapipe")
@@ -100,7 +100,9 @@ def test_layer_submodules_of_a_module_spec_and_of_a_partial():
 
 def test_config_fields_read_are_listed_and_exist_on_transformer_config():
     read = set()  # where Megatron's config is handled (the planner has configs of its own)
-    for folder in (os.path.join(PACKAGE, "megatron"), os.path.join(PACKAGE, "runtime")):
+    # megatron/'s top-level modules and every runtime/ module (its wgrad/ and graphs/ included)
+    folders = ("megatron", "runtime", "runtime/wgrad", "runtime/graphs")
+    for folder in (os.path.join(PACKAGE, *name.split("/")) for name in folders):
         for name in os.listdir(folder):
             if name.endswith(".py"):
                 text = open(os.path.join(folder, name)).read()
@@ -144,7 +146,7 @@ def test_set_current_microbatch_comes_from_the_lines_home():
 def test_cpu_mode_answers_cuda_stream_queries_without_cuda():
     import torch
 
-    from megatron_terapipe.megatron.hooks.cpu import _CpuTorchProxy
+    from megatron_terapipe.megatron.platform.cpu import _CpuTorchProxy
 
     proxy = _CpuTorchProxy()
     if torch.cuda.is_available():

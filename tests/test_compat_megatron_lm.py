@@ -28,7 +28,7 @@ PATCHES = {(0, 16): "pretrain_gpt_terapipe.patch", (0, 19): "pretrain_gpt_terapi
 
 
 def _installed_line() -> tuple[int, int]:
-    from megatron_terapipe.megatron.hooks import compat
+    from megatron_terapipe.megatron.platform import compat
 
     return compat.megatron_core_version()[:2]
 

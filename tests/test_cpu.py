@@ -21,7 +21,7 @@ def test_pin_to_core_binds_each_rank_to_its_own_core():
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from megatron_terapipe.megatron.hooks.cpu import keep_freed_host_memory
+from megatron_terapipe.megatron.platform.cpu import keep_freed_host_memory
 changed = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -68,8 +68,8 @@ _CPU_MODE_ROUND_TRIP = """
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as tp_random
-from megatron_terapipe.megatron.hooks import compat
-from megatron_terapipe.megatron.hooks import cpu
+from megatron_terapipe.megatron.platform import compat
+from megatron_terapipe.megatron.platform import cpu
 
 def names():
     owners = [(torch.cuda, "current_device"), (torch.cuda, "synchronize"),

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from megatron_terapipe.runtime.context import running_cell
-from megatron_terapipe.runtime.deferral import detached, hand_over
-from megatron_terapipe.runtime.deferred_embedding import defer_embedding
-from megatron_terapipe.runtime.deferred_linear import BiasGradPiece, deferred_bias
-from megatron_terapipe.runtime.deferred_norm import NormPiece, defer_norm
+from megatron_terapipe.runtime.wgrad.deferral import detached, hand_over
+from megatron_terapipe.runtime.wgrad.embedding import defer_embedding
+from megatron_terapipe.runtime.wgrad.linear import BiasGradPiece, deferred_bias
+from megatron_terapipe.runtime.wgrad.norm import NormPiece, defer_norm
 from megatron_terapipe.runtime.kv_cache import KVCache
-from megatron_terapipe.runtime.wgrad import WeightGradPiece, WeightGradStore, deliver
+from megatron_terapipe.runtime.wgrad.store import WeightGradPiece, WeightGradStore, deliver
 from megatron_terapipe.schedule import Cell
 
 SLICES = (3, 5, 2, 6)

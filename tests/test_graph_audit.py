@@ -1,5 +1,5 @@
-"""Graph-ready cells: the capture audit (runtime/graph_audit.py) and CUDA graphs per compute
-action (runtime/cell_graphs.py, --terapipe-cuda-graphs), on CPU.
+"""Graph-ready cells: the capture audit (runtime/graphs/graph_audit.py) and CUDA graphs per compute
+action (runtime/graphs/cell_graphs.py, --terapipe-cuda-graphs), on CPU.
 
 - Each kind of violation planted inside a cell fails the audit, naming the op and the cell;
   the same op outside a cell does not.
@@ -23,9 +23,9 @@ from harness import spawn
 from harness.graph_runs import AuditRun
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.args.flags import add_terapipe_args
-from megatron_terapipe.runtime.cell_graphs import CellGraphs, RecordingGraph, cuda_graph_factory
+from megatron_terapipe.runtime.graphs.cell_graphs import CellGraphs, RecordingGraph, cuda_graph_factory
 from megatron_terapipe.runtime.context import running_action
-from megatron_terapipe.runtime.graph_audit import CaptureAudit, CaptureSafetyError
+from megatron_terapipe.runtime.graphs.graph_audit import CaptureAudit, CaptureSafetyError
 from megatron_terapipe.schedule import Cell
 
 CELL = Cell(microbatch=1, batch_slice=0, token_slice=2, row_start=0, rows=2, token_start=8,

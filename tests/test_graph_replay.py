@@ -1,4 +1,4 @@
-"""CUDA graphs per compute action replay the right numbers (runtime/replay_graph.py, on CPU).
+"""CUDA graphs per compute action replay the right numbers (runtime/graphs/replay_graph.py, on CPU).
 
 A `ReplayGraph` replays like a CUDA graph: the captured ops again, on the captured storages,
 with no Python. Training with `configure(..., cuda_graphs=True, graph_factory=ReplayGraph)`
@@ -20,8 +20,8 @@ import torch
 
 from harness import spawn
 from harness.replay_runs import ReplayRun
-from megatron_terapipe.runtime.cell_graphs import CellGraphs
-from megatron_terapipe.runtime.replay_graph import ReplayGraph
+from megatron_terapipe.runtime.graphs.cell_graphs import CellGraphs
+from megatron_terapipe.runtime.graphs.replay_graph import ReplayGraph
 
 
 def test_replay_redoes_the_ops_on_the_captured_storages():
@@ -130,7 +130,7 @@ def test_cuda_capture_orders_streams_without_synchronizing_the_device(monkeypatc
     device-wide synchronize (as `with torch.cuda.graph` does first) would deadlock. The capture
     must only order its side stream after the current one, capture in thread_local mode, end
     the capture when the action raises, and order the current stream after the side one."""
-    from megatron_terapipe.runtime import cell_graphs
+    from megatron_terapipe.runtime.graphs import cell_graphs
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""The budget search's list estimates (planner/list_estimate.py) against the simulator: every
+"""The budget search's list estimates (planner/evaluate/list_estimate.py) against the simulator: every
 stage's peak of activations + K/V equal to `simulate`'s (the memory walk's) to the last bit,
 and the busiest stage's compute equal to the walk's own sum, on random plans: both orders,
 deferred weight gradients on and off, early W actions, batch slices with their own token
@@ -14,8 +14,8 @@ import pytest
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory, StageMemory
-from megatron_terapipe.planner.list_estimate import ListEstimate, _walked, estimate_lists
-from megatron_terapipe.planner.simulator import CellCosts
+from megatron_terapipe.planner.evaluate.list_estimate import ListEstimate, _walked, estimate_lists
+from megatron_terapipe.planner.evaluate.simulator import CellCosts
 from megatron_terapipe.schedule import build_schedule
 
 

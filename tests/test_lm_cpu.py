@@ -1,4 +1,4 @@
-"""CPU route for Megatron-LM's training script (megatron/hooks/lm_cpu.py): the pieces that run
+"""CPU route for Megatron-LM's training script (megatron/platform/lm_cpu.py): the pieces that run
 without a Megatron-LM checkout (tests/test_megatron_lm.py runs the real script when one is given)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_terapipe.megatron.hooks import compat, lm_cpu
-from megatron_terapipe.megatron.hooks.cpu import cpu_model_parallel_seed
+from megatron_terapipe.megatron.platform import compat, lm_cpu
+from megatron_terapipe.megatron.platform.cpu import cpu_model_parallel_seed
 
 
 def test_seed_takes_megatron_lm_positional_arguments():

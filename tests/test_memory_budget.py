@@ -95,7 +95,7 @@ def test_fastest_leaner_times_fewer_plans_and_chooses_as_timing_every_one(order,
     time, and the compute floor a lower bound of that, so skipping plans changes nothing: the same plan as timing all of them, for budgets
     from nothing fitting to everything fitting."""
     from megatron_terapipe.planner.memory_search import compute_floor, fastest_leaner, leaner_plans
-    from megatron_terapipe.planner.list_estimate import estimate_lists
+    from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
     from megatron_terapipe.schedule import build_schedule
 
     cost = cost_model()

@@ -1,4 +1,4 @@
-"""The planner's memory model (planner/cost/stage_memory.py, memory_fit.py, memory_walk.py): sizes,
+"""The planner's memory model (planner/cost/stage_memory.py, memory_fit.py, evaluate/memory_walk.py): sizes,
 Megatron's model-state accounting, the fit of measured bytes, and the walk of a schedule's
 actions that gives each stage's peak."""
 

@@ -1,4 +1,4 @@
-"""Simulator-guided refinement of a plan's token slices (planner.refine)."""
+"""Simulator-guided refinement of a plan's token slices (planner/hill_climb.py: refine)."""
 
 import dataclasses
 import itertools

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_terapipe import ScheduleError, TeraPipePlan, build_schedule, timeline, validate
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
-from megatron_terapipe.planner.list_estimate import estimate_lists
+from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
 from megatron_terapipe.schedule import Lowering, LoweredSchedule, VirtualCell, lower
 from megatron_terapipe.schedule import build as build_module
 from megatron_terapipe.schedule.build import allowed_group, virtual_group

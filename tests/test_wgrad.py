@@ -228,7 +228,7 @@ def test_hooked_layers_run_megatrons_code_outside_terapipe():
 def test_weight_grad_sums_every_slice_and_rounds_16_bit_types_once():
     import torch
 
-    from megatron_terapipe.runtime.wgrad import WeightGradPiece
+    from megatron_terapipe.runtime.wgrad.store import WeightGradPiece
 
     torch.manual_seed(0)
     xs = [torch.randn(3, 1, 5) for _ in range(4)]  # [tokens, rows, in] per slice

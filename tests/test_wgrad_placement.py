@@ -21,7 +21,7 @@ from megatron_terapipe.planner.cost.stage_memory import MemoryBudgetError
 from megatron_terapipe.planner.memory_search import search_within_budget
 from megatron_terapipe.planner.schedule_choice import compare_schedules
 from megatron_terapipe.planner.search import SearchSpace
-from megatron_terapipe.planner.simulator import plan_time
+from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.virtual_search import search_virtual
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
 from megatron_terapipe.schedule.wgrad_places import default_places

@@ -78,7 +78,7 @@ def _wrap_validate(original: Callable) -> Callable:
 
 
 def _apply_cpu_settings(args) -> None:
-    from .hooks.lm_cpu import apply_cpu_settings
+    from .platform.lm_cpu import apply_cpu_settings
 
     try:
         lines = apply_cpu_settings(args)
@@ -92,7 +92,7 @@ def _apply_cpu_settings(args) -> None:
 def _enable_cpu_if_asked(args: Sequence[str]) -> None:
     """--terapipe-cpu must act before the script's initialize_megatron asserts CUDA."""
     if "--terapipe-cpu" in args:
-        from .hooks.lm_cpu import enable_megatron_lm_cpu_mode
+        from .platform.lm_cpu import enable_megatron_lm_cpu_mode
 
         enable_megatron_lm_cpu_mode()
 
@@ -104,7 +104,7 @@ def install_hooks() -> None:
     the copy megatron-core 0.19's wheel ships). The functions it wraps, which differ between
     0.16 and 0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it again is harmless.
     """
-    from .hooks import compat
+    from .platform import compat
     from .hooks import install
 
     # Patch megatron.core first: megatron.training.training binds get_forward_backward_func

@@ -24,11 +24,11 @@ from ..plan import TeraPipePlan
 from ..schedule import build_schedule
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
-from .refine import fewer_cells
-from .refine import refine as hill_climb
+from .evaluate.list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
+from .hill_climb import fewer_cells
+from .hill_climb import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
 from .slicer import cell_arrays
-from .list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
 from .wgrad_placement import plan_wgrad
 
 MAX_CANDIDATES = 120  # simulations of step 2

@@ -18,9 +18,9 @@ from ..schedule import build_interleaved_schedule, build_schedule
 from ..schedule.orders import order_names
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError
+from .evaluate.simulator import SimulationResult, simulate
 from .memory_search import search_within_budget
 from .search import Candidate, SearchResult, SearchSpace
-from .simulator import SimulationResult, simulate
 from .virtual_search import VirtualSearchResult, search_virtual
 
 #: TeraPipe must be predicted at least this much faster than Megatron's best schedule.

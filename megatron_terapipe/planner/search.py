@@ -9,9 +9,9 @@
    deferred one wins only when at least DEFER_MIN_GAIN faster than the plain one, because
    deferring holds what the gradients need until the W action.
 3. With `refine`, the winner is then polished against the simulated timeline: a hill climb on
-   its slices (`refine.refine`), a uniform slicing into fewer cells if timed within 0.5%
-   (`refine.fewer_cells`: per-cell work the cost model leaves out favours fewer cells), and
-   early W actions (`refine.place_wgrad_points`), which can make deferring pay where one W per
+   its slices (`hill_climb.refine`), a uniform slicing into fewer cells if timed within 0.5%
+   (`hill_climb.fewer_cells`: per-cell work the cost model leaves out favours fewer cells), and
+   early W actions (`hill_climb.place_wgrad_points`), which can make deferring pay where one W per
    sequence did not. Every step that changes the plan is kept, for callers to show.
 
 Links: a cost model prices every stage-to-stage transfer at one link. It is the inter-node link
@@ -28,9 +28,9 @@ from ..plan import TeraPipePlan
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, Link
 from .cost.stage_memory import StageMemory
-from .refine import fewer_cells, place_wgrad_points
-from .refine import refine as hill_climb
-from .simulator import SimulationResult, simulate_plan
+from .evaluate.simulator import SimulationResult, simulate_plan
+from .hill_climb import fewer_cells, place_wgrad_points
+from .hill_climb import refine as hill_climb
 from .slicer import (BatchSizes, SlicingSolution, best_uniform_slicing, slicing_unit,
                      solve_slicing)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Union
 
 from ..schedule.trace_events import action_events, chrome_trace_of, write_trace
-from .simulator import SimulationResult
+from .evaluate.simulator import SimulationResult
 
 PathLike = Union[str, Path]
 

@@ -11,7 +11,7 @@ shrinks and each cell crosses more links, so the search here times plans instead
    space's weight-gradient mode(s);
 2. taken in order of their compute floor (memory_search.compute_floor: no schedule built)
    until it passes the fastest timed so far; each one's exact peaks and busiest stage's
-   compute from its lists (list_estimate), and those that fit timed by the simulator unless
+   compute from its lists (evaluate/list_estimate), and those that fit timed by the simulator unless
    that compute already passes the fastest;
    a 1f1b plan that does not fit is tried with a shorter warm-up (virtual_warmup 1, then 0:
    fewer activations alive, as fast when one group holds every microbatch);
@@ -30,10 +30,10 @@ from ..schedule import build_schedule
 from ..schedule.build import allowed_group, virtual_group
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
-from .list_estimate import estimate_lists, shared_caches
+from .evaluate.list_estimate import estimate_lists, shared_caches
+from .evaluate.simulator import plan_time
 from .memory_search import compute_floor
 from .search import Candidate, SearchSpace
-from .simulator import plan_time
 from .wgrad_placement import plan_wgrad
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)

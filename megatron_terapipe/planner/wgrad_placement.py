@@ -9,7 +9,7 @@ arrived) and, at each point where the stage's next F or B is not ready, runs the
 may run instead (a `WgradPolicy` says when a W is worth starting there); the W actions left
 run after the stage's last F/B. W actions keep their order. A deferred W holds its inputs and
 output gradients until it runs, so within a memory budget, before each F or B whose peak
-(memory_walk.py, the walk the simulator does) would pass the stage's limit, W actions run
+(evaluate/memory_walk.py, the walk the simulator does) would pass the stage's limit, W actions run
 first: with none pending the stage holds what the default places hold, so the peak never
 passes the larger of the limit and the default's peak.
 
@@ -31,8 +31,8 @@ from ..schedule.lower import message_ends
 from ..schedule.wgrad_places import default_places
 from .cost.cost_model import CostModel
 from .cost.stage_memory import CostModelMemory, MemoryBudget, StageMemory
-from .memory_walk import MemoryWalk
-from .simulator import CellCosts, plan_time
+from .evaluate.memory_walk import MemoryWalk
+from .evaluate.simulator import CellCosts, plan_time
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Counting, besides autograd's saved tensors, the buffers the runtime keeps itself: the K/V
 gradient buffers of the slice attention (kv_cache.py) and the pieces deferred weight gradients
-wait with (wgrad.py). Together they are what a stage holds for backward, as the planner's
+wait with (wgrad/store.py). Together they are what a stage holds for backward, as the planner's
 memory model (planner/cost/stage_memory.py) predicts it.
 
     with RuntimeMemoryMeter(exclude=params) as meter, meter.counting_runtime_buffers():
@@ -17,7 +17,7 @@ import torch
 
 from .kv_cache import KVBuffer
 from .memory import SavedTensorMeter
-from .wgrad import WeightGradStore
+from .wgrad.store import WeightGradStore
 
 
 class RuntimeMemoryMeter(SavedTensorMeter):

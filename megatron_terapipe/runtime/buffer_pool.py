@@ -95,6 +95,3 @@ class BufferPool:
         """Start a fresh log of takes; returns it (filled as the iteration runs)."""
         self.log = []
         return self.log
-
-    def held_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for made in self.slots.values() for t in made)

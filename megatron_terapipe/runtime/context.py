@@ -4,7 +4,7 @@ Slice attention reads the cell's K/V cache, the RoPE hook its token offset, and 
 linear layers its weight-gradient store. They sit deep inside the model, where the executor
 cannot pass arguments, so the executor announces the cell here (`running_cell`) and they look
 it up (`active_cell`). `running_action` names every compute action (F, B and W, which runs
-outside a cell) for the tools that attribute work to it: the capture audit (graph_audit.py)
+outside a cell) for the tools that attribute work to it: the capture audit (graphs/graph_audit.py)
 and the buffer pool's log.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from ..schedule import Action, Cell, format_action
 from .kv_cache import KVCache
-from .wgrad import WeightGradStore
+from .wgrad.store import WeightGradStore
 
 
 @dataclass

@@ -21,14 +21,14 @@ from ..schedule import (Action, Cell, LoweredSchedule, Schedule, TimedAction, fo
 from ..schedule.actions import last_virtual_stage
 from .batching import CellData
 from .buffer_pool import BufferPool
-from .cell_graphs import CellGraphs
 from .context import current_action_or_outside, running_action, running_cell
 from .grad_sync import GradSync, SyncFunc
+from .graphs.cell_graphs import CellGraphs
 from .kv_cache import KVCache
 from .loss import LossBook
 from .trace import RunRecord
 from .transport import Transport
-from .wgrad import WeightGradStore
+from .wgrad.store import WeightGradStore
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class StageExecutor:
         self.models, self.chunk_data = _per_chunk(schedule, model, data)
         self.schedule, self.stage = schedule, stage
         self.model, self.data = self.models[0], self.chunk_data[-1]  # the loss reads the last's
-        self.graphs = graphs  # CUDA graphs per compute action (cell_graphs.py), kept with the pool
+        self.graphs = graphs  # CUDA graphs per compute action (graphs/cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
         self.actions = lowered.stage(stage)
         self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1

@@ -149,7 +149,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

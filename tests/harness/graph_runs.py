@@ -1,4 +1,4 @@
-"""Capture audits of real runs (runtime/graph_audit.py) and cell-graph runs with a recording graph.
+"""Capture audits of real runs (runtime/graphs/graph_audit.py) and cell-graph runs with a recording graph.
 
 `audit_runs` trains one stage model per run (TP x PP x DP from the world size and the run's
 tp/pp; Megatron DDP when DP > 1) on fresh batches every iteration, as training does, and audits
@@ -65,7 +65,7 @@ def audit_one(run: AuditRun, world_size: int) -> list[str]:
 
     from megatron_terapipe import TeraPipePlan
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
-    from megatron_terapipe.runtime.graph_audit import audit_iterations
+    from megatron_terapipe.runtime.graphs.graph_audit import audit_iterations
 
     dp = world_size // (run.tp * run.pp)
     parallel_state.initialize_model_parallel(run.tp, run.pp)
@@ -103,7 +103,7 @@ def _pool_allocations(model) -> int:
 
 
 def audit_runs(rank: int, world_size: int, runs: list[AuditRun]) -> dict[str, Any]:
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     return {run.name: audit_one(run, world_size) for run in runs}
@@ -115,9 +115,9 @@ def graph_runs(rank: int, world_size: int, iterations: int, defer_wgrad: bool) -
     from megatron.core import parallel_state
 
     from megatron_terapipe import TeraPipePlan, configure
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
-    from megatron_terapipe.runtime.cell_graphs import RecordingGraph
+    from megatron_terapipe.runtime.graphs.cell_graphs import RecordingGraph
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)

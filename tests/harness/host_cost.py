@@ -79,7 +79,7 @@ def count_host_cost(rank: int, world_size: int, slice_counts: list[int], runs: l
     from megatron.core import parallel_state
 
     from megatron_terapipe import TeraPipePlan
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

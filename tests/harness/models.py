@@ -72,7 +72,7 @@ class TinyGPT:
 
 
 def seed(value: int) -> None:
-    from megatron_terapipe.megatron.hooks.cpu import cpu_model_parallel_seed
+    from megatron_terapipe.megatron.platform.cpu import cpu_model_parallel_seed
 
     cpu_model_parallel_seed(value)
 

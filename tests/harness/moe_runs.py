@@ -282,7 +282,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     results = {}

@@ -1,4 +1,4 @@
-"""Training with every compute action replayed as a CUDA graph would (runtime/replay_graph.py),
+"""Training with every compute action replayed as a CUDA graph would (runtime/graphs/replay_graph.py),
 against the same training run eager.
 
 `replay_vs_eager` trains one stage model per run twice from the same weights: eager, and with
@@ -54,8 +54,8 @@ class _Counted:
 def graph_maker(device: str):
     """What makes each cell's graph on `device`: torch.cuda.CUDAGraph on a GPU, the ReplayGraph
     stand-in on CPU (it checks the path and numbers, not the speed of CUDA graphs)."""
-    from megatron_terapipe.runtime.cell_graphs import cuda_graph_factory
-    from megatron_terapipe.runtime.replay_graph import ReplayGraph
+    from megatron_terapipe.runtime.graphs.cell_graphs import cuda_graph_factory
+    from megatron_terapipe.runtime.graphs.replay_graph import ReplayGraph
 
     return cuda_graph_factory(torch.device("cuda")) if device == "cuda" else ReplayGraph
 
@@ -157,7 +157,7 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
 
 
 def replay_vs_eager(rank: int, world_size: int, runs: list[ReplayRun]) -> dict[str, Any]:
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
 
     if any(run.device == "cuda" for run in runs):
         torch.cuda.set_device(0)

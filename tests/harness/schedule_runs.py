@@ -79,7 +79,7 @@ def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.hooks.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
 
     enable_cpu_mode()
     pin_to_core(rank, world_size)

@@ -70,7 +70,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "CUDA; not with --overlap-grad-reduce)")
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
-                            "(launcher only; needs --clip-grad 0.0; see megatron/hooks/lm_cpu.py)")
+                            "(launcher only; needs --clip-grad 0.0; see megatron/platform/lm_cpu.py)")
     _add_memory_args(group)
     group.add_argument("--terapipe-trace", default=None, metavar="PATH",
                        help="write Chrome traces: the simulated plan to PATH's "

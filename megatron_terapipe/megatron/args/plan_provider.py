@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 from ...plan import TeraPipePlan
 from ...planner.profile.time_fit import LayerTimeFit
-from ..hooks import compat
+from ..platform import compat
 from .plan_report import PlanReport
 from .planner_inputs import planner_inputs
 from .planning import plan_run, wants_profile, write_simulated_trace

@@ -1,7 +1,9 @@
-"""What runs inside Megatron: the TeraPipe schedule and the getter hook that routes Megatron to
-it, config.terapipe (selection.py), the one table of what TeraPipe refuses (rules.py), the
-slice-aware layer spec, RoPE offsets, parameter-gradient deferral, P2P, CPU mode, and
-the version checks of every private Megatron internal we touch (compat.py).
+"""What runs inside Megatron: the TeraPipe schedule (forward_backward.py) and the getter hook
+that routes Megatron to it (install.py), config.terapipe (selection.py), the one table of what
+TeraPipe refuses (rules.py), P2P (p2p.py), Megatron-LM's forward step per cell (lm_cells.py);
+and into Megatron's model: the slice-aware layer spec (spec.py), RoPE offsets (rope.py),
+parameter-gradient deferral (param_deferral.py), exact MoE router losses (moe_losses.py,
+moe_loss_terms.py). The version checks and CPU mode are platform/.
 
-May import: plan, schedule, runtime, megatron.hooks
+May import: plan, schedule, runtime, megatron.platform, megatron.hooks
 """

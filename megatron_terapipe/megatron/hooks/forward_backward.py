@@ -20,11 +20,12 @@ from ...plan import TeraPipePlan
 from ...runtime.attention import SliceAttention
 from ...runtime.batching import CellData
 from ...runtime.buffer_pool import BufferPool
-from ...runtime.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.executor import StageExecutor, StageModel, StageOptions
+from ...runtime.graphs.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.trace import RunRecord
 from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
-from . import compat, moe_losses
+from ..platform import compat
+from . import moe_losses
 from .param_deferral import install_wgrad_deferral
 from .p2p import check_shared_link, make_transport
 from .rope import install_rope_offsets
@@ -133,7 +134,7 @@ def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: Tera
                 num_microbatches: int, num_stages: int, micro_batch_size: int,
                 forward_only: bool, lowering: Lowering) -> PlanMemory:
     """The model's PlanMemory for one plan and batch shape (runtime/buffer_pool.py,
-    runtime/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL. A new one
+    runtime/graphs/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL. A new one
     builds and validates the schedule: a bad one raises ScheduleError before any message."""
     kept = model.__dict__.setdefault("_terapipe_pools", OrderedDict())
     key = (plan, num_microbatches, num_stages, micro_batch_size, forward_only, lowering)

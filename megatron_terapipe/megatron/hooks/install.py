@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
-from . import compat
+from ..platform import compat
 from .rules import RunView, check_view
 from .selection import STATE
 

@@ -7,7 +7,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator, Optional
 
-from . import compat
+from ..platform import compat
 
 
 def megatron_lm_args() -> Optional[Any]:

@@ -28,11 +28,11 @@ import torch
 
 from ...runtime.context import ActiveCell, active_cell
 from ...schedule import ActionKind, Schedule
-from . import compat, compat_moe
+from ..platform import compat, compat_moe
 from .moe_loss_terms import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
                              SwitchTerm, ZLossGrad, ZTerm, squared_logsumexp, token_owners)
 
-#: megatron-core lines whose router losses TeraPipe reproduces (compat_moe.py: how each one
+#: megatron-core lines whose router losses TeraPipe reproduces (platform/compat_moe.py: how each one
 #: scales and logs them).
 EXACT_LOSS_LINES = tuple(compat_moe.ROUTER_LOSS_CONVENTIONS)
 #: TopKRouter methods replaced per router (name -> the load-balancing type it applies).

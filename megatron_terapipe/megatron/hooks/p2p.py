@@ -12,7 +12,7 @@ import torch
 from ...runtime.transport import TorchTransport, Transport
 from ...schedule import Lowering, LoweredSchedule
 from ...schedule.actions import peer_cell
-from . import compat
+from ..platform import compat
 
 
 class MegatronTransport(Transport):

@@ -4,14 +4,14 @@
 
 - Megatron's local `ColumnParallelLinear` and `RowParallelLinear` (the output layer included):
   their matmul goes through `_forward_impl`; inside a cell whose schedule has W actions the
-  patched one runs runtime.deferred_linear.DeferredWgradLinear instead, which leaves the weight
+  patched one runs runtime.wgrad.linear.DeferredWgradLinear instead, which leaves the weight
   gradient (and that of a bias added there: ColumnParallelLinear without skip_bias_add) to the W
   action. A bias the layer adds after its matmul or hands out (skip_bias_add) is replaced, for
-  the call, by runtime.deferred_linear.deferred_bias;
+  the call, by runtime.wgrad.linear.deferred_bias;
 - torch LayerNorm / RMSNorm (what TorchNorm and Megatron's WrappedTorchNorm build):
-  runtime.deferred_norm;
+  runtime.wgrad.norm;
 - torch Embedding (learned positions) and Megatron's VocabParallelEmbedding: their F.embedding
-  lookups, runtime.deferred_embedding.
+  lookups, runtime.wgrad.embedding.
 
 Everywhere else (no running cell, frozen or non-leaf parameters, inputs needing no gradient,
 Megatron-FSDP parameters, the output layer's own gradient buffer, Transformer Engine and apex
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.deferral import deferrable, deferring_store, detached
-from ...runtime.deferred_embedding import defer_embedding
-from ...runtime.deferred_linear import DeferredWgradLinear, deferred_bias
-from ...runtime.deferred_norm import NORM_CLASSES, defer_norm
-from . import compat
+from ...runtime.wgrad.deferral import deferrable, deferring_store, detached
+from ...runtime.wgrad.embedding import defer_embedding
+from ...runtime.wgrad.linear import DeferredWgradLinear, deferred_bias
+from ...runtime.wgrad.norm import NORM_CLASSES, defer_norm
+from ..platform import compat
 
 
 def _deferring_forward_impl(original, fused_accumulate):

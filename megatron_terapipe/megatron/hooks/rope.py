@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime.attention import rope_offset_pre_hook
-from . import compat
+from ..platform import compat
 
 
 def install_rope_offsets(model: torch.nn.Module) -> int:

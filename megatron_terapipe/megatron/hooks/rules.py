@@ -202,7 +202,7 @@ RULES = (
         f"--attention-dropout 0, or drop {v.graphs_option}")),
     Rule(lambda v: v.cuda_graphs and bool(v.graphs_device), lambda v: (
         f"{v.graphs_option} captures cells as CUDA graphs, but {v.graphs_device}: drop "
-        f"{v.graphs_option} (on CPU, megatron_terapipe.runtime.graph_audit.audit_iterations "
+        f"{v.graphs_option} (on CPU, megatron_terapipe.runtime.graphs.graph_audit.audit_iterations "
         "checks that cells could be captured)")),
 )
 
@@ -315,7 +315,7 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
 def graph_safe_rng_tracker() -> bool:
     """Whether Megatron's RNG tracker is set up and graph-safe (Transformer Engine's, or Megatron's
     with use_cudagraphable_rng)."""
-    from . import compat
+    from ..platform import compat
 
     tp_random = compat.rng_module()
     tracker = tp_random._CUDA_RNG_STATE_TRACKER

@@ -20,7 +20,8 @@ class TeraPipeConfig:
     A field left None takes the process-wide default (`select`: the flags' choice)."""
 
     plan: object = None  # a TeraPipePlan, or a provider with plan_for(seq_length, micro_batch_size)
-    cuda_graphs: Optional[bool] = None  # a CUDA graph per compute action, captured once (cell_graphs.py)
+    # a CUDA graph per compute action, captured once (runtime/graphs/cell_graphs.py)
+    cuda_graphs: Optional[bool] = None
     graph_factory: Optional[Callable[[str], object]] = None  # makes each graph (tests: RecordingGraph)
     on_run: Optional[Callable[[RunRecord], None]] = None  # gets each call's RunRecord
     transport: Optional[str] = None  # "megatron" or "torch": overrides p2p.py's choice
@@ -72,9 +73,10 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
     `plan` is a TeraPipePlan, or a provider with `plan_for(seq_length, micro_batch_size)` for
     runs whose sequence length changes. Also selects TeraPipe for `get_forward_backward_func`
     once `install()` has run. `cuda_graphs`: capture every compute action (a cell's forward,
-    its backward, a W action) as a CUDA graph once and replay it (runtime/cell_graphs.py);
+    its backward, a W action) as a CUDA graph once and replay it (runtime/graphs/cell_graphs.py);
     needs CUDA; None leaves the choice to the flags (`select`). `graph_factory(label)` makes
-    each graph instead of torch.cuda.CUDAGraph (tests pass runtime.cell_graphs.RecordingGraph).
+    each graph instead of torch.cuda.CUDAGraph (tests pass
+    runtime.graphs.cell_graphs.RecordingGraph).
     Other fields of an existing config.terapipe (on_run, transport) are kept.
     """
     if not isinstance(plan, TeraPipePlan) and not hasattr(plan, "plan_for"):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ...runtime.attention import SliceAttention
-from . import compat
+from ..platform import compat
 
 
 def transformer_engine_available() -> bool:
@@ -67,7 +67,7 @@ class TorchNorm:
     parameters for the tensor-parallel all-reduce of their gradients. This one marks them, so
     the local spec runs sequence-parallel wherever the collectives exist (gloo included). Being
     torch's own LayerNorm / RMSNorm, it defers its weight and bias gradients to the W actions
-    (runtime/deferred_norm.py, hooked with the linear layers by install_wgrad_deferral).
+    (runtime/wgrad/norm.py, hooked with the linear layers by install_wgrad_deferral).
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):

@@ -26,7 +26,7 @@ from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
 from ...runtime.context import running_cell
 from ...runtime.kv_cache import KVCache
-from ...runtime.wgrad import WeightGradStore
+from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds

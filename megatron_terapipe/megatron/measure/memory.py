@@ -124,7 +124,7 @@ def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dic
     before the first K/V gradient buffer, and what it left for the W action."""
     from ...runtime.context import running_cell
     from ...runtime.kv_cache import KVCache
-    from ...runtime.wgrad import WeightGradStore
+    from ...runtime.wgrad.store import WeightGradStore
 
     gc.collect()
     cache, store = KVCache(seq_length=t), WeightGradStore() if deferred else None

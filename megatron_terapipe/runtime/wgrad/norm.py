@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .deferral import deferring_store, detached, hand_over
-from .wgrad import DeferredPiece, Gradient
+from .store import DeferredPiece, Gradient
 
 _aten = torch.ops.aten
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..schedule import Cell, ChunkCell, Schedule, TimedAction, VirtualCell
-from .cost.stage_memory import StageMemory
+from ...schedule import Cell, ChunkCell, Schedule, TimedAction, VirtualCell
+from ..cost.stage_memory import StageMemory
 
 
 @dataclass(frozen=True)

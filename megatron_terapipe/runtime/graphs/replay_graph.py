@@ -105,7 +105,7 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(
                 f"TeraPipe: {func} reads a tensor's value on the host inside the captured "
                 f"action {self.key}: a CUDA graph capture fails there (run the capture audit, "
-                "megatron_terapipe.runtime.graph_audit.audit_iterations, to find the line)")
+                "megatron_terapipe.runtime.graphs.graph_audit.audit_iterations, to find the line)")
         out = func(*args, **kwargs)
         if func in UNINITIALISED:
             return out
@@ -145,7 +145,7 @@ def _waits_noted(recorder: _Recorder) -> Iterator[None]:
 
 @dataclass
 class ReplayGraph:
-    """A graph (runtime/cell_graphs.py's CellGraph) whose replays redo the captured ops on the
+    """A graph (runtime/graphs/cell_graphs.py's CellGraph) whose replays redo the captured ops on the
     captured storages, as a CUDA graph would: `configure(..., cuda_graphs=True,
     graph_factory=ReplayGraph)` runs a whole plan that way on CPU."""
 

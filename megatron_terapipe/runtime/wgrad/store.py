@@ -9,10 +9,10 @@ stage that can defer hands what its gradient needs (a "piece") to a `WeightGradS
 
 - the local linear layers (`ColumnParallelLinear`, `RowParallelLinear`, the output layer
   included): their input and output gradient; a bias added inside the layer takes its gradient
-  from the same output gradients (deferred_linear.py);
-- a bias a layer hands out to be added elsewhere: its per-slice gradient (deferred_linear.py);
-- torch LayerNorm / RMSNorm: their input, statistics and output gradient (deferred_norm.py);
-- embedding tables: the looked-up ids and the output gradient (deferred_embedding.py).
+  from the same output gradients (linear.py);
+- a bias a layer hands out to be added elsewhere: its per-slice gradient (linear.py);
+- torch LayerNorm / RMSNorm: their input, statistics and output gradient (norm.py);
+- embedding tables: the looked-up ids and the output gradient (embedding.py).
 
 The schedule's W action for a sequence then computes one gradient per parameter over all its
 slices and delivers it through autograd, so gradient hooks (Megatron DDP's grad-ready hooks and

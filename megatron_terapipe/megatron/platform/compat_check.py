@@ -1,6 +1,6 @@
-"""Every check of megatron/hooks/compat.py on the installed megatron-core, as a report:
+"""Every check of megatron/platform/compat.py on the installed megatron-core, as a report:
 
-    python -m megatron_terapipe.megatron.hooks.compat_check
+    python -m megatron_terapipe.megatron.platform.compat_check
 
 Exit status 0 when megatron-core is on a tested line and every touch point checks out (the nox
 sessions print it before their tests; tests/test_compat.py asserts it).
@@ -41,7 +41,7 @@ def check_all() -> list[tuple[str, Optional[str]]]:
 
 
 def _router_class():
-    from .moe_losses import router_class
+    from ..hooks.moe_losses import router_class
 
     return router_class()
 

@@ -8,7 +8,7 @@ function here, and each of those calls `require_tested(touch)` first: on an unte
 it raises `UnsupportedMegatronError`, which names the touch point, the installed version and the
 supported lines, unless `MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON=1` says to try anyway.
 docs/megatron.md lists every touch point, the versions it was checked on and what moved between
-0.16 and 0.19; `python -m megatron_terapipe.megatron.hooks.compat_check` runs every check here.
+0.16 and 0.19; `python -m megatron_terapipe.megatron.platform.compat_check` runs every check here.
 """
 
 from __future__ import annotations

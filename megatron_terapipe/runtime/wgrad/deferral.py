@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .context import active_cell
-from .wgrad import DeferredPiece, WeightGradStore, deliver
+from ..context import active_cell
+from .store import DeferredPiece, WeightGradStore, deliver
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
 _DETACHED = WeakIdKeyDictionary()  # parameter -> its detached alias (tensors compare by value)

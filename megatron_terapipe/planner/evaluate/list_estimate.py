@@ -19,9 +19,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..schedule import Action, ChunkCell, Schedule, TimedAction
-from .cost.cost_model import CostModel
-from .cost.stage_memory import CostModelMemory, StageMemory
+from ...schedule import Action, ChunkCell, Schedule, TimedAction
+from ..cost.cost_model import CostModel
+from ..cost.stage_memory import CostModelMemory, StageMemory
 from .memory_walk import MemoryWalk, walk_stage
 from .simulator import CellCosts
 

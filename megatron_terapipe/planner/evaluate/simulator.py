@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..plan import TeraPipePlan
-from ..schedule import (Action, Cell, ChunkCell, Schedule, TimedAction, VirtualCell,
+from ...plan import TeraPipePlan
+from ...schedule import (Action, Cell, ChunkCell, Schedule, TimedAction, VirtualCell,
                         build_schedule, timeline)
-from ..schedule.actions import first_virtual_stage, last_virtual_stage
-from .cost.cost_model import CostModel
-from .cost.stage_memory import CostModelMemory, StageMemory
+from ...schedule.actions import first_virtual_stage, last_virtual_stage
+from ..cost.cost_model import CostModel
+from ..cost.stage_memory import CostModelMemory, StageMemory
 from .memory_walk import MemoryPoint, walk_stage
 
 __all__ = ["MemoryPoint", "SimulationResult", "plan_time", "simulate", "simulate_plan"]
@@ -230,7 +230,7 @@ def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
 
 def _timed(schedule: Schedule, costs: CellCosts, cores: Optional[float]) -> list[TimedAction]:
     if cores is not None and cores < schedule.num_stages:
-        from ..schedule import shared_timeline
+        from ...schedule import shared_timeline
 
         return shared_timeline(schedule, costs.compute, costs.transfer, cores)
     return timeline(schedule, costs.compute, costs.transfer)

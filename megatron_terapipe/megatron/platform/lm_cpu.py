@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..hooks.spec import TorchNorm
 from . import compat, compat_checkpoints
 from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
-from .spec import TorchNorm
 
 # The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as
 # CUDA differ per line: compat.MEGATRON_LM_CPU_MODULES.

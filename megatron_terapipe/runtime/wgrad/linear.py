@@ -2,7 +2,7 @@
 
 Megatron's tensor-parallel linear, re-done with the same forward and the same input-gradient
 communication, whose backward hands (input, output gradient) to the running cell's
-WeightGradStore (wgrad.py) instead of computing the weight gradient; a bias added inside the
+WeightGradStore (store.py) instead of computing the weight gradient; a bias added inside the
 layer takes its gradient from the same output gradients in the W action. A bias the layer hands
 out to be added elsewhere (Megatron's skip_bias_add, or RowParallelLinear's add after its
 all-reduce) goes through `DeferredBias`, whose backward keeps the per-slice gradient for the W
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .deferral import anchor, detached, hand_over
-from .wgrad import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype, all_gathered
+from .store import DeferredPiece, Gradient, WeightGradPiece, accumulation_dtype, all_gathered
 
 # As Megatron's own linear function: under CUDA autocast, backward runs in the forward's
 # autocast state, so its GEMMs see the dtypes the forward saw.

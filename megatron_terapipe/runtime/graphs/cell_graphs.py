@@ -172,7 +172,7 @@ def cuda_graph_factory(device: Optional[torch.device] = None) -> GraphFactory:
         raise ValueError(
             f"TeraPipe: CUDA graphs (--terapipe-cuda-graphs, configure(..., cuda_graphs=True)) "
             f"need a CUDA device, but the stage runs {where}: drop the option (on CPU, check "
-            "that cells could be captured with megatron_terapipe.runtime.graph_audit."
+            "that cells could be captured with megatron_terapipe.runtime.graphs.graph_audit."
             "audit_iterations)")
     pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     return lambda key: TorchCUDAGraph(pool, stream)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .deferral import anchor, deferring_store, detached, hand_over
-from .wgrad import DeferredPiece, Gradient
+from .store import DeferredPiece, Gradient
 
 _EMBEDDING_SIGNATURE = inspect.signature(F.embedding)
 

@@ -19,8 +19,8 @@ from typing import Callable, Optional
 
 from ..plan import TeraPipePlan
 from .cost.cost_model import CostModel
-from .list_estimate import shared_caches
-from .simulator import plan_time
+from .evaluate.list_estimate import shared_caches
+from .evaluate.simulator import plan_time
 
 #: Refinement simulates the whole schedule per candidate; past this many actions it is skipped.
 MAX_ACTIONS = 20_000

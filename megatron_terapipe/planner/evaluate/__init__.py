@@ -1,0 +1,7 @@
+"""The timing and memory replays of a schedule's action lists.
+
+simulator: each stage's timeline and the plan's time; memory_walk: a stage's memory through its
+list; list_estimate: a plan's peaks and compute from its lists, as arrays.
+
+May import: plan, schedule, planner.cost, planner.evaluate
+"""
