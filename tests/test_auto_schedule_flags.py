@@ -74,6 +74,7 @@ def test_auto_writes_the_tables_choice_into_the_flags_and_logs_it():
     rows = lines[1:-1]
     assert len(rows) == len(table.options) and all(r.startswith(">   ") for r in rows)
     assert any("Megatron interleaved, 2 chunks" in r for r in rows)  # 4 layers per stage
+    assert any("TeraPipe 1f1b, 2 chunks" in r for r in rows)  # and TeraPipe on them
     assert lines[-1].startswith(f"> terapipe auto: running {choice.chosen.name}")
     assert choice.runner_up.name in lines[-1] and "%" in lines[-1]
 
@@ -91,6 +92,10 @@ def test_apply_choice_sets_what_each_schedule_needs():
                                   None, None, ""))
     assert args.pipeline_schedule == "1f1b"
     assert args.virtual_pipeline_model_parallel_size == 4 == args.num_virtual_stages_per_pipeline_rank
+    args = parse(AUTO, **SHAPE)
+    apply_choice(args, AutoChoice(option("TeraPipe 1f1b, 2 chunks", "terapipe", chunks=2),
+                                  None, None, ""))
+    assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("terapipe", 2)
     args = parse(AUTO, **SHAPE)
     apply_choice(args, AutoChoice(option("Megatron 1F1B", "megatron"), None, None, ""))
     assert args.pipeline_schedule == "1f1b" and args.virtual_pipeline_model_parallel_size is None

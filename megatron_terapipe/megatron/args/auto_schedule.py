@@ -15,32 +15,44 @@ file, or a cached profile of this shape.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from ...planner.cost.stage_memory import MemoryBudgetError
 from ...planner.inputs import PlannerInputs
 from ...planner.report import auto_text, megatron_1f1b_time, schedule_row
-from ...planner.schedule_choice import AutoChoice, ScheduleTable
+from ...planner.schedule_choice import AutoChoice, ScheduleTable, interleaved_chunk_counts
 from .plan_report import WARNING
 from .planner_inputs import planner_inputs
 from .profile_cache import profile_cache_path
 from .settings import RunSettings, TeraPipeArgumentError
 
+#: TeraPipe's chunk counts tried at start-up (each is a search of its own: a few seconds for
+#: a large model); Megatron's interleaved rows take every divisor.
+MAX_TERAPIPE_CHUNKS = 4
 
-def _auto_inputs(run: RunSettings) -> PlannerInputs:
-    """What the choice is planned from: the flags' inputs, with a cost model known unmeasured."""
+
+def _auto_inputs(run: RunSettings, interleaved: bool = True) -> PlannerInputs:
+    """What the choice is planned from: the flags' inputs, with a cost model known unmeasured;
+    where the run can build model chunks, TeraPipe on virtual stages too (each chunk count up
+    to MAX_TERAPIPE_CHUNKS that divides a stage's layers, as Megatron's interleaved rows)."""
     if run.terapipe.cost_model == "profile" and not profile_cache_path(run).is_file():
         raise TeraPipeArgumentError(
             "--pipeline-schedule auto chooses at start-up, before a layer can be measured, but "
             "--terapipe-cost-model profile has no cached profile for this shape: run once with "
             "--pipeline-schedule terapipe --terapipe-cost-model profile (it caches the profile), "
             "or give --terapipe-cost-model analytic or a layer-profile JSON file")
-    return planner_inputs(run)
+    inputs = planner_inputs(run)
+    if not interleaved:
+        return inputs
+    chunks = tuple(v for v in interleaved_chunk_counts(inputs.layers_per_stage)
+                   if v <= MAX_TERAPIPE_CHUNKS)
+    return replace(inputs, space=replace(inputs.space, virtual_stages=chunks))
 
 
 def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[ScheduleTable, str]:
     """The schedules the flags' run could use, and the cost model's description."""
-    inputs = _auto_inputs(run)
+    inputs = _auto_inputs(run, interleaved)
     return inputs.schedule_table(interleaved), inputs.cost_model.describe()
 
 
@@ -50,7 +62,7 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     Megatron-LM's flags). interleaved: whether the run can build model chunks (Megatron-LM
     can; a script building one model per stage cannot). Raises TeraPipeArgumentError when no
     schedule fits the budget."""
-    inputs = _auto_inputs(run)
+    inputs = _auto_inputs(run, interleaved)
     table = inputs.schedule_table(interleaved)
     try:
         choice = table.auto()

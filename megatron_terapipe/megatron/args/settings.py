@@ -273,13 +273,14 @@ class RunSettings:
 def apply_choice(args, choice: AutoChoice) -> None:
     """Write --pipeline-schedule auto's choice into Megatron-LM's args, which run it: TeraPipe
     with its order, or Megatron's schedule, with virtual pipeline stages (as Megatron-LM's
-    --num-virtual-stages-per-pipeline-rank sets them) for the interleaved one. The settings of
-    the chosen run are `RunSettings.from_args(args)` after it."""
+    --num-virtual-stages-per-pipeline-rank sets them) for the interleaved one and for TeraPipe
+    on model chunks. The settings of the chosen run are `RunSettings.from_args(args)` after
+    it."""
     chosen = choice.chosen
-    if chosen.family == TERAPIPE:
+    if chosen.family == TERAPIPE:  # on model chunks too: TeraPipe's cells on virtual stages
         args.pipeline_schedule, args.terapipe_order = "terapipe", chosen.order
-        return
-    args.pipeline_schedule = "1f1b"
+    else:
+        args.pipeline_schedule = "1f1b"
     if chosen.num_chunks > 1:
         args.num_virtual_stages_per_pipeline_rank = chosen.num_chunks
         args.virtual_pipeline_model_parallel_size = chosen.num_chunks
