@@ -8,7 +8,7 @@ either way gets the same plan (tests/test_planner_inputs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from ..plan import TeraPipePlan
 from .cost.analytic import AnalyticCostModel
@@ -42,29 +42,28 @@ class PlannerInputs:
         """The plan search in `order` (default: the space's), within the budget when there is
         one (raises MemoryBudgetError). Made once per order: the schedule table asks again."""
         order = order or self.space.order
-        if order not in self._searches:
-            try:
-                self._searches[order] = search_within_budget(
-                    self.cost_model, replace(self.space, order=order), self.budget)
-            except MemoryBudgetError as error:
-                self._searches[order] = error
-        found = self._searches[order]
-        if isinstance(found, MemoryBudgetError):
-            raise found
-        return found
+        return self._once(order, lambda: search_within_budget(
+            self.cost_model, replace(self.space, order=order), self.budget))
 
     def search_virtual(self, order: str, chunks: int) -> VirtualSearchResult:
         """The plan search in `order` on `chunks` model chunks per stage (virtual_search.py),
         started from the order's one-chunk plan; made once per (order, chunks)."""
-        key = (order, chunks)
-        if key not in self._searches:
+        def run() -> VirtualSearchResult:
             try:
                 hint: Optional[TeraPipePlan] = self.search(order).plan
             except MemoryBudgetError:
                 hint = None
+            return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
+                                  chunks, hint)
+
+        return self._once((order, chunks), run)
+
+    def _once(self, key, make: Callable[[], object]):
+        """`make()`'s result for `key`, computed once; a MemoryBudgetError is kept and raised
+        again on every later ask."""
+        if key not in self._searches:
             try:
-                self._searches[key] = search_virtual(
-                    self.cost_model, replace(self.space, order=order), self.budget, chunks, hint)
+                self._searches[key] = make()
             except MemoryBudgetError as error:
                 self._searches[key] = error
         found = self._searches[key]
