@@ -69,6 +69,8 @@ class GpuCase:
 
 SUITES = {
     "full": [GpuCase(k, s, m) for k in (2, 4) for s in (2048, 8192) for m in (1, 4)],
+    # the three targets (2 and 4 stages at 1 microbatch, 4 stages at 4), for a short lease
+    "targets": [GpuCase(2, 2048, 1), GpuCase(4, 2048, 1), GpuCase(4, 2048, 4)],
     "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
 }
 
@@ -227,6 +229,12 @@ def chart(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def write_results(results: dict, out: str, started: float) -> None:
+    results["wall_seconds"] = time.perf_counter() - started
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", choices=tuple(SUITES), default="full")
@@ -258,19 +266,18 @@ def main() -> int:
         context = MpsDaemon()
         context.__enter__()
     try:
-        shape = (2048, 1, 4096) if args.cases == "full" else (256, 1, 64)
+        shape = (256, 1, 64) if args.cases == "smoke" else (2048, 1, 4096)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         one_way = spawn(2, "bench_gpu_pipeline:transfer_worker", shape, dtype, 20, device == "cuda")[0]
         results["transfer_one_way_s"] = {"shape": list(shape), "seconds": one_way}
         print(f"> host-staged transfer of {list(shape)} {dtype}: {one_way * 1e3:.3f} ms one way", flush=True)
         for case in SUITES[args.cases]:
             results["rows"].extend(run_case(case, args, device))
+            write_results(results, args.out, started)  # a lease can end before the last case
     finally:
         if context is not None:
             context.__exit__(None, None, None)
-    results["wall_seconds"] = time.perf_counter() - started
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(results, args.out, started)
     print_table(results["rows"])
     try:
         chart(results["rows"], os.path.join(args.out, "schedules.png"))

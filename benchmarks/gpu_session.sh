@@ -21,16 +21,21 @@
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # a measured layer profile, and a plan with it
+#   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
+#       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
+#       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+[ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
 stage() {
   local model="--bf16 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --num-layers 4"
-  python3 benchmarks/bench_stage.py --device cuda $model --out "$OUT/stage_cuda.json" 2>&1 | tee "$OUT/stage.log"
+  python3 benchmarks/bench_stage.py --device cuda $model --slices "${STAGE_SLICES:-1,2,4,8,16,32}" \
+    --out "$OUT/stage_cuda.json" 2>&1 | tee "$OUT/stage.log"
   python3 benchmarks/bench_stage.py --device cuda $model --slices 1,8,16 --defer-wgrad off \
     --out "$OUT/stage_cuda_nodefer.json" 2>&1 | tee -a "$OUT/stage.log"
 }
@@ -58,8 +63,27 @@ measure() {
 }
 
 pipeline_graphs() {
-  python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --out "$OUT/gpu_pipeline_graphs" 2>&1 \
-    | tee "$OUT/pipeline_graphs.log"
+  python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases "${PIPELINE_CASES:-full}" \
+    --repeats "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
+}
+
+# Each part in its own process group under what is left of the lease; everything so far is
+# packed after each part, so a part cut at the deadline still leaves the earlier ones.
+lease() {
+  local deadline=$((SECONDS + ${LEASE_SECONDS:-540})) part left
+  local work=$OUT
+  export OUT=$work/lease && mkdir -p "$OUT"
+  { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
+    2>&1 | tee "$OUT/device.log"
+  export STAGE_SLICES=1,8,16 PIPELINE_CASES=targets PIPELINE_REPEATS=3
+  for part in graphs stage pipeline_graphs megatron_lm measure; do
+    left=$((deadline - SECONDS - 15))
+    if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
+    echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"
+    timeout -k 5 "$left" bash "$0" "$part"
+    echo "lease: $part exit $? at ${SECONDS}s" | tee -a "$OUT/lease.log"
+    tar -czf "$work/results.tgz" -C "$work" lease
+  done
 }
 
 megatron_lm() {
@@ -81,5 +105,8 @@ case "${1:-}" in
   megatron-lm) megatron_lm ;;
   graphs) graphs ;;
   measure) measure ;;
-  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|graphs|measure" >&2; exit 2 ;;
+  pipeline_graphs) pipeline_graphs ;;
+  megatron_lm) megatron_lm ;;
+  lease) lease ;;
+  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|graphs|measure|lease" >&2; exit 2 ;;
 esac
