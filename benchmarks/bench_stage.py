@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import megatron_terapipe as mt  # noqa: E402
-from harness import forward_step, to_device, use_cell_graphs  # noqa: E402
+from harness import forward_step, in_precision, to_device, use_cell_graphs  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
@@ -187,7 +187,7 @@ def build_models(args) -> dict[str, torch.nn.Module]:
         missing, _ = models[side].load_state_dict(models["terapipe"].state_dict(), strict=False)
         if any(not k.endswith("_extra_state") for k in missing):
             raise RuntimeError(f"the {side} model's spec differs in parameters: {missing}")
-    return models
+    return {side: in_precision(model.config, model) for side, model in models.items()}
 
 
 def make_batch(args) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     megatron-core==0.16.1 pybind11 pytest iniconfig pluggy packaging pygments
 #   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
-#     gpt_builders.py model_provider.py megatron/training megatron/legacy | tar -x -C .mlm
+#     gpt_builders.py model_provider.py megatron/training megatron/legacy megatron/rl \
+#     megatron/post_training | tar -x -C .mlm       # megatron.training imports the last two
 # Then on the device (carry [".whl", ".mlm"]), one part per call. A copy of the tree without
 # its git history cannot name its commit in the results files' provenance (benchmarks/
 # provenance.py): commit first, then pass it, e.g.
@@ -24,6 +25,7 @@
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
 #       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
 #       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
+#       (LEASE_PARTS="graphs stage megatron_lm pipeline": another choice and order of parts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -41,7 +43,8 @@ stage() {
 }
 
 pipeline() {
-  python3 benchmarks/bench_gpu_pipeline.py --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
+  python3 benchmarks/bench_gpu_pipeline.py --cases "${PIPELINE_CASES:-full}" \
+    --repeats "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
 }
 
 graphs() {
@@ -76,7 +79,7 @@ lease() {
   { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/device.log"
   export STAGE_SLICES=1,8,16 PIPELINE_CASES=targets PIPELINE_REPEATS=3
-  for part in graphs stage pipeline_graphs megatron_lm measure; do
+  for part in ${LEASE_PARTS:-graphs stage pipeline_graphs megatron_lm measure}; do
     left=$((deadline - SECONDS - 15))
     if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
     echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"

@@ -65,7 +65,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
     """This stage's model, batches and the communicator both schedules use (None: default)."""
     from megatron.core import parallel_state
 
-    from harness import build_stage_model, make_batches, to_device
+    from harness import build_stage_model, in_precision, make_batches, to_device
 
     if case.mps:
         from mps import enter_stage
@@ -78,7 +78,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
     parallel_state.initialize_model_parallel(1, world_size)
     config, model = build_stage_model(case.model, 1, world_size)
-    model = to_device(model, device)
+    model = in_precision(config, to_device(model, device))
     communicator = None
     if case.mps:
         from host_staged import HostStagedP2PCommunicator
@@ -102,7 +102,7 @@ def _megatron_graphed_model(case: SpeedCase, world_size: int, eager, device: str
 
     from megatron.core import parallel_state
 
-    from harness import to_device
+    from harness import in_precision, to_device
     from harness.models import seed
     from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
 
@@ -115,7 +115,7 @@ def _megatron_graphed_model(case: SpeedCase, world_size: int, eager, device: str
     model = case.model.build(config, get_gpt_layer_spec(**case.model.spec_kwargs),
                              pre_process=parallel_state.is_pipeline_first_stage(),
                              post_process=parallel_state.is_pipeline_last_stage())
-    model = to_device(model, device)
+    model = in_precision(config, to_device(model, device))
     model.load_state_dict(eager.state_dict())
     return model
 

@@ -12,8 +12,8 @@ Workers are named to `spawn` as "harness:<function>", so every worker is exporte
 from .cases import Case, baseline, check_case, run_case, run_cases
 from .compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad_pairs,
                       load_full_state, max_relative_error, report_values, unwrap)
-from .models import (TinyGPT, build_stage_model, forward_step, legacy_forward_step, loss_func,
-                     make_batches, to_device)
+from .models import (TinyGPT, build_stage_model, forward_step, in_precision, legacy_forward_step,
+                     loss_func, make_batches, to_device)
 from .process_groups import os_thread_count, release_model_parallel
 from .replay_runs import use_cell_graphs
 from .spawn import WorkerError, free_port, spawn
@@ -24,7 +24,7 @@ from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
 __all__ = [
     "BF16", "Case", "FP32", "InjectedFailure", "TinyGPT", "Tolerance", "WorkerError", "baseline",
     "build_stage_model", "check_case", "check_gradients", "check_losses", "forward_step",
-    "free_port", "grad_pairs", "grads_with_and_without_deferral_hooks", "legacy_forward_step",
+    "free_port", "grad_pairs", "grads_with_and_without_deferral_hooks", "in_precision", "legacy_forward_step",
     "load_full_state", "loss_func", "make_batches", "max_relative_error",
     "measure_peak_activations", "os_thread_count", "pinned_core", "release_model_parallel",
     "report_values", "run_case", "run_cases",

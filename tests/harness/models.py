@@ -102,6 +102,17 @@ def to_device(model, device):
     return model
 
 
+def in_precision(config, model):
+    """`model` as Megatron trains it in half precision: a Float16Module (every parameter, norms
+    included, in bf16/fp16; float outputs from the last stage), else `model` itself. Without it
+    Megatron's torch norms keep float32 weights, which CUDA's layer_norm refuses on bf16 input."""
+    if not (config.bf16 or config.fp16):
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, model)
+
+
 def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
                  with_mask: bool = False, masked_rows: bool = True) -> list[dict[str, torch.Tensor]]:
     """Megatron-GPTDataset-style dicts of [b, s] tensors, with zeros in the loss masks."""

@@ -28,7 +28,7 @@ def _resolve(target: str) -> Callable:
 
 
 def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queue,
-           threads: int, pg_timeout: float) -> None:
+           threads: int, pg_timeout: float, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -37,7 +37,7 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queu
     warnings.filterwarnings("ignore")
     try:
         torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         result = _resolve(target)(rank, world_size, *args)
         # Plain pickle copies tensors into the message; the queue's own pickler would hand
         # them over as shared memory that dies with this process.
@@ -90,8 +90,10 @@ def _collect(procs: list, queue, target: str, timeout: float, grace: float,
 
 
 def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, threads: int = 1,
-          pg_timeout: float = 120.0, grace: float = 30.0) -> list[Any]:
-    """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes.
+          pg_timeout: float = 120.0, grace: float = 30.0, backend: str = "gloo") -> list[Any]:
+    """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes
+    (`backend`: another torch.distributed backend, e.g. "cpu:gloo,cuda:nccl" for a stage whose
+    CUDA collectives must be capturable in a CUDA graph, which gloo's are not).
 
     Returns each rank's result. If any rank fails, the others get `grace` seconds to fail or
     finish on their own (a dead peer's closed socket ends their waits), then are killed;
@@ -101,7 +103,7 @@ def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, thre
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, queue, threads,
-                                              pg_timeout), daemon=True)
+                                              pg_timeout, backend), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
