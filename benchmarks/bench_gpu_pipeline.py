@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 
 from harness import TinyGPT, WorkerError, spawn  # noqa: E402
-from pipeline_runs import GRAPHS, SpeedCase, graphs_of, plans_for, predict  # noqa: E402
+from pipeline_runs import (GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of, plans_for,  # noqa: E402
+                           predict)
 from provenance import describe, provenance, script_command  # noqa: E402
 
 
@@ -137,7 +138,8 @@ def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...
 def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list, Optional[str]]:
     """Every rank's times; if Megatron's own graphs fail, the error and a rerun without them."""
     try:
-        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600), None
+        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
+                             backend=STAGE_BACKEND[device]), None
     except WorkerError as exc:
         megatron = [label for label in speed.graphed if speed.plans[label] is None]
         if not megatron:
@@ -146,7 +148,8 @@ def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list
         print(f"{case.name}: Megatron's graphs failed ({error}); rerunning without them", flush=True)
         speed = replace(speed, plans={k: v for k, v in speed.plans.items() if k not in megatron},
                         graphed=tuple(k for k in speed.graphed if k not in megatron))
-        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600), error
+        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
+                             backend=STAGE_BACKEND[device]), error
 
 
 def with_ratios(rows: list[dict]) -> None:
@@ -167,7 +170,7 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
     model = case.model(args.bf16)
     cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
-                 args.bf16, timeout=3600)[0]
+                 args.bf16, timeout=3600, backend=STAGE_BACKEND[device])[0]
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
           f"uniform {info['uniform_slices']} slices", flush=True)

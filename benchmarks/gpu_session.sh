@@ -6,7 +6,9 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     megatron-core==0.16.1 pybind11 pytest iniconfig pluggy packaging pygments
+#     megatron-core==0.16.1 pydantic pydantic-core annotated-types typing-inspection
+#   (the device image has pytest and pybind11; Megatron-LM's training imports megatron.rl,
+#   which needs pydantic, which it lacks: seen on an H200, 2026-11-26)
 #   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
 #     gpt_builders.py model_provider.py megatron/training megatron/legacy megatron/rl \
 #     megatron/post_training | tar -x -C .mlm       # megatron.training imports the last two
@@ -56,13 +58,15 @@ graphs() {
 
 measure() {
   local model=(--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --vocab-size 50304)
+  local gpu  # the profile is named for the card it was measured on ("h100", "h200")
+  gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
   local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
-    --out "$OUT/h100_layer_profile.json")
+    --out "$OUT/${gpu}_layer_profile.json")
   "${command[@]}" 2>&1 | tee "$OUT/measure.log"
   # the profile's writer is the package's: the provenance is added to the file it wrote
-  python3 benchmarks/provenance.py --stamp "$OUT/h100_layer_profile.json" -- "${command[@]}"
+  python3 benchmarks/provenance.py --stamp "$OUT/${gpu}_layer_profile.json" -- "${command[@]}"
   python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
-    --hardware h100 --profile "$OUT/h100_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
+    --hardware h100 --profile "$OUT/${gpu}_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
 }
 
 pipeline_graphs() {

@@ -38,9 +38,9 @@ class HostStagedP2PCommunicator(P2PCommunicator):
     """P2PCommunicator over gloo for tensors on any device (see module docstring)."""
 
     def __init__(self, pp_group: dist.ProcessGroup, config) -> None:
-        if dist.get_backend(pp_group) != "gloo":
-            raise ValueError("HostStagedP2PCommunicator moves tensors with gloo: build the "
-                             "pipeline group with backend='gloo'")
+        if "gloo" not in str(dist.get_backend(pp_group)):  # "gloo" or "cpu:gloo,cuda:nccl"
+            raise ValueError("HostStagedP2PCommunicator moves host tensors with gloo: build the "
+                             "pipeline group with backend='gloo' (or 'cpu:gloo,cuda:nccl')")
         super().__init__(pp_group, config)
         self.send_pool = {"prev": _PinnedPool(), "next": _PinnedPool()}
         self.recv_pool = {"prev": _PinnedPool(), "next": _PinnedPool()}

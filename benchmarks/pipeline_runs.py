@@ -168,6 +168,12 @@ def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: d
     return run
 
 
+#: The stage processes' backend by device. On a GPU, NCCL for CUDA tensors: Megatron's cross
+#: entropy all-reduces over the (one-rank) TP group inside TeraPipe's captured loss cells, and a
+#: gloo all-reduce cannot be captured; transfers stay on gloo with host tensors (host_staged.py).
+STAGE_BACKEND = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+
+
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
     """Every configuration of `case`, interleaved, `repeats` times: wall seconds per run, for
     TeraPipe runs this stage's busy seconds (its cells' spans, "busy:" + label), and on a GPU
@@ -196,6 +202,9 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     common = dict(forward_step_func=forward_step, seq_length=case.model.seq_length,
                   num_microbatches=case.num_microbatches, micro_batch_size=1, **transfers)
     run = _runner(case, device, models, batches, common, runs)
+    # Host barriers over gloo: with NCCL for CUDA tensors (STAGE_BACKEND) a plain barrier could
+    # go to NCCL, which refuses two ranks on one GPU.
+    host = dist.new_group(backend="gloo")
     for label in labels:
         _warm_up(label, run, models, case, device, times)
     for round_ in range(case.repeats):
@@ -205,12 +214,12 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
         shift = round_ % len(labels)
         for label in labels[shift:] + labels[:shift]:
             _zero_grads(models[label], case)
-            dist.barrier()
+            dist.barrier(group=host)
             start = time.perf_counter()
             run(label)
             if device == "cuda":
                 torch.cuda.synchronize()
-            dist.barrier()
+            dist.barrier(group=host)
             times[label].append(time.perf_counter() - start)
             if case.plans[label] is not None:
                 times["busy:" + label].append(sum(e.end - e.start for e in runs[-1].events))

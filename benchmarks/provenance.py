@@ -6,9 +6,11 @@ Every benchmark that writes a results JSON puts `provenance(command)` at its top
 - measured: when it was taken, at the start of the run (ISO 8601, UTC);
 - commit: `git rev-parse HEAD` of this checkout; dirty: True when tracked files under
   megatron_terapipe/, benchmarks/ or tests/harness/ (the code a benchmark runs) differ from it,
-  with the paths in dirty_paths (benchmarks/results/ is data, not code: left out). Outside a git
-  checkout (a device machine given a copy of the tree) the commit comes from the environment
-  variable TERAPIPE_BENCH_COMMIT when set, else it is null, and commit_source says which;
+  with the paths in dirty_paths (benchmarks/results/ is data, not code: left out). The
+  environment variable TERAPIPE_BENCH_COMMIT, when set, names the commit instead (a device
+  machine's copy of the tree can carry git metadata older than the tree: seen 2026-11-26), the
+  git view kept as git_commit; outside a git checkout without it the commit is null;
+  commit_source says which;
 - machine: CPU model, logical cores, the cores this process may run on, the load average when
   the run started, torch and Python versions, the platform, and the GPU's name under CUDA;
 - command: the argv that wrote the file.
@@ -46,13 +48,16 @@ def _git(*args: str) -> Optional[str]:
 def code_state() -> dict[str, Any]:
     """The checkout's commit and whether the code a benchmark runs differs from it."""
     head = _git("rev-parse", "HEAD")
+    given = os.environ.get(COMMIT_VARIABLE) or None
     if head is None:
-        given = os.environ.get(COMMIT_VARIABLE) or None
         return {"commit": given, "commit_source": COMMIT_VARIABLE if given else "unknown (not a "
                 f"git checkout; set {COMMIT_VARIABLE})", "dirty": None, "dirty_paths": None}
     pathspecs = [*CODE_PATHS, *(f":(exclude){p}" for p in DATA_PATHS)]
     changed = _git("diff", "--name-only", "HEAD", "--", *pathspecs) or ""
     paths = sorted(p for p in changed.splitlines() if p)
+    if given and given != head:  # the caller's word for the tree; git's view kept beside it
+        return {"commit": given, "commit_source": COMMIT_VARIABLE, "git_commit": head,
+                "dirty": None, "dirty_paths": paths}
     return {"commit": head, "commit_source": "git", "dirty": bool(paths), "dirty_paths": paths}
 
 

@@ -45,6 +45,7 @@ def checkout(tmp_path, monkeypatch):
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "commit", "-q", "-m", "code")
     monkeypatch.setattr(provenance, "ROOT", str(tmp_path))
+    monkeypatch.delenv(provenance.COMMIT_VARIABLE, raising=False)
     return tmp_path
 
 
@@ -84,6 +85,18 @@ def test_outside_git_the_commit_comes_from_the_environment_or_is_unknown(tmp_pat
     monkeypatch.setenv(provenance.COMMIT_VARIABLE, "abc123")
     assert provenance.code_state()["commit"] == "abc123"
     assert provenance.code_state()["commit_source"] == provenance.COMMIT_VARIABLE
+
+
+def test_the_environment_names_the_commit_over_stale_git_metadata(checkout, monkeypatch):
+    # A device machine's copy of the tree carried an older .git: the caller's commit wins.
+    head = _git(checkout, "rev-parse", "HEAD")
+    (checkout / "benchmarks/bench.py").write_text("2\n")
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, "abc123")
+    state = provenance.code_state()
+    assert (state["commit"], state["commit_source"]) == ("abc123", provenance.COMMIT_VARIABLE)
+    assert (state["git_commit"], state["dirty_paths"]) == (head, ["benchmarks/bench.py"])
+    monkeypatch.setenv(provenance.COMMIT_VARIABLE, head)  # the same commit: git's own view
+    assert provenance.code_state()["commit_source"] == "git"
 
 
 def test_stamp_puts_the_provenance_first_and_keeps_the_data(tmp_path):
@@ -178,7 +191,8 @@ def test_a_failing_megatron_capture_is_recorded_and_the_case_reruns_without_it(m
 
     calls = []
 
-    def fake_spawn(world_size, target, speed, device, timeout):
+    def fake_spawn(world_size, target, speed, device, timeout, backend):
+        assert backend == "cpu:gloo,cuda:nccl"  # NCCL for the CUDA tensors of the loss cells
         calls.append(dict(speed.plans))
         if "megatron_1f1b+graphs" in speed.plans:
             raise WorkerError("1 of 2 ranks failed\nTraceback ...\nAssertionError: capture failed",
