@@ -257,3 +257,31 @@ def test_megatrons_row_on_the_slice_aware_spec_is_ordinary_causal_attention():
     assert sdpa["grads"].keys() == local["grads"].keys()
     for name, grad in local["grads"].items():
         torch.testing.assert_close(sdpa["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def bf16_parameter_dtypes(rank: int, world_size: int) -> dict:
+    """The dtypes of every parameter of bench_stage's bf16 models and of a bf16 pipeline stage."""
+    import bench_stage
+    from megatron.core import parallel_state
+
+    import megatron_terapipe as mt
+    from harness import TinyGPT, build_stage_model, in_precision
+
+    mt.enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, 1)
+    args = bench_stage.parse_args(["--num-layers", "2", "--hidden-size", "32", "--seq-length", "64",
+                                   "--vocab-size", "64", "--bf16"])
+    models = bench_stage.build_models(args)
+    config, stage = build_stage_model(TinyGPT(params_dtype=torch.bfloat16, bf16=True), 1, 1)
+    models["pipeline_stage"] = in_precision(config, stage)
+    out = {side: {str(p.dtype) for p in m.parameters()} for side, m in models.items()}
+    release_model_parallel()
+    return out
+
+
+def test_bf16_benchmark_models_hold_every_parameter_in_bf16():
+    # Megatron's torch norms ignore params_dtype: without Float16Module their weights stay
+    # float32, which CUDA's layer_norm refuses on bf16 input (found on an H200, 2026-11-26).
+    out = spawn(1, "test_benchmark_honesty:bf16_parameter_dtypes", timeout=300)[0]
+    assert out == {"terapipe": {"torch.bfloat16"}, "megatron": {"torch.bfloat16"},
+                   "pipeline_stage": {"torch.bfloat16"}}
