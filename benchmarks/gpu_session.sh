@@ -27,7 +27,7 @@
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
 #       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
 #       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
-#       (LEASE_PARTS="graphs stage megatron_lm pipeline": another choice and order of parts)
+#       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -83,7 +83,7 @@ lease() {
   { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/device.log"
   export STAGE_SLICES=1,8,16 PIPELINE_CASES=targets PIPELINE_REPEATS=3
-  for part in ${LEASE_PARTS:-graphs stage pipeline_graphs megatron_lm measure}; do
+  for part in ${LEASE_PARTS:-graphs stage pipeline-graphs megatron-lm measure}; do
     left=$((deadline - SECONDS - 15))
     if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
     echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"
@@ -112,8 +112,6 @@ case "${1:-}" in
   megatron-lm) megatron_lm ;;
   graphs) graphs ;;
   measure) measure ;;
-  pipeline_graphs) pipeline_graphs ;;
-  megatron_lm) megatron_lm ;;
   lease) lease ;;
   *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|graphs|measure|lease" >&2; exit 2 ;;
 esac

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from harness import TinyGPT
+from harness import GLOO_AND_NCCL, TinyGPT
 from megatron_terapipe.plan import TeraPipePlan
 
 
@@ -168,10 +168,10 @@ def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: d
     return run
 
 
-#: The stage processes' backend by device. On a GPU, NCCL for CUDA tensors: Megatron's cross
-#: entropy all-reduces over the (one-rank) TP group inside TeraPipe's captured loss cells, and a
-#: gloo all-reduce cannot be captured; transfers stay on gloo with host tensors (host_staged.py).
-STAGE_BACKEND = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+#: The stage processes' backend by device. On a GPU, NCCL for CUDA tensors, so that TeraPipe's
+#: captured loss cells can hold the TP all-reduce; transfers stay on gloo with host tensors
+#: (host_staged.py).
+STAGE_BACKEND = {"cpu": "gloo", "cuda": GLOO_AND_NCCL}
 
 
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:

@@ -21,7 +21,7 @@ from datetime import datetime
 import pytest
 import torch
 
-from harness import WorkerError, release_model_parallel, spawn
+from harness import GLOO_AND_NCCL, WorkerError, release_model_parallel, spawn
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -192,7 +192,7 @@ def test_a_failing_megatron_capture_is_recorded_and_the_case_reruns_without_it(m
     calls = []
 
     def fake_spawn(world_size, target, speed, device, timeout, backend):
-        assert backend == "cpu:gloo,cuda:nccl"  # NCCL for the CUDA tensors of the loss cells
+        assert backend == GLOO_AND_NCCL  # NCCL for the CUDA tensors of the loss cells
         calls.append(dict(speed.plans))
         if "megatron_1f1b+graphs" in speed.plans:
             raise WorkerError("1 of 2 ranks failed\nTraceback ...\nAssertionError: capture failed",

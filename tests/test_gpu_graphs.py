@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import spawn
+from harness import GLOO_AND_NCCL, spawn
 from harness.replay_runs import ReplayRun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -37,10 +37,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_cuda_graph_replays_train_like_eager(run):
-    # NCCL for CUDA tensors: Megatron's cross entropy all-reduces over the TP group even at TP=1,
-    # inside the captured loss cell, and a gloo all-reduce cannot be captured.
+    # NCCL for CUDA tensors: the captured loss cell all-reduces over the TP group (GLOO_AND_NCCL)
     result = spawn(1, "harness.replay_runs:replay_vs_eager", [run], timeout=600,
-                   backend="cpu:gloo,cuda:nccl")[0][run.name]
+                   backend=GLOO_AND_NCCL)[0][run.name]
     eager, graphed = result["eager"], result["graphed"]
     for i, (e, g) in enumerate(zip(eager, graphed)):
         assert len(e["losses"]) == len(g["losses"]) == run.microbatches, (run.name, i)

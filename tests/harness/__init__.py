@@ -16,15 +16,17 @@ from .models import (TinyGPT, build_stage_model, forward_step, in_precision, leg
                      loss_func, make_batches, to_device)
 from .process_groups import os_thread_count, release_model_parallel
 from .replay_runs import use_cell_graphs
-from .spawn import WorkerError, free_port, spawn
+from .spawn import GLOO_AND_NCCL, WorkerError, free_port, spawn
 from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
                       measure_peak_activations, pinned_core, run_megatron_1f1b,
                       run_variable_lengths, run_with_failure, run_with_mismatched_batch)
 
 __all__ = [
-    "BF16", "Case", "FP32", "InjectedFailure", "TinyGPT", "Tolerance", "WorkerError", "baseline",
+    "BF16", "Case", "FP32", "GLOO_AND_NCCL", "InjectedFailure", "TinyGPT", "Tolerance",
+    "WorkerError", "baseline",
     "build_stage_model", "check_case", "check_gradients", "check_losses", "forward_step",
-    "free_port", "grad_pairs", "grads_with_and_without_deferral_hooks", "in_precision", "legacy_forward_step",
+    "free_port", "grad_pairs", "grads_with_and_without_deferral_hooks", "in_precision",
+    "legacy_forward_step",
     "load_full_state", "loss_func", "make_batches", "max_relative_error",
     "measure_peak_activations", "os_thread_count", "pinned_core", "release_model_parallel",
     "report_values", "run_case", "run_cases",

@@ -27,6 +27,10 @@ def _resolve(target: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
+#: gloo for host tensors, NCCL for CUDA tensors: CUDA collectives that a CUDA graph can capture
+#: (Megatron's cross entropy all-reduces over the TP group even at TP=1; gloo's cannot be).
+GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
+
 #: What the workers' parent process imports once, so that each worker starts with it imported
 #: (a fresh interpreter spent about 3.5 s importing torch and 5 s more importing megatron.core,
 #: measured on the 2-core CI machine: most of a small test's time).
@@ -113,8 +117,7 @@ def _collect(procs: list, queue, target: str, timeout: float, grace: float,
 def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, threads: int = 1,
           pg_timeout: float = 120.0, grace: float = 30.0, backend: str = "gloo") -> list[Any]:
     """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes
-    (`backend`: another torch.distributed backend, e.g. "cpu:gloo,cuda:nccl" for a stage whose
-    CUDA collectives must be capturable in a CUDA graph, which gloo's are not).
+    (`backend`: another torch.distributed backend, e.g. GLOO_AND_NCCL).
 
     Returns each rank's result. If any rank fails, the others get `grace` seconds to fail or
     finish on their own (a dead peer's closed socket ends their waits), then are killed;
