@@ -94,6 +94,10 @@ lease() {
 }
 
 megatron_lm() {
+  # Megatron-LM's initialize runs `make` in megatron/core/datasets on rank 0; the wheel ships the
+  # helper already built but no Makefile: one that checks for the built helper stands in
+  local datasets=/tmp/site/megatron/core/datasets
+  [ -f $datasets/Makefile ] || printf 'default:\n\tls helpers_cpp*.so\n' > $datasets/Makefile
   local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
     --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
     --micro-batch-size 1 --global-batch-size 4 --train-iters 20 --lr 1e-4 --log-interval 1

@@ -98,6 +98,9 @@ PP2_RUNS = [ReplayRun(f"{order}_defer_{'on' if defer else 'off'}", order=order, 
     ReplayRun("recompute_selective", model=(("recompute_granularity", "selective"),)),
     ReplayRun("per_token_loss_rmsnorm_gqa", model=(
         ("calculate_per_token_loss", True), ("normalization", "RMSNorm"), ("num_query_groups", 2))),
+    # Megatron's communicator hands back receive buffers that require grad (as the GPU pipeline
+    # benchmark's host-staged one does): the graphs' pooled copies of them must stay leaves
+    ReplayRun("megatron_transport", transport="megatron"),
 ]
 
 

@@ -252,9 +252,10 @@ class StageExecutor:
 
     def _received(self, direction: str, cell: Cell, tensor: torch.Tensor) -> None:
         if self.graphs is not None and self.pool.slot_of(tensor) is None:
-            # A transport's own buffer (Megatron's communicator): graphs read a pooled copy.
+            # A transport's own buffer (Megatron's communicator): graphs read a pooled copy,
+            # of the data only (its buffers require grad: a copy of one would be no leaf).
             static = self.pool.take(tuple(tensor.shape), tensor.dtype, tensor.device)
-            tensor = static.copy_(tensor)
+            tensor = static.copy_(tensor.detach())
         self.inbox[(direction, cell)] = tensor
         position = self.output_send_position.pop(cell, None) if direction == "B" else None
         if position is not None:

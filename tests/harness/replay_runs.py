@@ -12,7 +12,7 @@ stage runs on the GPU and each action is a real torch.cuda.CUDAGraph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -35,6 +35,7 @@ class ReplayRun:
     microbatches: int = 3
     model: tuple[tuple[str, Any], ...] = ()  # TinyGPT fields other than its defaults
     device: str = "cpu"  # "cuda": the stage on the GPU, graphs of torch.cuda.CUDAGraph
+    transport: str = ""  # "megatron": Megatron's P2P communicator (its receive buffers need grad)
 
 
 class _Counted:
@@ -94,6 +95,11 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
         model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         config.no_sync_func = model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
+    if run.transport:
+        from megatron_terapipe import TeraPipeConfig
+
+        config.terapipe = replace(getattr(config, "terapipe", None) or TeraPipeConfig(),
+                                  transport=run.transport)
     plan = TeraPipePlan(TeraPipePlan.uniform(model_cfg.seq_length, run.slices).seq_slices,
                         order=run.order, defer_wgrad=run.defer_wgrad)
     if graphs is None:
