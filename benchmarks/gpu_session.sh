@@ -101,7 +101,7 @@ megatron_lm() {
   local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
     --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
     --micro-batch-size 1 --global-batch-size 4 --train-iters 20 --lr 1e-4 --log-interval 1
-    --eval-iters 0 --bf16 --transformer-impl local --attention-dropout 0 --hidden-dropout 0
+    --eval-iters 0 --eval-interval 1000 --bf16 --transformer-impl local --attention-dropout 0 --hidden-dropout 0
     --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion)
   # (the last three: kernels of apex, which the image lacks; torch's norms refuse persist)
   for schedule in terapipe 1f1b; do
