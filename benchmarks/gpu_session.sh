@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
 #                                               # against Megatron-Core's own (cuda_graph_impl=local)
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
+#   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # a measured layer profile, and a plan with it
@@ -93,22 +94,44 @@ lease() {
   done
 }
 
-megatron_lm() {
+# Megatron-LM's pretrain_gpt.py on one GPU (PP=1, bf16): one run per schedule, `$1` the log's
+# name, the rest extra flags
+pretrain_gpt() {
   # Megatron-LM's initialize runs `make` in megatron/core/datasets on rank 0; the wheel ships the
   # helper already built but no Makefile: one that checks for the built helper stands in
-  local datasets=/tmp/site/megatron/core/datasets
+  local datasets=/tmp/site/megatron/core/datasets log=$1 && shift
   [ -f $datasets/Makefile ] || printf 'default:\n\tls helpers_cpp*.so\n' > $datasets/Makefile
   local args=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000 --num-layers 4
     --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 --max-position-embeddings 2048
     --micro-batch-size 1 --global-batch-size 4 --train-iters 20 --lr 1e-4 --log-interval 1
-    --eval-iters 0 --eval-interval 1000 --bf16 --transformer-impl local --attention-dropout 0 --hidden-dropout 0
-    --no-persist-layer-norm --no-gradient-accumulation-fusion --no-masked-softmax-fusion)
-  # (the last three: kernels of apex, which the image lacks; torch's norms refuse persist)
+    --eval-iters 0 --eval-interval 1000 --bf16 --transformer-impl local --attention-dropout 0
+    --hidden-dropout 0 --no-persist-layer-norm --no-gradient-accumulation-fusion
+    --no-masked-softmax-fusion)  # (the last three: apex's kernels, which the image lacks)
+  (cd .mlm && PYTHONPATH=$PWD:$PYTHONPATH torchrun --nproc-per-node 1 \
+    -m megatron_terapipe.megatron.launch pretrain_gpt.py "${args[@]}" "$@") 2>&1 \
+    | tee "$OUT/$log.log" | grep -E "iteration +[0-9]+/|Error"
+}
+
+megatron_lm() {
   for schedule in terapipe 1f1b; do
-    (cd .mlm && PYTHONPATH=$PWD:$PYTHONPATH torchrun --nproc-per-node 1 \
-      -m megatron_terapipe.megatron.launch pretrain_gpt.py "${args[@]}" \
-      --pipeline-schedule "$schedule") 2>&1 | tee "$OUT/megatron_lm_$schedule.log" | grep -E "iteration +[0-9]+/|Error"
+    pretrain_gpt "megatron_lm_$schedule" --pipeline-schedule "$schedule"
   done
+  python3 benchmarks/megatron_lm_logs.py "$OUT"  # losses and times side by side: megatron_lm.json
+}
+
+# The same two runs under torch.profiler for iterations 10-11 (Megatron-LM's --profile); only
+# the traces' summaries come back (host vs GPU time, launches, syncs, top host ops)
+megatron_lm_profile() {
+  local schedule traces=()
+  for schedule in terapipe 1f1b; do
+    rm -rf "/tmp/trace_$schedule"
+    pretrain_gpt "megatron_lm_profile_$schedule" --pipeline-schedule "$schedule" --train-iters 12 \
+      --profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 \
+      --tensorboard-dir "/tmp/trace_$schedule"
+    traces+=(/tmp/trace_"$schedule"/*.json*)
+  done
+  python3 benchmarks/trace_summary.py "${traces[@]}" --out "$OUT/megatron_lm_profile.json" \
+    2>&1 | tee "$OUT/megatron_lm_profile.log"
 }
 
 case "${1:-}" in
@@ -116,8 +139,9 @@ case "${1:-}" in
   pipeline) pipeline ;;
   pipeline-graphs) pipeline_graphs ;;
   megatron-lm) megatron_lm ;;
+  megatron-lm-profile) megatron_lm_profile ;;
   graphs) graphs ;;
   measure) measure ;;
   lease) lease ;;
-  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|graphs|measure|lease" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|megatron-lm-profile|graphs|measure|lease" >&2; exit 2 ;;
 esac

@@ -1,0 +1,102 @@
+"""Two runs of Megatron-LM's `pretrain_gpt.py` side by side, from their logs: the losses and
+grad norms of every iteration, and the iteration times after warm-up.
+
+gpu_session.sh's `megatron-lm` part logs one run per schedule (terapipe, 1f1b) on the device;
+this reads those logs where they were copied and writes one JSON beside them:
+
+    python benchmarks/megatron_lm_logs.py RUN_DIR [--warmup 2]
+
+RUN_DIR holds megatron_lm_terapipe.log and megatron_lm_1f1b.log (and device.log with the card).
+gpu_session.sh runs it on the device after the two runs, so the provenance is the device's; for
+logs summarised elsewhere, --logs-commit names the commit the device ran (kept as logs_commit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import provenance, script_command  # noqa: E402
+
+ITERATION = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+).*"
+                       r"lm loss: ([0-9.E+-]+).*grad norm: ([0-9.]+)")
+
+
+@dataclass
+class Run:
+    """One schedule's iterations, as its log printed them."""
+
+    schedule: str
+    iterations: list[int]
+    milliseconds: list[float]
+    lm_loss: list[float]
+    grad_norm: list[float]
+
+    def median_ms(self, warmup: int) -> float:
+        return statistics.median(self.milliseconds[warmup:])
+
+
+def read_run(path: str, schedule: str) -> Run:
+    with open(path, encoding="utf-8", errors="replace") as log:
+        found = ITERATION.findall(log.read())
+    if not found:
+        raise ValueError(f"{path}: no Megatron-LM iteration lines (did the run start?)")
+    return Run(schedule, [int(i) for i, *_ in found], [float(ms) for _, ms, _, _ in found],
+               [float(loss) for *_, loss, _ in found], [float(norm) for *_, norm in found])
+
+
+def compare(terapipe: Run, megatron: Run, warmup: int) -> dict:
+    """Relative differences per iteration and the median iteration times after `warmup`."""
+    if terapipe.iterations != megatron.iterations:
+        raise ValueError(f"the runs logged different iterations: {terapipe.iterations} against "
+                         f"{megatron.iterations}")
+    if len(terapipe.iterations) <= warmup:
+        raise ValueError(f"--warmup {warmup} leaves no iteration of {len(terapipe.iterations)}")
+
+    def relative(a: list[float], b: list[float]) -> list[float]:
+        return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+    loss, norm = relative(terapipe.lm_loss, megatron.lm_loss), relative(terapipe.grad_norm,
+                                                                       megatron.grad_norm)
+    ms_terapipe, ms_megatron = terapipe.median_ms(warmup), megatron.median_ms(warmup)
+    return {"max_relative_lm_loss_difference": max(loss),
+            "max_relative_grad_norm_difference": max(norm),
+            "warmup_iterations_left_out": warmup,
+            "median_ms_terapipe": ms_terapipe, "median_ms_1f1b": ms_megatron,
+            "terapipe_over_1f1b_speed": ms_megatron / ms_terapipe}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--warmup", type=int, default=2, help="first iterations left out of the times")
+    parser.add_argument("--logs-commit", help="the commit the logs' runs ran, where summarised elsewhere")
+    args = parser.parse_args(argv)
+    logs = {s: os.path.join(args.run_dir, f"megatron_lm_{s}.log") for s in ("terapipe", "1f1b")}
+    runs = {s: read_run(path, s) for s, path in logs.items()}
+    device = os.path.join(args.run_dir, "device.log")
+    result = {"provenance": provenance(script_command(__file__, argv)),
+              "measured_from": sorted(os.path.basename(p) for p in logs.values()),
+              "logs_commit": args.logs_commit,
+              "device": open(device).read().strip() if os.path.exists(device) else None,
+              "summary": compare(runs["terapipe"], runs["1f1b"], args.warmup),
+              "runs": [asdict(r) for r in runs.values()]}
+    out = os.path.join(args.run_dir, "megatron_lm.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    summary = result["summary"]
+    print(f"> lm loss within rel {summary['max_relative_lm_loss_difference']:.2e}, grad norm "
+          f"within rel {summary['max_relative_grad_norm_difference']:.2e}; median ms per iteration "
+          f"terapipe {summary['median_ms_terapipe']:.1f}, 1f1b {summary['median_ms_1f1b']:.1f} "
+          f"({summary['terapipe_over_1f1b_speed']:.2f}x); wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
