@@ -38,9 +38,29 @@ class Case:
     tolerance: Tolerance = FP32
 
 
+#: A worker's baselines, by what they depend on: cases that differ only in TeraPipe's side
+#: (order, plan, transport, deferral, TP/PP/DDP layout) share one. Read only by the callers.
+_BASELINES: dict[tuple, tuple[list[Any], dict[str, torch.Tensor], dict]] = {}
+
+
 def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torch.Tensor], dict]:
     """Megatron's forward_backward_no_pipelining on the full model with Megatron's own spec:
-    (reported losses, gradients by name, the float32 weights it started from)."""
+    (reported losses, gradients by name, the float32 weights it started from). Computed once
+    per worker for each model, batch set and loss function."""
+    key = (case.model, case.micro_batch_size, case.legacy_loss, case.forward_only,
+           _batches_key(batches))
+    if key not in _BASELINES:
+        _BASELINES[key] = _run_baseline(case, batches)
+    return _BASELINES[key]
+
+
+def _batches_key(batches: list[dict]) -> tuple:
+    """The batches' values themselves (small: equal keys, equal batches)."""
+    return tuple(tuple((k, None if v is None else (tuple(v.shape), str(v.dtype), v.numpy().tobytes()))
+                       for k, v in sorted(b.items())) for b in batches)
+
+
+def _run_baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torch.Tensor], dict]:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
