@@ -48,16 +48,20 @@ def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torc
     (reported losses, gradients by name, the float32 weights it started from). Computed once
     per worker for each model, batch set and loss function."""
     key = (case.model, case.micro_batch_size, case.legacy_loss, case.forward_only,
-           _batches_key(batches))
+           batches_key(batches))
     if key not in _BASELINES:
         _BASELINES[key] = _run_baseline(case, batches)
     return _BASELINES[key]
 
 
-def _batches_key(batches: list[dict]) -> tuple:
+def batches_key(batches: list[dict]) -> tuple:
     """The batches' values themselves (small: equal keys, equal batches)."""
-    return tuple(tuple((k, None if v is None else (tuple(v.shape), str(v.dtype), v.numpy().tobytes()))
-                       for k, v in sorted(b.items())) for b in batches)
+    def value(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), str(v.dtype), v.cpu().numpy().tobytes()
+        return repr(v)
+
+    return tuple(tuple((k, value(v)) for k, v in sorted(b.items())) for b in batches)
 
 
 def _run_baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torch.Tensor], dict]:
