@@ -44,6 +44,7 @@ from harness import TinyGPT, WorkerError, spawn  # noqa: E402
 from pipeline_runs import (GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of, plans_for,  # noqa: E402
                            predict)
 from provenance import describe, provenance, script_command  # noqa: E402
+from mps import stage_environ  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ SUITES = {
     "targets": [GpuCase(2, 2048, 1), GpuCase(4, 2048, 1), GpuCase(4, 2048, 4)],
     "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
 }
+
+
+def sm_shares(device: str, num_stages: int, ranks: Optional[int] = None):
+    """Each stage process's SM share under MPS, for spawn's rank_environ (none on CPU)."""
+    return stage_environ(num_stages, ranks) if device == "cuda" else None
 
 
 def transfer_worker(rank: int, world_size: int, shape: tuple, dtype: torch.dtype, repeats: int,
@@ -139,7 +145,8 @@ def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list
     """Every rank's times; if Megatron's own graphs fail, the error and a rerun without them."""
     try:
         return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
-                             backend=STAGE_BACKEND[device]), None
+                             backend=STAGE_BACKEND[device],
+                             rank_environ=sm_shares(device, case.stages)), None
     except WorkerError as exc:
         megatron = [label for label in speed.graphed if speed.plans[label] is None]
         if not megatron:
@@ -149,7 +156,8 @@ def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list
         speed = replace(speed, plans={k: v for k, v in speed.plans.items() if k not in megatron},
                         graphed=tuple(k for k in speed.graphed if k not in megatron))
         return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
-                             backend=STAGE_BACKEND[device]), error
+                             backend=STAGE_BACKEND[device],
+                             rank_environ=sm_shares(device, case.stages)), error
 
 
 def with_ratios(rows: list[dict]) -> None:
@@ -170,7 +178,8 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
     model = case.model(args.bf16)
     cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
-                 args.bf16, timeout=3600, backend=STAGE_BACKEND[device])[0]
+                 args.bf16, timeout=3600, backend=STAGE_BACKEND[device],
+                 rank_environ=sm_shares(device, case.stages, ranks=1))[0]
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
           f"uniform {info['uniform_slices']} slices", flush=True)
@@ -271,7 +280,8 @@ def main() -> int:
     try:
         shape = (256, 1, 64) if args.cases == "smoke" else (2048, 1, 4096)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        one_way = spawn(2, "bench_gpu_pipeline:transfer_worker", shape, dtype, 20, device == "cuda")[0]
+        one_way = spawn(2, "bench_gpu_pipeline:transfer_worker", shape, dtype, 20, device == "cuda",
+                        rank_environ=sm_shares(device, 2))[0]
         results["transfer_one_way_s"] = {"shape": list(shape), "seconds": one_way}
         print(f"> host-staged transfer of {list(shape)} {dtype}: {one_way * 1e3:.3f} ms one way", flush=True)
         for case in SUITES[args.cases]:

@@ -1,7 +1,8 @@
 """N pipeline-stage processes on one GPU, each with its own share of the SMs (CUDA MPS).
 
     with MpsDaemon():                       # nvidia-cuda-mps-control -d ... echo quit
-        spawn(n, "module:stage_main", ...)  # each stage calls enter_stage(rank, n) first
+        spawn(n, "module:stage_main", ..., rank_environ=stage_environ(n))
+                                            # each stage calls enter_stage(rank, n) first
 
 One GPU cannot hold a NCCL group of several ranks ("Duplicate GPU detected"); under MPS each
 process with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=100/N runs like a GPU of 1/N the SMs (two
@@ -59,13 +60,33 @@ class MpsDaemon:
         subprocess.run([self.control], input=b"quit\n", env=os.environ.copy(), check=False)
 
 
+SHARE_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+
+
+def stage_share(num_stages: int) -> str:
+    return str(max(1, 100 // num_stages))
+
+
+def stage_environ(num_stages: int, ranks: Optional[int] = None) -> dict[int, dict[str, str]]:
+    """What spawn(..., rank_environ=) gives each of `ranks` (default: every stage) processes:
+    its SM share, in its environment before anything in it asks the CUDA driver (NCCL's
+    process-group set-up does, before a worker's own code runs; a share set after that is
+    ignored: a second H200 lease, 2026-11-26, measured its 2- and 4-stage profiles at the
+    same speed)."""
+    return {r: {SHARE_VARIABLE: stage_share(num_stages)}
+            for r in range(num_stages if ranks is None else ranks)}
+
+
 def enter_stage(rank: int, num_stages: int) -> None:
-    """Call first in a stage process, before anything touches CUDA: this stage's SM share."""
-    share = max(1, 100 // num_stages)
-    os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+    """Call first in a stage process started with `stage_environ`: checks that its SM share
+    came with its environment, and takes the GPU."""
+    share = os.environ.get(SHARE_VARIABLE)
+    if share != stage_share(num_stages):
+        raise RuntimeError(
+            f"stage {rank} of {num_stages}: {SHARE_VARIABLE} is {share!r}, not "
+            f"{stage_share(num_stages)!r}: start the stage processes with spawn(..., "
+            f"rank_environ=mps.stage_environ({num_stages})); set inside the process it comes "
+            "after NCCL's set-up has started CUDA, and MPS ignores it")
     import torch
 
-    if torch.cuda.is_initialized():
-        raise RuntimeError("enter_stage must run before CUDA is initialised in this process: "
-                           "the MPS share is read when the CUDA context is created")
     torch.cuda.set_device(0)

@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,7 +52,10 @@ def _context():
 
 def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queue,
            threads: int, pg_timeout: float, backend: str, environ: dict[str, str]) -> None:
-    # The caller's environment as it is now (a forkserver's own is as it was at its start).
+    # The caller's environment as it is now (a forkserver's own is as it was at its start),
+    # with this rank's additions, all before the process group: NCCL's set-up asks the CUDA
+    # driver for its devices, after which variables it reads at start (MPS's SM share) are
+    # ignored (seen on an H200, 2026-11-26).
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -116,9 +119,11 @@ def _collect(procs: list, queue, target: str, timeout: float, grace: float,
 
 
 def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, threads: int = 1,
-          pg_timeout: float = 120.0, grace: float = 30.0, backend: str = "gloo") -> list[Any]:
+          pg_timeout: float = 120.0, grace: float = 30.0, backend: str = "gloo",
+          rank_environ: Optional[dict[int, dict[str, str]]] = None) -> list[Any]:
     """Run `target(rank, world_size, *args)` ("module:function") on `world_size` gloo processes
-    (`backend`: another torch.distributed backend, e.g. GLOO_AND_NCCL).
+    (`backend`: another torch.distributed backend, e.g. GLOO_AND_NCCL). `rank_environ[r]`:
+    variables rank r's environment gets on top of the caller's, before anything else runs.
 
     Returns each rank's result. If any rank fails, the others get `grace` seconds to fail or
     finish on their own (a dead peer's closed socket ends their waits), then are killed;
@@ -127,8 +132,10 @@ def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, thre
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    extra = rank_environ or {}
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, queue, threads,
-                                              pg_timeout, backend, dict(os.environ)), daemon=True)
+                                              pg_timeout, backend,
+                                              {**os.environ, **extra.get(r, {})}), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -218,3 +218,10 @@ def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[list[in
 
     core = pin_to_core(rank, world_size)
     return core, [sorted(os.sched_getaffinity(t)) for t in process_thread_ids()]
+
+
+def environment_of(rank: int, world_size: int, names: list[str]) -> dict[str, Optional[str]]:
+    """The worker's values of `names` (spawn's caller environment and rank additions)."""
+    import os
+
+    return {name: os.environ.get(name) for name in names}
