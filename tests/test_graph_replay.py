@@ -5,7 +5,8 @@ with no Python. Training with `configure(..., cuda_graphs=True, graph_factory=Re
 (warm-up, capture, then replays; fresh batches and an in-place SGD step every iteration) gives
 the eager run's losses and every parameter gradient exactly (torch.equal: the same aten ops on
 the same values), at PP=2 in both orders with deferral on and off, with full and selective
-recompute, per-token loss with RMSNorm and grouped queries, and (slow) at DP=2 x PP=2 with
+recompute, per-token loss with RMSNorm and grouped queries, through Megatron's P2P
+communicator (whose receive buffers require grad), and (slow) at DP=2 x PP=2 with
 Megatron DDP and TP=2 x PP=2 with and without sequence parallelism. The stand-in itself: replays
 see in-place changes of their inputs, keep what was computed on the host at capture, and refuse
 host reads; gradients set to None after the capture are refused before the iteration.
