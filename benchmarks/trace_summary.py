@@ -24,8 +24,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 #: CUDA runtime calls after which the host waits for the device.
-SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-         "cudaStreamWaitEvent")
+SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 ADDRESS = re.compile(r" (of \S+ )?object at 0x[0-9a-f]+")  # the same method of other objects
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch")
 

@@ -4,7 +4,7 @@ run on the same weights and batches, compared gradient by gradient and loss by l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -38,20 +38,26 @@ class Case:
     tolerance: Tolerance = FP32
 
 
-#: A worker's baselines, by what they depend on: cases that differ only in TeraPipe's side
-#: (order, plan, transport, deferral, TP/PP/DDP layout) share one. Read only by the callers.
-_BASELINES: dict[tuple, tuple[list[Any], dict[str, torch.Tensor], dict]] = {}
+#: A worker's baseline results, by what each depends on (cases that differ only on
+#: TeraPipe's side share one). Read only by the callers.
+_BASELINES: dict[tuple, Any] = {}
+
+
+def once_per_worker(key: tuple, compute: Callable[[], Any]) -> Any:
+    """`compute()`'s result, computed once per worker process for `key`."""
+    if key not in _BASELINES:
+        _BASELINES[key] = compute()
+    return _BASELINES[key]
 
 
 def baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str, torch.Tensor], dict]:
     """Megatron's forward_backward_no_pipelining on the full model with Megatron's own spec:
     (reported losses, gradients by name, the float32 weights it started from). Computed once
-    per worker for each model, batch set and loss function."""
-    key = (case.model, case.micro_batch_size, case.legacy_loss, case.forward_only,
+    per worker for each model, batch set and loss function (order, plan, transport, deferral
+    and the TP/PP/DDP layout are TeraPipe's side)."""
+    key = ("dense", case.model, case.micro_batch_size, case.legacy_loss, case.forward_only,
            batches_key(batches))
-    if key not in _BASELINES:
-        _BASELINES[key] = _run_baseline(case, batches)
-    return _BASELINES[key]
+    return once_per_worker(key, lambda: _run_baseline(case, batches))
 
 
 def batches_key(batches: list[dict]) -> tuple:

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from .cases import batches_key
+from .cases import batches_key, once_per_worker
 from .compare import FP32, Tolerance, check_gradients, check_losses, global_name, report_values, unwrap
 from .models import TinyGPT, forward_step, loss_func, make_batches, seed
 from .process_groups import release_model_parallel
@@ -205,17 +205,12 @@ def _logged(pp_group) -> dict[str, torch.Tensor]:
     return logged
 
 
-#: A worker's baselines, by what they depend on (cases that differ only on TeraPipe's side, the
-#: plan or the control, share one). Read only by the callers.
-_BASELINES: dict[tuple, dict[str, Any]] = {}
-
-
 def _baseline(case: MoECase, batches: list[dict], solo_group) -> dict[str, Any]:
-    key = (case.model, case.tp, case.pp, case.ep, case.ddp, case.padding, case.num_microbatches,
-           case.micro_batch_size, batches_key(batches))
-    if key not in _BASELINES:
-        _BASELINES[key] = _run_baseline(case, batches, solo_group)
-    return _BASELINES[key]
+    """Megatron's run, once per worker for each model, layout and batch set (the plan and the
+    control are TeraPipe's side)."""
+    key = ("moe", case.model, case.tp, case.pp, case.ep, case.ddp, case.padding,
+           case.num_microbatches, case.micro_batch_size, batches_key(batches))
+    return once_per_worker(key, lambda: _run_baseline(case, batches, solo_group))
 
 
 def _run_baseline(case: MoECase, batches: list[dict], solo_group) -> dict[str, Any]:
