@@ -51,10 +51,10 @@ def test_rows_list_refinements_first_and_the_plain_baseline_last():
 def test_the_cli_prints_the_searchs_plan(tmp_path, capsys):
     saved = tmp_path / "plan.json"
     assert main(["--model", "gpt3-1b", "--hardware", "v100", "--pipeline-stages", "8",
-                 "--seq-length", "2048", "--micro-batch-size", "8", "--order", "gpipe",
+                 "--seq-length", "1024", "--micro-batch-size", "8", "--order", "gpipe",
                  "--save-plan", str(saved)]) == 0
     out = capsys.readouterr().out
-    result = search(gpt1b(), SearchSpace(2048, 8, 8, 1, "gpipe", granularity=8))
+    result = search(gpt1b(), SearchSpace(1024, 8, 8, 1, "gpipe", granularity=8))
     assert TeraPipePlan.from_dict(json.loads(saved.read_text())) == result.plan
     assert f"chosen plan ({result.chosen.label};" in out
     for row in result.rows:
