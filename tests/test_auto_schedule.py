@@ -4,6 +4,7 @@ terapipe-plan's table and auto line."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +49,22 @@ def test_interleaved_needs_enough_microbatches():
             assert not o.runnable and "at least 4 microbatches" in o.note
     assert [o.runnable for o in table.options] == sorted((o.runnable for o in table.options),
                                                          reverse=True)
+
+
+def test_one_row_per_schedule_when_both_orders_lay_out_the_same_actions():
+    """On one microbatch 1f1b and gpipe run every forward, then every backward: one row."""
+    from megatron_terapipe.schedule import build_schedule
+
+    one = table_for(1)
+    terapipe = [o for o in one.options if o.family == TERAPIPE and o.num_chunks == 1]
+    assert [o.name for o in terapipe] == ["TeraPipe 1f1b"]
+    assert terapipe[0].note.endswith("; gpipe: the same actions")
+    plan = terapipe[0].plan
+    lists = [build_schedule(p, 1, 4, 2).stages for p in (plan, replace(plan, order="gpipe"))]
+    assert [[(a.kind, a.cell) for a in stage] for stage in lists[0]] == \
+        [[(a.kind, a.cell) for a in stage] for stage in lists[1]]
+    # eight microbatches: the orders differ, both rows stay (test_every_candidate_...)
+    assert {"TeraPipe 1f1b", "TeraPipe gpipe"} <= {o.name for o in table_for(8).options}
 
 
 def test_a_budget_marks_what_does_not_fit():

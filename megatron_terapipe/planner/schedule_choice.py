@@ -153,6 +153,29 @@ def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
                    lean + plan_note(chosen.plan))
 
 
+def merge_same_schedules(options: list[ScheduleOption], space: SearchSpace) -> list[ScheduleOption]:
+    """One row per schedule: a TeraPipe option whose plan lays out the same actions on every
+    stage as an earlier one's (1f1b and gpipe on one microbatch: every forward, then every
+    backward) is left out, and the row kept names its order too. Timed twice, one schedule
+    measured up to 16% apart on the 2-core CPU (benchmarks/results/auto.json, 2026-11-26)."""
+    kept: list[ScheduleOption] = []
+    layouts: dict[tuple, int] = {}
+    shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
+    for option in options:
+        if option.family != TERAPIPE or option.plan is None:
+            kept.append(option)
+            continue
+        layout = tuple(tuple((a.kind, a.cell) for a in stage)
+                       for stage in build_schedule(option.plan, *shape).stages)
+        if layout in layouts:
+            i = layouts[layout]
+            kept[i] = replace(kept[i], note=f"{kept[i].note}; {option.order}: the same actions")
+            continue
+        layouts[layout] = len(kept)
+        kept.append(option)
+    return kept
+
+
 def plan_note(plan: TeraPipePlan) -> str:
     """A TeraPipe plan in brief: '3 slices x 2 batch slices +W, W placed, groups of 4'
     (virtual stages: microbatches per group, and a shorter warm-up when it has one)."""
@@ -199,6 +222,7 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
         options.append(_terapipe_option(order, 1, lambda o=order: search(o), budget))
         options += [_terapipe_option(order, v, lambda o=order, v=v: virtual(o, v), budget)
                     for v in virtual_chunk_counts(space, layers_per_stage)]
+    options = merge_same_schedules(options, space)
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
                                             round((o.time or 0.0) * 1e6),
