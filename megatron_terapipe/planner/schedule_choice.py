@@ -156,8 +156,9 @@ def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
 def merge_same_schedules(options: list[ScheduleOption], space: SearchSpace) -> list[ScheduleOption]:
     """One row per schedule: a TeraPipe option whose plan lays out the same actions on every
     stage as an earlier one's (1f1b and gpipe on one microbatch: every forward, then every
-    backward) is left out, and the row kept names its order too. Timed twice, one schedule
-    measured up to 16% apart on the 2-core CPU (benchmarks/results/auto.json, 2026-11-26)."""
+    backward) is left out, and the row kept names its order too. Timed as two rows, one
+    schedule measured 16% apart from itself on the 2-core CPU
+    (benchmarks/results/auto_twins_2026-11-26.json)."""
     kept: list[ScheduleOption] = []
     layouts: dict[tuple, int] = {}
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
