@@ -4,8 +4,9 @@ Every benchmark that writes a results JSON puts `provenance(command)` at its top
 "provenance", so a figure quoted from the file can be traced to a date, a commit and a machine:
 
 - measured: when it was taken, at the start of the run (ISO 8601, UTC);
-- commit: `git rev-parse HEAD` of this checkout; dirty: True when tracked files under
-  megatron_terapipe/, benchmarks/ or tests/harness/ (the code a benchmark runs) differ from it,
+- commit: `git rev-parse HEAD` of this checkout; dirty: True when files under
+  megatron_terapipe/, benchmarks/ or tests/harness/ (the code a benchmark runs) differ from it
+  or are new (untracked, not ignored),
   with the paths in dirty_paths (benchmarks/results/ is data, not code: left out). The
   environment variable TERAPIPE_BENCH_COMMIT, when set, names the commit instead (a device
   machine's copy of the tree can carry git metadata older than the tree: seen 2026-11-26), the
@@ -54,7 +55,9 @@ def code_state() -> dict[str, Any]:
                 f"git checkout; set {COMMIT_VARIABLE})", "dirty": None, "dirty_paths": None}
     pathspecs = [*CODE_PATHS, *(f":(exclude){p}" for p in DATA_PATHS)]
     changed = _git("diff", "--name-only", "HEAD", "--", *pathspecs) or ""
-    paths = sorted(p for p in changed.splitlines() if p)
+    # new files the commit does not have are code it did not run either (a new benchmark)
+    new = _git("ls-files", "--others", "--exclude-standard", "--", *pathspecs) or ""
+    paths = sorted({p for p in (changed + "\n" + new).splitlines() if p})
     if given and given != head:  # the caller's word for the tree; git's view kept beside it
         return {"commit": given, "commit_source": COMMIT_VARIABLE, "git_commit": head,
                 "dirty": None, "dirty_paths": paths}

@@ -62,17 +62,21 @@ def test_provenance_names_the_time_the_commit_the_machine_and_the_command(checko
     assert origin["command"] == ["python", "benchmarks/bench.py", "--quick"]
 
 
-def test_dirty_means_tracked_code_changed_not_results_docs_or_new_files(checkout):
+def test_dirty_means_code_changed_or_new_not_results_or_docs(checkout):
     (checkout / "benchmarks/results/r.json").write_text("2\n")  # a rerun's results
+    (checkout / "benchmarks/results/new.json").write_text("2\n")
     (checkout / "docs/notes.md").write_text("2\n")
-    (checkout / "megatron_terapipe/new.py").write_text("untracked\n")
     assert provenance.code_state()["dirty"] is False
     (checkout / "megatron_terapipe/plan.py").write_text("2\n")
     _git(checkout, "add", "megatron_terapipe/plan.py")  # staged counts too
     (checkout / "benchmarks/bench.py").write_text("2\n")
+    # a new benchmark the commit does not hold (seen 2026-11-26: a results file named a
+    # commit without the script that wrote it)
+    (checkout / "benchmarks/bench_new.py").write_text("untracked\n")
     state = provenance.code_state()
     assert state["dirty"] is True
-    assert state["dirty_paths"] == ["benchmarks/bench.py", "megatron_terapipe/plan.py"]
+    assert state["dirty_paths"] == ["benchmarks/bench.py", "benchmarks/bench_new.py",
+                                    "megatron_terapipe/plan.py"]
 
 
 def test_outside_git_the_commit_comes_from_the_environment_or_is_unknown(tmp_path, monkeypatch):
