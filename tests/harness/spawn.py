@@ -71,7 +71,7 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queu
         function = _resolve(target)
         # What is alive now (the preloaded modules, the target's) lives as long as the worker:
         # frozen, the full collection each case's release runs (process_groups.py) skips it
-        # (0.25-0.35 s -> a few ms per case on the 2-core CI machine).
+        # instead of walking torch's and Megatron's objects again for every case.
         gc.freeze()
         result = function(rank, world_size, *args)
         # Plain pickle copies tensors into the message; the queue's own pickler would hand
