@@ -25,7 +25,7 @@ import torch
 from .cases import batches_key, once_per_worker
 from .compare import FP32, Tolerance, check_gradients, check_losses, global_name, report_values, unwrap
 from .models import TinyGPT, forward_step, loss_func, make_batches, seed
-from .process_groups import release_model_parallel
+from .process_groups import os_thread_count, release_model_parallel
 
 #: Router buffers compared after the iteration (per layer, by global name).
 ROUTER_BUFFERS = ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps")
@@ -282,6 +282,10 @@ def run_moe_case(rank: int, case: MoECase, solo_group) -> dict[str, Any]:
             "losses": ours["losses"] if last else None, "ref_losses": ref["losses"]}
 
 
+#: run_moe_cases' entry for the worker's OS threads after each layout's release.
+THREADS_AFTER_RELEASE = "threads after each release"
+
+
 def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str, Any]:
     """Worker body: every case, with Megatron's process groups initialised once per run of
     consecutive cases with the same TP / PP / EP (a gloo group costs a rendezvous to make and
@@ -294,7 +298,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
 
     enable_cpu_mode()
-    results = {}
+    results: dict[str, Any] = {THREADS_AFTER_RELEASE: []}
     for (tp, pp, ep), same_layout in itertools.groupby(cases, lambda c: (c.tp, c.pp, c.ep)):
         parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
         solo_group, _ = dist.new_subgroups(group_size=1)
@@ -302,6 +306,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
             results[case.name] = run_moe_case(rank, case, solo_group)
         del solo_group
         release_model_parallel()
+        results[THREADS_AFTER_RELEASE].append(os_thread_count())
     return results
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections import OrderedDict
 
 
 def os_thread_count() -> int:
@@ -56,6 +57,7 @@ def release_model_parallel() -> None:
     _forget_groups(parallel_state)
     _clear_moe_tracker()
     _clear_rotary_caches()
+    _break_ddp_hook_cycles()
     gc.collect()  # models of earlier cases sit in reference cycles, holding their groups
 
 
@@ -79,6 +81,37 @@ def _forget_groups(module) -> None:
             value.clear()  # initialize_model_parallel fills these dicts in place
         else:
             setattr(module, name, None)
+
+
+def _break_ddp_hook_cycles() -> None:
+    """Megatron's DDP registers a backward hook on each parameter's grad accumulator (a C++
+    autograd node it keeps in `grad_accs`), and the hook's closure holds the DDP: a cycle
+    through the node that gc cannot follow. It kept every DDP-wrapped model of a worker alive,
+    with the process groups it uses (the MoE 4-process batch: each layout's 16 gloo groups per
+    rank, benchmarks/results/moe_worker_threads_2026-11-26.log). The hooks of DDPs still alive
+    are emptied from their hook dicts; one pass over the objects made since the worker started
+    (spawn.py freezes the rest)."""
+    module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    ddp = getattr(module, "DistributedDataParallel", None)
+    if ddp is None:
+        return
+    models = {id(obj) for obj in gc.get_objects() if isinstance(obj, ddp)}
+    if not models:
+        return
+    for obj in gc.get_objects():
+        if type(obj) is OrderedDict and obj and _holds_a_hook_of(obj, models):
+            obj.clear()
+
+
+def _holds_a_hook_of(hooks: OrderedDict, models: set[int]) -> bool:
+    for function in hooks.values():
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                if id(cell.cell_contents) in models:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+    return False
 
 
 def _clear_moe_tracker() -> None:
