@@ -153,7 +153,7 @@ def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
                    lean + plan_note(chosen.plan))
 
 
-def merge_same_schedules(options: list[ScheduleOption], space: SearchSpace) -> list[ScheduleOption]:
+def merge_same_schedules(options: list[ScheduleOption]) -> list[ScheduleOption]:
     """One row per schedule: a TeraPipe option whose plan lays out the same actions on every
     stage as an earlier one's (1f1b and gpipe on one microbatch: every forward, then every
     backward) is left out, and the row kept names its order too. Timed as two rows, one
@@ -161,13 +161,13 @@ def merge_same_schedules(options: list[ScheduleOption], space: SearchSpace) -> l
     (benchmarks/results/auto_twins_2026-11-26.json)."""
     kept: list[ScheduleOption] = []
     layouts: dict[tuple, int] = {}
-    shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     for option in options:
-        if option.family != TERAPIPE or option.plan is None:
+        if option.family != TERAPIPE or option.result is None:
             kept.append(option)
             continue
+        # the lists the simulator timed for this row
         layout = tuple(tuple((a.kind, a.cell) for a in stage)
-                       for stage in build_schedule(option.plan, *shape).stages)
+                       for stage in option.result.schedule.stages)
         if layout in layouts:
             i = layouts[layout]
             kept[i] = replace(kept[i], note=f"{kept[i].note}; {option.order}: the same actions")
@@ -223,7 +223,7 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
         options.append(_terapipe_option(order, 1, lambda o=order: search(o), budget))
         options += [_terapipe_option(order, v, lambda o=order, v=v: virtual(o, v), budget)
                     for v in virtual_chunk_counts(space, layers_per_stage)]
-    options = merge_same_schedules(options, space)
+    options = merge_same_schedules(options)
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
                                             round((o.time or 0.0) * 1e6),

@@ -7,7 +7,8 @@ its groups (but for its gloo data-parallel ones): each forgotten gloo group keep
 equivalence cases of a world held thousands of threads. `release_model_parallel` destroys the
 groups first. A destroyed gloo group still runs its threads until the last reference to it goes
 (`shutdown` and `abort` leave them), so the release also drops the references Megatron keeps
-past a case and collects the case's unreachable models.
+past a case, breaks the cycle Megatron's DDP hooks make with their model, and collects the
+case's unreachable models.
 """
 
 from __future__ import annotations
