@@ -173,3 +173,15 @@ def test_model_state_follows_megatrons_accounting(capsys):
     assert float(state(sharded).split()[0]) == pytest.approx(low * (6 + 12 / 8) / 18, rel=0.01)
     # a middle stage: 6 layers of about 12 h^2 parameters (h = 2048) at 18 bytes each
     assert low * GiB == pytest.approx(6 * 12 * 2048 ** 2 * 18, rel=0.01)
+
+
+@pytest.mark.parametrize("margin,phrase", [(0.033, "predicted 3.3% faster than the runner-up"),
+                                           (8.786, "predicted 9.79x as fast as the runner-up")])
+def test_auto_line_reads_as_a_sentence(margin, phrase):
+    from megatron_terapipe.planner.report import auto_text
+
+    option = lambda name: SimpleNamespace(name=name, fits=True)  # noqa: E731
+    choice = SimpleNamespace(chosen=option("TeraPipe 1f1b"), runner_up=option("Megatron 1F1B"),
+                             margin=margin, reason="the fastest schedule that fits")
+    assert auto_text(choice) == (f"auto: TeraPipe 1f1b, {phrase} Megatron 1F1B "
+                                 "(the fastest schedule that fits)")

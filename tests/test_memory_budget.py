@@ -115,3 +115,21 @@ def test_fastest_leaner_times_fewer_plans_and_chooses_as_timing_every_one(order,
         ref_best, ref_leanest = _reference(candidates, budget)
         assert (best and (best.name, best.plan)) == (ref_best and (ref_best.name, ref_best.plan))
         assert (leanest and leanest.plan) == (ref_leanest and ref_leanest.plan)
+
+
+def test_each_plan_is_one_row_of_the_table(capsys):
+    """Under a budget the search's steps start from plans the table already lists (gpt3-13b,
+    32 microbatches, 20 GiB: the unbudgeted choice and the leaner uniform plan): each plan
+    gets one row."""
+    from megatron_terapipe.planner.cli import main
+
+    main(["--model", "gpt3-13b", "--hardware", "h100", "--pipeline-stages", "8",
+          "--tensor-parallel-size", "8", "--seq-length", "8192", "--micro-batch-size", "1",
+          "--num-microbatches", "32", "--memory-budget", "20GiB", "--virtual-stages", "1",
+          "--wgrad-placement", "off"])
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "peak GiB/stage" in line) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith("peak GiB per stage"))
+    labels = [line[:24].strip() for line in lines[start:end]]
+    assert len(labels) >= 3 and labels[-1] == "no token slicing", labels
+    assert len(set(labels)) == len(labels), labels

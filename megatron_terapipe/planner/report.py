@@ -100,15 +100,15 @@ def auto_text(choice: AutoChoice) -> str:
     if choice.runner_up is not None and choice.margin is not None:
         runner = choice.runner_up.name + ("" if choice.runner_up.fits else ", which does not fit")
         if choice.margin >= 0:
-            text += f", predicted {_faster(choice.margin)} than the runner-up {runner}"
+            text += f", predicted {_faster_than(choice.margin)} the runner-up {runner}"
         else:
             text += f"; the runner-up {runner} is predicted {100 * -choice.margin:.1f}% faster"
     return text + f" ({choice.reason})"
 
 
-def _faster(margin: float) -> str:
-    """'3.3% faster', or '9.79x as fast' from twice as fast on."""
-    return f"{100 * margin:.1f}% faster" if margin < 1.0 else f"{1.0 + margin:.2f}x as fast"
+def _faster_than(margin: float) -> str:
+    """'3.3% faster than', or '9.79x as fast as' from twice as fast on."""
+    return f"{100 * margin:.1f}% faster than" if margin < 1.0 else f"{1.0 + margin:.2f}x as fast as"
 
 
 def slice_picture(plan: TeraPipePlan, width: int = 60) -> list[str]:

@@ -122,10 +122,16 @@ class SearchResult:
     @property
     def rows(self) -> tuple[Candidate, ...]:
         """For a comparison table: the refinements (newest first), the DP's and the uniform
-        plan, no token slicing if it won in deferred mode, and the baseline last."""
+        plan, no token slicing if it won in deferred mode, and the baseline last; a plan met
+        again (the budget search's steps start from the starts' plans) keeps its first row."""
         dp, uniform, whole = self.starts
         extra = (whole,) if whole is self.best_start and whole.plan != self.baseline.plan else ()
-        return (*reversed(self.steps), dp, uniform, *extra, self.baseline)
+        rows, seen = [], []
+        for row in (*reversed(self.steps), dp, uniform, *extra, self.baseline):
+            if row is self.baseline or row.plan not in seen:
+                rows.append(row)
+                seen.append(row.plan)
+        return tuple(rows)
 
 
 def choose_deferral(cost_model: CostModel, space: SearchSpace,
