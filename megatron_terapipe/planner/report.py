@@ -53,17 +53,20 @@ def memory_text(peaks: Sequence[float]) -> str:
 def comparison_lines(result: SearchResult, budget: Optional[MemoryBudget] = None) -> list[str]:
     """The table of the plans the search timed: iteration, bubble, peak memory, speedup over
     the baseline (no token slicing), then the chosen plan's peak memory per stage. With a
-    budget, plans whose peak (model state included) exceeds it say so."""
+    budget, peaks count its model state too (as the schedule table does: the numbers the
+    budget is checked against), and plans over it say so."""
     baseline = result.baseline.time
+    totals = budget.totals if budget is not None else tuple
     lines = [f"{'':24} {'iteration':>12} {'bubble':>7} {'peak GiB/stage':>15} {'speedup':>8}"]
     for row in result.rows:
         r = row.result
         over = budget is not None and not budget.fits(r.peak_memory_bytes)
         lines.append(f"{row.label:24} {r.iteration_time * 1e3:>9.2f} ms "
-                     f"{100 * r.bubble_fraction:>6.1f}% {max(r.peak_memory_bytes) / GiB:>15.2f} "
+                     f"{100 * r.bubble_fraction:>6.1f}% {max(totals(r.peak_memory_bytes)) / GiB:>15.2f} "
                      f"{baseline / r.iteration_time:>7.2f}x" + ("  does not fit" if over else ""))
-    lines.append("peak GiB per stage (activations + K/V), chosen plan: "
-                 + memory_text(result.chosen.result.peak_memory_bytes))
+    counted = "activations + K/V" + (" + model state" if budget is not None else "")
+    lines.append(f"peak GiB per stage ({counted}), chosen plan: "
+                 + memory_text(totals(result.chosen.result.peak_memory_bytes)))
     return lines
 
 
