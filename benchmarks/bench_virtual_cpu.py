@@ -3,6 +3,8 @@
     python benchmarks/bench_virtual_cpu.py             # seq 2048, hidden 512, 4 microbatches, 7 rounds
     python benchmarks/bench_virtual_cpu.py --quick     # tiny model, 2 rounds: a smoke run
     python benchmarks/bench_virtual_cpu.py --rounds 9 --seq-length 4096 --microbatches 8
+    python benchmarks/bench_virtual_cpu.py --limits 1.53 2   # the simulated no-bubble limit at
+                                                             # these capacities; runs nothing
 
 Two pipeline stages (2 processes, one thread each, each bound to its own core with
 `pin_to_core`, as bench_schedules.py runs them), bench_schedules' model (4 layers, 8 heads,
@@ -229,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=None, help="default 2048 (512 with --quick)")
     p.add_argument("--hidden-size", type=int, default=None, help="default 512 (256 with --quick)")
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--limits", type=float, nargs="+", default=None, metavar="CORES",
+                   help="only print bubble_free_limit at these parallel capacities, from the "
+                        "layer profile in the results folder (profiled first if absent)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/"
                                                "virtual_cpu.json; virtual_cpu_quick.json with --quick)")
     args = p.parse_args(argv)
@@ -253,13 +258,18 @@ def main(argv=None) -> int:
     model = TinyGPT(num_layers=2 * STAGES, hidden_size=args.hidden_size, num_attention_heads=8,
                     vocab_size=1024, seq_length=args.seq_length)
     M = args.microbatches
-    capacity = parallel_capacity(hidden=args.hidden_size, tokens=args.seq_length)
-    print(f"two single-thread processes get {capacity:.2f} cores' worth of compute", flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     cache = os.path.join(os.path.dirname(args.out),
                          f"profile_cpu_h{model.hidden_size}_s{model.seq_length}.json")
     print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) ...", flush=True)
     cost = profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", cache)
+    if args.limits:
+        for cores in args.limits:
+            print(f"a schedule with no bubble, {M} microbatches, {cores:.2f} cores' worth: "
+                  f"{bubble_free_limit(cost, model, M, cores):.3f}x over Megatron 1F1B (simulated)")
+        return 0
+    capacity = parallel_capacity(hidden=args.hidden_size, tokens=args.seq_length)
+    print(f"two single-thread processes get {capacity:.2f} cores' worth of compute", flush=True)
     rows, notes = make_rows(cost, model, M)
     for row in rows:
         print(f"  {row.label}: {plan_text(row)}", flush=True)
