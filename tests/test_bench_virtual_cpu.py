@@ -8,6 +8,8 @@ import os
 import statistics
 import sys
 
+import pytest
+
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
@@ -61,12 +63,24 @@ def test_targets_are_read_off_the_rows():
     rows = bench.result_rows(ROWS, _per_rank(), _cost(), MODEL, 4, 2.0)
     for r in rows:
         r["predicted_over_measured"] = 1.05
-    goal = bench.targets(rows)
+    goal = bench.targets(rows, 1.2)
     assert goal["best_terapipe_virtual"] == "terapipe_v2"
+    assert goal["bubble_free_limit_here_simulated"] == 1.2
     assert goal["speedup_met"] == (goal["speedup_vs_megatron_1f1b"] >= 1.20)
     assert goal["simulator_within_tolerance"] is True
     rows[1]["predicted_over_measured"] = 0.85  # one row off by more than 10%
-    assert bench.targets(rows)["simulator_within_tolerance"] is False
+    assert bench.targets(rows, 1.2)["simulator_within_tolerance"] is False
+
+
+def test_the_no_bubble_limit_falls_as_the_stages_share_fewer_cores():
+    """Equal stages, no transfers: on dedicated cores a schedule with no bubble gains
+    (M + K - 1) / M over 1F1B; stages sharing cores lose less to 1F1B's bubble (a waiting stage
+    lends the other its share), and on one core's worth there is nothing to gain."""
+    from megatron_terapipe.planner import FunctionCostModel
+
+    cost = FunctionCostModel(lambda b, l, c: 1e-3 * b * l / 256)  # no edges, no transfers
+    limits = [bench.bubble_free_limit(cost, MODEL, 4, cores) for cores in (2.0, 1.5, 1.0)]
+    assert limits == pytest.approx([(4 + 2 - 1) / 4, 1.125, 1.0])
 
 
 def test_a_smoke_run_writes_its_own_file():
