@@ -61,8 +61,9 @@ def comparison_lines(result: SearchResult, budget: Optional[MemoryBudget] = None
     for row in result.rows:
         r = row.result
         over = budget is not None and not budget.fits(r.peak_memory_bytes)
+        peak = max(totals(r.peak_memory_bytes)) / GiB
         lines.append(f"{row.label:24} {r.iteration_time * 1e3:>9.2f} ms "
-                     f"{100 * r.bubble_fraction:>6.1f}% {max(totals(r.peak_memory_bytes)) / GiB:>15.2f} "
+                     f"{100 * r.bubble_fraction:>6.1f}% {peak:>15.2f} "
                      f"{baseline / r.iteration_time:>7.2f}x" + ("  does not fit" if over else ""))
     counted = "activations + K/V" + (" + model state" if budget is not None else "")
     lines.append(f"peak GiB per stage ({counted}), chosen plan: "
