@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from bench_schedules import parallel_capacity  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
-from pipeline_runs import plans_for, predict, profile_cost_model  # noqa: E402
+from pipeline_runs import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, Row,  # noqa: E402
                                 VirtualSpeedCase, loss_difference)
@@ -176,9 +176,8 @@ def bubble_free_limit(cost, model: TinyGPT, M: int, capacity: float) -> float:
     from megatron_terapipe.planner import simulate
     from megatron_terapipe.schedule import build_schedule
 
-    whole = TeraPipePlan([model.seq_length], order="1f1b", defer_wgrad=False)
-    busy = simulate(build_schedule(whole, M, STAGES, 1), cost).busy
-    return predict(cost, whole, model, M, capacity, STAGES) / max(max(busy), sum(busy) / capacity)
+    busy = simulate(build_schedule(megatron_1f1b_plan(model), M, STAGES, 1), cost).busy
+    return predict(cost, None, model, M, capacity, STAGES) / max(max(busy), sum(busy) / capacity)
 
 
 def targets(rows: list[dict], limit: float) -> dict:

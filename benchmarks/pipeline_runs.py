@@ -308,11 +308,16 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int,
     return plans, info
 
 
+def megatron_1f1b_plan(model: TinyGPT) -> TeraPipePlan:
+    """Megatron's 1F1B as the simulator times it (as the planner's schedule table does): the
+    1f1b order, one slice, weight gradients inside each backward (Megatron defers none)."""
+    return TeraPipePlan([model.seq_length], order="1f1b", defer_wgrad=False)
+
+
 def predict(cost, plan: Optional[TeraPipePlan], model: TinyGPT, num_microbatches: int,
             cores: float, stages: int) -> float:
-    """Simulated iteration time; Megatron's 1F1B is the 1f1b order with one slice."""
+    """Simulated iteration time; None: Megatron's 1F1B (`megatron_1f1b_plan`)."""
     from megatron_terapipe.planner.evaluate.simulator import plan_time
 
-    if plan is None:
-        plan = TeraPipePlan([model.seq_length], order="1f1b")
+    plan = megatron_1f1b_plan(model) if plan is None else plan
     return plan_time(plan, cost, num_microbatches, stages, 1, cores)

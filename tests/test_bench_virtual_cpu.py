@@ -89,3 +89,18 @@ def test_a_smoke_run_writes_its_own_file():
     assert os.path.basename(quick.out) == "virtual_cpu_quick.json"
     assert (full.seq_length, full.hidden_size, full.microbatches, full.rounds) == (2048, 512, 4, 7)
     assert quick.rounds == 2
+
+
+def test_megatron_1f1b_is_predicted_as_the_planner_times_it():
+    """The benchmarks' simulated Megatron 1F1B row is the schedule table's: weight gradients
+    inside each backward (Megatron defers none), not TeraPipe's deferred W actions."""
+    from pipeline_runs import predict
+
+    from megatron_terapipe.planner import SearchSpace
+    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+    from megatron_terapipe.planner.schedule_choice import compare_schedules
+
+    space = SearchSpace(MODEL.seq_length, 1, 2, 4, order="1f1b", granularity=64)
+    table = compare_schedules(_cost(), space, MemoryBudget(None), 2, orders=("1f1b",))
+    megatron = next(o for o in table.options if o.name == "Megatron 1F1B")
+    assert predict(_cost(), None, MODEL, 4, 2.0, 2) == pytest.approx(megatron.time, rel=1e-12)
