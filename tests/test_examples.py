@@ -5,12 +5,16 @@ import re
 import subprocess
 import sys
 
+from harness.machine_lock import one_run_at_a_time
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(args, timeout=300):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with one_run_at_a_time():  # both examples start 2 processes
+        return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
 
 
 def test_training_example_runs_terapipe_and_loss_falls(tmp_path):

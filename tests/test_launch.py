@@ -22,6 +22,8 @@ import sys
 import pytest
 import torch
 
+from harness.machine_lock import one_run_at_a_time
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "standin")
 SCRIPT = os.path.join("tests", "standin", "pretrain_standin.py")
@@ -38,7 +40,9 @@ def _env():
 def _launch(args, nproc=2, timeout=300):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(_free_port()), "-m", "megatron_terapipe.megatron.launch", SCRIPT, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    with one_run_at_a_time():  # one multi-process run at a time on the machine
+        return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=timeout)
 
 
 def _free_port():

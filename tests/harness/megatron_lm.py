@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .machine_lock import one_run_at_a_time
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
@@ -66,9 +68,10 @@ def pretrain(checkout: str, nproc: int, flags: list[str], port: int, iterations:
            "--master-port", str(port), "-m", "megatron_terapipe.megatron.launch",
            os.path.join(checkout, "pretrain_gpt.py"), *MODEL,
            "--train-iters", str(iterations), "--eval-interval", str(iterations), *flags]
-    start = time.perf_counter()
-    out = subprocess.run(cmd, cwd=checkout, env=checkout_env(checkout), capture_output=True,
-                         text=True, timeout=timeout)
+    with one_run_at_a_time():
+        start = time.perf_counter()
+        out = subprocess.run(cmd, cwd=checkout, env=checkout_env(checkout), capture_output=True,
+                             text=True, timeout=timeout)
     log = out.stdout + out.stderr
     return Pretrain(out.returncode, log, time.perf_counter() - start,
                     [(int(i), float(loss), float(norm)) for i, loss, norm in ITERATION.findall(log)],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import multiprocessing as mp
@@ -15,6 +16,8 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
+
+from .machine_lock import one_run_at_a_time
 
 
 def free_port() -> int:
@@ -134,7 +137,16 @@ def spawn(world_size: int, target: str, *args: Any, timeout: float = 600.0, thre
     Returns each rank's result. If any rank fails, the others get `grace` seconds to fail or
     finish on their own (a dead peer's closed socket ends their waits), then are killed;
     WorkerError carries every report. If the run exceeds `timeout` seconds, TimeoutError.
+    Runs of 2 or more ranks under pytest wait for the machine's lock (machine_lock.py) first.
     """
+    with one_run_at_a_time() if world_size > 1 else contextlib.nullcontext():
+        return _spawn(world_size, target, args, timeout, threads, pg_timeout, grace, backend,
+                      rank_environ)
+
+
+def _spawn(world_size: int, target: str, args: tuple, timeout: float, threads: int,
+           pg_timeout: float, grace: float, backend: str,
+           rank_environ: Optional[dict[int, dict[str, str]]]) -> list[Any]:
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
