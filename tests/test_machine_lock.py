@@ -11,19 +11,23 @@ from harness.machine_lock import one_run_at_a_time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Another process's run: it loads machine_lock.py by its path (no torch), reports how long it
-# waited for the lock, then holds it for the given seconds.
+# waited for the lock and when it got it, then holds it for the given seconds.
 _OTHER = """
 import importlib.util, sys, time
 spec = importlib.util.spec_from_file_location("machine_lock", sys.argv[1])
 lock = importlib.util.module_from_spec(spec); spec.loader.exec_module(lock)
 with lock.one_run_at_a_time() as waited:
-    print(f"{waited:.3f}", flush=True)
+    print(f"{waited:.3f} {time.time():.3f}", flush=True)
     time.sleep(float(sys.argv[2]))
 """
 
 
-def _other(hold, lock_file):
-    env = dict(os.environ, TERAPIPE_TEST_LOCK=lock_file)
+def _waited(line):
+    return float(line.split()[0])
+
+
+def _other(hold, lock_file, yielding=False):
+    env = dict(os.environ, TERAPIPE_TEST_LOCK=lock_file, TERAPIPE_TEST_LOCK_YIELD=str(int(yielding)))
     script = os.path.join(HERE, "harness", "machine_lock.py")
     return subprocess.Popen([sys.executable, "-c", _OTHER, script, str(hold)], env=env,
                             stdout=subprocess.PIPE, text=True)
@@ -38,19 +42,36 @@ def test_a_second_session_waits_until_the_first_run_ends(tmp_path, monkeypatch):
         time.sleep(1.0)
         with one_run_at_a_time() as nested:  # this process's own nested run does not wait
             assert nested == 0.0
-    assert float(other.communicate(timeout=30)[0]) >= 0.9  # it waited for this run's second
+    assert _waited(other.communicate(timeout=30)[0]) >= 0.9  # it waited for this run's second
     # and the other way round: this process waits for another's run
     other = _other(1.0, lock_file)
-    assert float(other.stdout.readline()) < 0.5
+    assert _waited(other.stdout.readline()) < 0.5
     with one_run_at_a_time() as waited:
         assert waited >= 0.5
     other.wait(timeout=30)
 
 
+def test_a_yielding_session_lets_a_waiting_one_go_first(tmp_path, monkeypatch):
+    lock_file = str(tmp_path / "lock")
+    monkeypatch.setenv("TERAPIPE_TEST_LOCK", lock_file)
+    monkeypatch.delenv("TERAPIPE_TEST_LOCK_YIELD", raising=False)
+    holder = _other(1.5, lock_file)
+    assert _waited(holder.stdout.readline()) < 0.5
+    yielding = _other(0, lock_file, yielding=True)  # asks first ...
+    time.sleep(0.5)
+    with one_run_at_a_time() as waited:  # ... but this session, asking later, goes first
+        time.sleep(0.5)
+    released = time.time()
+    assert 0.5 <= waited < 1.5
+    got = float(yielding.communicate(timeout=30)[0].split()[1])
+    assert got >= released - 0.01
+    holder.wait(timeout=30)
+
+
 def test_off_takes_no_lock(tmp_path, monkeypatch):
     lock_file = str(tmp_path / "lock")
     other = _other(2.0, lock_file)
-    assert float(other.stdout.readline()) < 0.5
+    assert _waited(other.stdout.readline()) < 0.5
     monkeypatch.setenv("TERAPIPE_TEST_LOCK", "off")
     with one_run_at_a_time() as waited:
         assert waited == 0.0
