@@ -20,7 +20,8 @@ from megatron_terapipe.planner import (
     solve,
     solve_slicing,
 )
-from megatron_terapipe.planner.slicer import resolve_batch_sizes, slicing_unit
+from megatron_terapipe.planner.slicer import (bottleneck_cell_time, resolve_batch_sizes,
+                                              slicing_unit)
 
 
 # ---- exhaustive search -------------------------------------------------------------------------
@@ -53,15 +54,33 @@ def batch_partitions(rows: int, sizes):
 
 
 def brute_force(cost, seq_length, unit, micro_batch_size, K, M, sizes, include_transfer=True):
-    """Least objective over every plan: each batch slice gets its own token slicing."""
+    """Least objective over every plan: each batch slice gets its own token slicing.
+
+    Every plan's objective, M * sum(t) + (K - 1) * max(u) over its cells as plan_objective
+    writes it, is built from each token slicing's sum and max per batch slice, combined for
+    all the plans of a batch partition at once."""
     units = seq_length // unit
-    token_options = [[k * unit for k in comp] for comp in compositions(units)]
+    slicings = [[k * unit for k in comp] for comp in compositions(units)]
     best = np.inf
     for parts in batch_partitions(micro_batch_size, sizes):
-        for slicings in itertools.product(token_options, repeat=len(parts)):
-            plan = TeraPipePlan(seq_slices=[list(s) for s in slicings], batch_slices=list(parts))
-            best = min(best, plan_objective(plan, cost, micro_batch_size, K, M, include_transfer))
+        sums, maxes = np.zeros(1), np.zeros(1)  # per combination of the parts' slicings so far
+        for rows in parts:
+            part_sums, part_maxes = _slicing_terms(cost, slicings, rows, K, include_transfer)
+            sums = np.add.outer(sums, part_sums).ravel()
+            maxes = np.maximum.outer(maxes, part_maxes).ravel()
+        best = min(best, float((M * sums + (K - 1) * maxes).min()))
     return best
+
+
+def _slicing_terms(cost, slicings, rows, K, include_transfer):
+    """Per token slicing of a `rows`-row batch slice: the sum of its cells' t and the largest u."""
+    lengths = np.concatenate([np.asarray(s, dtype=np.float64) for s in slicings])
+    contexts = np.concatenate([np.cumsum([0, *s[:-1]], dtype=np.float64) for s in slicings])
+    b = np.full_like(lengths, rows)
+    t = bottleneck_cell_time(cost, b, lengths, contexts, K)
+    u = t + 2 * np.asarray(cost.transfer_time(b, lengths)) if include_transfer else t
+    starts = np.cumsum([0, *[len(s) for s in slicings[:-1]]])
+    return np.add.reduceat(t, starts), np.maximum.reduceat(u, starts)
 
 
 def table_cost_model(slice_table: np.ndarray, transfer_table: np.ndarray, unit: int):
