@@ -76,6 +76,14 @@ EQUAL = [
     Config("virtual pipeline (PP=4 x V=2)", 4, ("--num-layers", "8", "--pipeline-model-parallel-"
                                                 "size", "4", "--num-virtual-stages-per-pipeline-"
                                                 "rank", "2")),
+    # Uneven splits of the layers over the stages (the planner prices the busiest stage)
+    Config("uneven first stage (1 of 4 layers)", 2, ("--num-layers", "4",
+                                                     "--decoder-first-pipeline-num-layers", "1")),
+    Config("pipeline layout Et|ttt,L", 2, ("--num-layers", "4",
+                                           "--pipeline-model-parallel-layout", "Et|ttt,L")),
+    Config("embedding and loss counted in the split", 2, (
+        "--num-layers", "4", "--account-for-embedding-in-pipeline-split",
+        "--account-for-loss-in-pipeline-split")),
 ]
 
 #: MoE router losses: equal to Megatron's on the megatron-core lines whose losses TeraPipe
@@ -105,6 +113,11 @@ if moe_losses.line_problem() is None:
 #: context parallelism needs Transformer Engine's attention, which the CPU has not)
 REFUSED = [
     (Config("CP=2", 4, ("--context-parallel-size", "2")), "--context-parallel-size", False),
+    # chunks of 1 and 2 layers: TeraPipe's virtual stages need equal chunks (Megatron's
+    # interleaved schedule on CPU is not what this row checks)
+    (Config("virtual pipeline on an uneven layout", 2, (
+        "--num-layers", "6", "--pipeline-model-parallel-layout", "Et|tt|tt|tL")),
+     "--pipeline-model-parallel-layout", False),
     (Config("MoE + capacity factor", 2, (*MOE, "--moe-expert-capacity-factor", "1.0")),
      "--moe-expert-capacity-factor 1.0", True),
     (Config("MoE + Sinkhorn routing", 2, (*MOE, "--moe-router-load-balancing-type", "sinkhorn",

@@ -50,8 +50,17 @@ def _auto_inputs(run: RunSettings, interleaved: bool = True) -> PlannerInputs:
     return replace(inputs, space=replace(inputs.space, virtual_stages=chunks))
 
 
+def _even_chunks(run: RunSettings) -> bool:
+    """Whether model chunks would all hold the same layers: not where the flags split the
+    layers unevenly (--decoder-first-pipeline-num-layers, ...), which the interleaved rows'
+    time model and TeraPipe's virtual stages assume."""
+    split = run.support.stage_layers
+    return split is None or split.even
+
+
 def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[ScheduleTable, str]:
     """The schedules the flags' run could use, and the cost model's description."""
+    interleaved = interleaved and _even_chunks(run)
     inputs = _auto_inputs(run, interleaved)
     return inputs.schedule_table(interleaved), inputs.cost_model.describe()
 
@@ -62,6 +71,7 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     Megatron-LM's flags). interleaved: whether the run can build model chunks (Megatron-LM
     can; a script building one model per stage cannot). Raises TeraPipeArgumentError when no
     schedule fits the budget."""
+    interleaved = interleaved and _even_chunks(run)
     inputs = _auto_inputs(run, interleaved)
     table = inputs.schedule_table(interleaved)
     try:

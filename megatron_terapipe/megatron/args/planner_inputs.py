@@ -32,28 +32,35 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
     crosses = cross_nodes(shape)
     path = None if flags.cost_model in ("analytic", "profile") else flags.cost_model
     notes = []
+    split, layers = run.support.stage_layers, None
+    if split is not None and split.source:  # a split the flags made: price the busiest stage
+        layers = split.busiest
+        if not split.even:
+            notes.append(f"{split.describe()}: every stage priced as the busiest, {layers} "
+                         "layers")
     if flags.cost_model == "profile" and fit is None:
         cached = profile_cache_path(run)
         if cached.is_file():
             fit = LayerTimeFit.load(cached)
         else:
-            notes = ["no measured profile for this shape yet; prediction from the analytic model"]
+            notes.append("no measured profile for this shape yet; prediction from the analytic "
+                         "model")
     if warning and fit is None and path is None:  # only the analytic model rests on the preset
         notes.insert(0, warning)
     with _named(f"--terapipe-cost-model {path}"):
         cost = layer_cost_model(model, hardware, shape.pipeline_parallel,
                                 tensor_parallel=shape.tensor_parallel,
                                 dtype_bytes=shape.dtype_bytes, cross_nodes=crosses,
-                                profile_path=path, fit=fit)
+                                profile_path=path, fit=fit, stage_layers=layers)
     with _named("--terapipe-memory-profile"):
-        memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile)
+        memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers)
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,
                         shape.num_microbatches, order=flags.order, granularity=flags.granularity,
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,
                         memory=memory)
     budget = memory_budget(model, shape.pipeline_parallel, flags.memory_budget,
-                           flags.model_state_memory, run.model_state)
-    return PlannerInputs(model, cost, space, budget, notes)
+                           flags.model_state_memory, run.model_state, layers)
+    return PlannerInputs(model, cost, space, budget, notes, layers)
 
 
 @contextlib.contextmanager

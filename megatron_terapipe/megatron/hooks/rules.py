@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from .stage_layers import StageLayers, stage_layers
+
 #: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
 SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
                    "bottom-right causal mask; torch picks the kernel)")
@@ -36,6 +38,7 @@ class RunView:
     model_chunks: Optional[int] = None  # the model chunks a schedule call got
     plan_virtual_stages: Optional[int] = None  # the TeraPipe plan's chunks per stage, if known
     layers_per_stage: Optional[int] = None  # transformer layers per pipeline stage, if known
+    stage_layers: Optional[StageLayers] = None  # the layers of each stage's chunks, if known
     num_experts: Optional[int] = None
     moe_aux_loss_coeff: tuple = ()
     moe_router_load_balancing_type: tuple = ("aux_loss",)
@@ -106,6 +109,12 @@ def _router_losses_line_problem() -> Optional[str]:
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
+def _uneven(v: RunView) -> str:
+    """How the flags split the layers unevenly over the stages' chunks, or "" (even, unknown)."""
+    split = v.stage_layers
+    return "" if split is None or split.even else split.describe()
+
+
 # Virtual stages: a plan's virtual_stages model chunks per stage, built as Megatron builds them
 # for its interleaved schedule (GPTModel(..., vp_stage=c) under virtual_pipeline_model_parallel
 # _size). Only a mismatch is refused.
@@ -115,6 +124,10 @@ VIRTUAL_STAGE_RULES = (
              f"{v.virtual_stages} virtual pipeline stages per rank do not divide the "
              f"{v.layers_per_stage} layers of a pipeline stage: give {_VP_FLAGS} so that each "
              "chunk gets whole layers (a divisor of the stage's layers), or drop them")),
+    Rule(lambda v: v.virtual_stages > 1 and bool(_uneven(v)), lambda v: (
+        f"TeraPipe on virtual pipeline stages gives every model chunk the same layers, but the "
+        f"flags split them unevenly ({_uneven(v)}): split them evenly, or drop the virtual "
+        f"stages ({_VP_FLAGS}), or use --pipeline-schedule 1f1b")),
     Rule(lambda v: v.model_chunks is not None and v.model_chunks != v.virtual_stages, lambda v: (
         f"TeraPipe got {v.model_chunks} model chunks per pipeline stage but the model config's "
         f"virtual_pipeline_model_parallel_size is {v.virtual_stages if v.virtual_stages > 1 else None}"
@@ -273,7 +286,8 @@ def view_from_args(args) -> RunView:
 
 def _virtual_fields(args) -> dict:
     """Chunks per pipeline stage as Megatron-LM's validate_args sets them from its flags
-    (virtual_pipeline_model_parallel_size once validated), and the layers of a stage."""
+    (virtual_pipeline_model_parallel_size once validated), and the layers of a stage (of every
+    stage where the split is even; stage_layers.py)."""
     pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
     layers = getattr(args, "num_layers", None)
     per_stage = int(layers) // pp if layers is not None and int(layers) % pp == 0 else None
@@ -283,7 +297,19 @@ def _virtual_fields(args) -> dict:
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if vp is None and per_chunk is not None and per_stage is not None:
         vp = max(1, per_stage // int(per_chunk))  # Megatron-LM asserts that it divides
-    return dict(virtual_stages=int(vp or 1), layers_per_stage=per_stage)
+    split = split_of(args)
+    even = split is None or split.even
+    return dict(virtual_stages=int(vp or 1), layers_per_stage=per_stage if even else None,
+                stage_layers=split)
+
+
+def split_of(args) -> Optional[StageLayers]:
+    """stage_layers(args), or None where the flags give no split Megatron can build (Megatron-LM's
+    validate_args or its model build says why)."""
+    try:
+        return stage_layers(args)
+    except (ValueError, AssertionError, TypeError):
+        return None
 
 
 def _args_graphs_device(args) -> str:
