@@ -109,6 +109,7 @@ def _router_losses_line_problem() -> Optional[str]:
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
+
 def _uneven(v: RunView) -> str:
     """How the flags split the layers unevenly over the stages' chunks, or "" (even, unknown)."""
     split = v.stage_layers
