@@ -31,14 +31,14 @@ class PlannerInputs:
     space: SearchSpace  # the run's shape, the choices open to the search, the stage memory
     budget: MemoryBudget  # per GPU (None: no limit), with the model state per stage
     notes: list[str] = field(default_factory=list)  # guesses made on the way, for the log
-    # layers each stage is priced as: the busiest stage's where the split is uneven (None: even)
-    stage_layers: Optional[int] = None
+    # an uneven split's busiest stage's layers, which every stage is priced as (None: even)
+    busiest_layers: Optional[int] = None
     _searches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
     @property
     def layers_per_stage(self) -> int:
-        return priced_layers(self.model, self.space.num_stages, self.stage_layers)
+        return priced_layers(self.model, self.space.num_stages, self.busiest_layers)
 
     def search(self, order: Optional[str] = None) -> SearchResult:
         """The plan search in `order` (default: the space's), within the budget when there is
@@ -82,20 +82,20 @@ class PlannerInputs:
                                  virtual=self.search_virtual)
 
 
-def priced_layers(model: ModelDims, num_stages: int, stage_layers: Optional[int] = None) -> int:
-    """The layers the planner prices every stage as: `stage_layers` (the busiest stage of an
+def priced_layers(model: ModelDims, num_stages: int, busiest_layers: Optional[int] = None) -> int:
+    """The layers the planner prices every stage as: `busiest_layers` (the busiest stage of an
     uneven split: the pipeline's pace), else the even split's."""
-    return stage_layers if stage_layers is not None else model.num_layers // num_stages
+    return busiest_layers if busiest_layers is not None else model.num_layers // num_stages
 
 
 def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
                      tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
                      profile_path: Optional[str] = None, fit=None,
-                     stage_layers: Optional[int] = None) -> CostModel:
+                     busiest_layers: Optional[int] = None) -> CostModel:
     """The analytic model of `hardware`, or the profiled one from a layer fit (`fit`, or the
     file at `profile_path`); stage-to-stage links as `search.pipeline_link`. Raises ValueError
     on a profile that does not fit the model (the adapters name their option)."""
-    layers = priced_layers(model, num_stages, stage_layers)
+    layers = priced_layers(model, num_stages, busiest_layers)
     if fit is None and profile_path is None:
         return AnalyticCostModel(model, hardware, layers, tensor_parallel=tensor_parallel,
                                  dtype_bytes=dtype_bytes, inter_node=cross_nodes)
@@ -111,23 +111,23 @@ def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
 
 def memory_budget(model: ModelDims, num_stages: int, budget_bytes: Optional[float],
                   model_state: Optional[float], config: ModelStateConfig,
-                  stage_layers: Optional[int] = None) -> MemoryBudget:
+                  busiest_layers: Optional[int] = None) -> MemoryBudget:
     """The budget per GPU, with the model state per stage: `model_state` on every stage when
     given, else Megatron's accounting of this model under `config`."""
     if model_state is not None:
         state = (float(model_state),) * num_stages
     else:
-        state = model_state_bytes(model, priced_layers(model, num_stages, stage_layers),
+        state = model_state_bytes(model, priced_layers(model, num_stages, busiest_layers),
                                   num_stages, config)
     return MemoryBudget(budget_bytes, state)
 
 
 def stage_memory(model: ModelDims, num_stages: int, profile_path: Optional[str],
-                 stage_layers: Optional[int] = None) -> Optional[StageMemory]:
+                 busiest_layers: Optional[int] = None) -> Optional[StageMemory]:
     """The measured memory profile at `profile_path`, or None (the cost model's estimate).
     Raises ValueError on a profile that does not fit the model."""
     if not profile_path:
         return None
     from .profile.memory_fit import FittedMemory
 
-    return FittedMemory.load(profile_path, priced_layers(model, num_stages, stage_layers), model)
+    return FittedMemory.load(profile_path, priced_layers(model, num_stages, busiest_layers), model)

@@ -50,17 +50,11 @@ def _auto_inputs(run: RunSettings, interleaved: bool = True) -> PlannerInputs:
     return replace(inputs, space=replace(inputs.space, virtual_stages=chunks))
 
 
-def _even_chunks(run: RunSettings) -> bool:
-    """Whether model chunks would all hold the same layers: not where the flags split the
-    layers unevenly (--decoder-first-pipeline-num-layers, ...), which the interleaved rows'
-    time model and TeraPipe's virtual stages assume."""
-    split = run.support.stage_layers
-    return split is None or split.even
-
-
 def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[ScheduleTable, str]:
-    """The schedules the flags' run could use, and the cost model's description."""
-    interleaved = interleaved and _even_chunks(run)
+    """The schedules the flags' run could use, and the cost model's description; no model
+    chunks where the flags split the layers unevenly (the chunks' time models assume equal
+    chunks)."""
+    interleaved = interleaved and not run.support.uneven_layers
     inputs = _auto_inputs(run, interleaved)
     return inputs.schedule_table(interleaved), inputs.cost_model.describe()
 
@@ -71,7 +65,7 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     Megatron-LM's flags). interleaved: whether the run can build model chunks (Megatron-LM
     can; a script building one model per stage cannot). Raises TeraPipeArgumentError when no
     schedule fits the budget."""
-    interleaved = interleaved and _even_chunks(run)
+    interleaved = interleaved and not run.support.uneven_layers  # as schedule_table
     inputs = _auto_inputs(run, interleaved)
     table = inputs.schedule_table(interleaved)
     try:

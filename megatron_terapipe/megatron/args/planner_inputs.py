@@ -32,12 +32,11 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
     crosses = cross_nodes(shape)
     path = None if flags.cost_model in ("analytic", "profile") else flags.cost_model
     notes = []
-    split, layers = run.support.stage_layers, None
-    if split is not None and split.source:  # a split the flags made: price the busiest stage
-        layers = split.busiest
-        if not split.even:
-            notes.append(f"{split.describe()}: every stage priced as the busiest, {layers} "
-                         "layers")
+    layers = None  # None: the even split's layers per stage
+    if run.support.uneven_layers:  # price every stage as the busiest
+        layers = run.support.stage_layers.busiest
+        notes.append(f"{run.support.uneven_layers}: every stage priced as the busiest, {layers} "
+                     "layers")
     if flags.cost_model == "profile" and fit is None:
         cached = profile_cache_path(run)
         if cached.is_file():
@@ -51,7 +50,7 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
         cost = layer_cost_model(model, hardware, shape.pipeline_parallel,
                                 tensor_parallel=shape.tensor_parallel,
                                 dtype_bytes=shape.dtype_bytes, cross_nodes=crosses,
-                                profile_path=path, fit=fit, stage_layers=layers)
+                                profile_path=path, fit=fit, busiest_layers=layers)
     with _named("--terapipe-memory-profile"):
         memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers)
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,

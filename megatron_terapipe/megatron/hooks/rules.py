@@ -64,6 +64,13 @@ class RunView:
     graph_safe_rng: bool = False  # Megatron's RNG tracker can be captured
     graphs_device: str = ""  # why no CUDA device captures the graphs ("" when one does)
 
+    @property
+    def uneven_layers(self) -> str:
+        """How the flags split the layers unevenly over the stages' chunks (the model chunks
+        would differ), or "" (an even split, or none known)."""
+        split = self.stage_layers
+        return "" if split is None or split.even else split.describe()
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -110,12 +117,6 @@ def _router_losses_line_problem() -> Optional[str]:
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 
-def _uneven(v: RunView) -> str:
-    """How the flags split the layers unevenly over the stages' chunks, or "" (even, unknown)."""
-    split = v.stage_layers
-    return "" if split is None or split.even else split.describe()
-
-
 # Virtual stages: a plan's virtual_stages model chunks per stage, built as Megatron builds them
 # for its interleaved schedule (GPTModel(..., vp_stage=c) under virtual_pipeline_model_parallel
 # _size). Only a mismatch is refused.
@@ -125,9 +126,9 @@ VIRTUAL_STAGE_RULES = (
              f"{v.virtual_stages} virtual pipeline stages per rank do not divide the "
              f"{v.layers_per_stage} layers of a pipeline stage: give {_VP_FLAGS} so that each "
              "chunk gets whole layers (a divisor of the stage's layers), or drop them")),
-    Rule(lambda v: v.virtual_stages > 1 and bool(_uneven(v)), lambda v: (
+    Rule(lambda v: v.virtual_stages > 1 and bool(v.uneven_layers), lambda v: (
         f"TeraPipe on virtual pipeline stages gives every model chunk the same layers, but the "
-        f"flags split them unevenly ({_uneven(v)}): split them evenly, or drop the virtual "
+        f"flags split them unevenly ({v.uneven_layers}): split them evenly, or drop the virtual "
         f"stages ({_VP_FLAGS}), or use --pipeline-schedule 1f1b")),
     Rule(lambda v: v.model_chunks is not None and v.model_chunks != v.virtual_stages, lambda v: (
         f"TeraPipe got {v.model_chunks} model chunks per pipeline stage but the model config's "
