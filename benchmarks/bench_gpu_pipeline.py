@@ -73,6 +73,8 @@ SUITES = {
     "full": [GpuCase(k, s, m) for k in (2, 4) for s in (2048, 8192) for m in (1, 4)],
     # the three targets (2 and 4 stages at 1 microbatch, 4 stages at 4), for a short lease
     "targets": [GpuCase(2, 2048, 1), GpuCase(4, 2048, 1), GpuCase(4, 2048, 4)],
+    # terapipe-plan's question (32 layers, 8 stages, seq 2048, 1 microbatch), measured
+    "eight": [GpuCase(8, 2048, 1)],
     "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
 }
 

@@ -20,6 +20,7 @@
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
 #   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
 #                                               # against Megatron-Core's own (cuda_graph_impl=local)
+#   bash benchmarks/gpu_session.sh pipeline-eight   # pipeline-graphs on 8 stages x 4 layers, 1 microbatch
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
@@ -73,6 +74,13 @@ measure() {
 pipeline_graphs() {
   python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases "${PIPELINE_CASES:-full}" \
     --repeats "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
+}
+
+# The same on 32 layers in 8 stages (terapipe-plan's question at 1 microbatch), each stage an
+# eighth of the SMs
+pipeline_eight() {
+  python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases eight --repeats "${PIPELINE_REPEATS:-5}" \
+    --out "$OUT/gpu_pipeline_eight" 2>&1 | tee "$OUT/pipeline_eight.log"
 }
 
 # Each part in its own process group under what is left of the lease; everything so far is
@@ -138,10 +146,11 @@ case "${1:-}" in
   stage) stage ;;
   pipeline) pipeline ;;
   pipeline-graphs) pipeline_graphs ;;
+  pipeline-eight) pipeline_eight ;;
   megatron-lm) megatron_lm ;;
   megatron-lm-profile) megatron_lm_profile ;;
   graphs) graphs ;;
   measure) measure ;;
   lease) lease ;;
-  *) echo "usage: $0 stage|pipeline|pipeline-graphs|megatron-lm|megatron-lm-profile|graphs|measure|lease" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|pipeline|pipeline-graphs|pipeline-eight|megatron-lm|megatron-lm-profile|graphs|measure|lease" >&2; exit 2 ;;
 esac
