@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.runtime.batching import CellData, check_causal_mask, slice_batch
+from megatron_terapipe.runtime.batching import (CausalCut, CellData, check_causal_mask,
+                                                is_plain_causal, slice_batch)
 from megatron_terapipe.schedule import microbatch_cells
 
 
@@ -67,3 +68,48 @@ def test_non_causal_mask_is_rejected():
     wrong["attention_mask"] = torch.ones(1, 1, 4, 4, dtype=torch.bool).triu(1)
     with pytest.raises(ValueError, match="expected"):
         check_causal_mask(wrong, 8)
+
+
+def test_plain_causal_equals_the_elementwise_comparison():
+    # masks of every cut (first query, queries, keys), bool and float, with and without one
+    # flipped entry: the one-pass comparison agrees with building the expected mask
+    g = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        n = int(torch.randint(1, 13, (1,), generator=g))
+        first = int(torch.randint(0, n, (1,), generator=g))
+        queries = int(torch.randint(1, n - first + 1, (1,), generator=g))
+        keys = first + queries if bool(torch.randint(0, 2, (1,), generator=g)) else n
+        rows = int(torch.randint(1, 3, (1,), generator=g))
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)[first:first + queries, :keys]
+        mask = mask.expand(rows, 1, queries, keys).clone()
+        if bool(torch.rand(1, generator=g) < 0.6):
+            flip = int(torch.randint(0, mask.numel(), (1,), generator=g))
+            mask.view(-1)[flip] = ~mask.view(-1)[flip]
+        expected = bool((mask == torch.ones(queries, keys, dtype=torch.bool).triu(first + 1)).all())
+        assert is_plain_causal(mask, first) == expected
+        assert is_plain_causal(mask.float(), first) == expected
+        assert is_plain_causal(mask[:, :, :, :].transpose(-1, -2).transpose(-1, -2), first) == expected
+
+
+def test_check_causal_mask_says_whether_the_mask_is_the_plain_one():
+    assert check_causal_mask(_batch(), 8) is True
+    assert check_causal_mask({"tokens": torch.zeros(3, 8)}, 8) is True
+    more = _batch()
+    more["attention_mask"] = more["attention_mask"].clone()
+    more["attention_mask"][..., 5, 0] = True  # causal, but masks a past token too: kept
+    assert check_causal_mask(more, 8) is False
+
+
+def test_cells_of_a_plain_causal_microbatch_say_so():
+    # CellData checks the microbatch's mask once; its cells carry the answer (CausalCut), so
+    # per-cell readers (Megatron-LM's CellBatches) need not look at the mask again
+    plan = TeraPipePlan([3, 5])
+    other = _batch()
+    other["attention_mask"] = other["attention_mask"].clone()
+    other["attention_mask"][..., 5, 0] = True
+    data = CellData(iter([_batch(), other]), 8, 3)
+    for microbatch, plain in ((0, True), (1, False)):
+        for cell in microbatch_cells(plan, microbatch, 3):
+            part = next(data.iterator_for(cell))
+            assert isinstance(part, CausalCut) is plain
+            assert part["attention_mask"].shape == (1, 1, cell.tokens, cell.token_end)

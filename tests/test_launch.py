@@ -211,3 +211,21 @@ def test_cell_batches_drop_the_causal_mask_and_make_tensors_contiguous():
     assert "attention_mask" in next(CellBatches(iter([cut]), cell, must_drop_mask=False))
     with pytest.raises(ValueError, match="--reset-attention-mask"):
         next(CellBatches(iter([cut]), cell, must_drop_mask=True))
+
+
+def test_cell_batches_trust_cell_data_on_a_plain_causal_mask(monkeypatch):
+    # A cell of a microbatch whose whole mask CellData found plain causal (CausalCut): the mask
+    # is dropped without being read again, and the other tensors are still made contiguous
+    from megatron_terapipe.megatron.hooks import lm_cells
+    from megatron_terapipe.runtime.batching import CausalCut, CellData
+
+    s = 32
+    causal = torch.ones(s, s).tril().unsqueeze(0).unsqueeze(0) < 0.5
+    tokens = torch.arange(2 * s).view(2, s)
+    cell = _cell(8, 16)
+    data = CellData(iter([{"tokens": tokens, "attention_mask": causal}]), s, 2)
+    cut = next(data.iterator_for(cell))
+    assert isinstance(cut, CausalCut)
+    monkeypatch.setattr(lm_cells, "is_causal_cut", lambda *a: pytest.fail("mask read again"))
+    out = next(lm_cells.CellBatches(iter([cut]), cell, must_drop_mask=True))
+    assert type(out) is dict and "attention_mask" not in out and out["tokens"].is_contiguous()

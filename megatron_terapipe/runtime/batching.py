@@ -63,13 +63,38 @@ def check_lengths(batch: Any, seq_length: int, micro_batch_size: int) -> None:
                 f"micro_batch_size={micro_batch_size}")
 
 
-def check_causal_mask(batch: Any, seq_length: int) -> None:
-    """Token slicing is exact only if no token attends to a later one: reject other masks."""
+_CAUSAL: dict[torch.device, torch.Tensor] = {}  # the largest causal mask built, per device
+
+
+def causal_mask(size: int, device: torch.device) -> torch.Tensor:
+    """The causal mask [size, size] (True = masked: above the diagonal), a view of one kept per
+    device and rebuilt only for a longer sequence: every microbatch of a run compares with it."""
+    kept = _CAUSAL.get(device)
+    if kept is None or kept.shape[0] < size:
+        kept = _CAUSAL[device] = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+    return kept[:size, :size]
+
+
+def is_plain_causal(mask: torch.Tensor, first_query: int = 0) -> bool:
+    """Whether `mask` [..., queries, keys] (True = masked) is exactly the causal mask of queries
+    first_query, first_query + 1, ... over keys 0, 1, ...: one comparison with the kept causal
+    mask, no temporaries (on an H100 host, building them cost about 24 ms per 2048-token
+    microbatch, more than its GPU time: docs/benchmarks.md)."""
+    queries, keys = mask.shape[-2:]
+    causal = causal_mask(max(first_query + queries, keys), mask.device)
+    expected = causal[first_query:first_query + queries, :keys].expand(mask.shape)
+    return torch.equal(mask if mask.dtype == torch.bool else mask.bool(), expected)
+
+
+def check_causal_mask(batch: Any, seq_length: int) -> bool:
+    """Token slicing is exact only if no token attends to a later one: reject other masks.
+    Returns whether every mask in the batch is exactly the causal one (or there is none)."""
     masks = []
     if isinstance(batch, dict):
         masks = [batch.get("attention_mask")]
     elif isinstance(batch, (list, tuple)):
         masks = [v for v in batch if isinstance(v, torch.Tensor) and v.dim() == 4]
+    plain = True
     for mask in masks:
         if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
             continue
@@ -77,12 +102,20 @@ def check_causal_mask(batch: Any, seq_length: int) -> None:
             raise ValueError(
                 f"TeraPipe: attention_mask has shape {tuple(mask.shape)}, expected "
                 f"[b or 1, 1, {seq_length}, {seq_length}] for seq_length {seq_length}")
-        future = torch.ones(seq_length, seq_length, dtype=torch.bool, device=mask.device).triu(1)
-        if bool((~mask.bool() & future).any()):
+        if is_plain_causal(mask):  # the usual mask: one pass over it
+            continue
+        plain = False
+        if bool((~mask.bool() & causal_mask(seq_length, mask.device)).any()):
             raise ValueError(
                 "TeraPipe: the attention_mask lets tokens attend to later tokens (not causal); "
                 "token slicing needs causal attention. Use a causal mask (True = masked above "
                 "the diagonal) or Megatron's own schedule for non-causal models")
+    return plain
+
+
+class CausalCut(dict):
+    """A cell's dict batch whose attention_mask (if any) is the plain causal mask cut to the
+    cell: CellData checked the whole microbatch's mask once, so per-cell readers need not."""
 
 
 class CellData:
@@ -108,6 +141,7 @@ class CellData:
         self.read_any = False  # whether any microbatch was read on this stage
         self._batches: dict[int, Any] = {}
         self._next_microbatch = 0
+        self._plain_causal: set[int] = set()  # microbatches whose mask is the plain causal one
 
     def _batch(self, microbatch: int) -> Any:
         if microbatch not in self._batches:
@@ -118,8 +152,8 @@ class CellData:
                     f"TeraPipe: microbatch {microbatch} was read again after it was released")
             batch = next(self.source)  # type: ignore[arg-type]
             check_lengths(batch, self.seq_length, self.micro_batch_size)
-            if self.check_mask:
-                check_causal_mask(batch, self.seq_length)
+            if self.check_mask and check_causal_mask(batch, self.seq_length):
+                self._plain_causal.add(microbatch)
             self._batches[microbatch] = self._staged(batch) if self.pool is not None else batch
             self._next_microbatch = microbatch + 1
             self.read_any = True
@@ -157,6 +191,7 @@ class CellData:
 
     def release(self, microbatch: int) -> None:
         self._batches.pop(microbatch, None)
+        self._plain_causal.discard(microbatch)
 
     def batch_if_read(self, microbatch: int) -> Any:
         """The whole microbatch if forward_step read it on this stage, else None."""
@@ -174,4 +209,6 @@ class CellData:
             batch = self._batch(cell.microbatch)
         except StopIteration:  # the source ran out: the caller's next() raises it too
             return
-        yield slice_batch(batch, cell, self.seq_length, self.micro_batch_size)
+        cut = slice_batch(batch, cell, self.seq_length, self.micro_batch_size)
+        plain = cell.microbatch in self._plain_causal and isinstance(cut, dict)
+        yield CausalCut(cut) if plain else cut

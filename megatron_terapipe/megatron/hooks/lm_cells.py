@@ -42,13 +42,13 @@ def is_causal_cut(mask, cell) -> bool:
     the cell, i.e. what slice-aware attention applies anyway without a mask."""
     import torch
 
+    from ...runtime.batching import is_plain_causal
+
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         return False
     if tuple(mask.shape[-2:]) != (cell.tokens, cell.token_end):
         return False
-    future = torch.ones(cell.tokens, cell.token_end, dtype=torch.bool,
-                        device=mask.device).triu(cell.token_start + 1)
-    return bool((mask.bool() == future).all())
+    return is_plain_causal(mask, cell.token_start)
 
 
 class CellBatches:
@@ -67,19 +67,25 @@ class CellBatches:
     def __next__(self):
         import torch
 
+        from ...runtime.batching import CausalCut
+
         batch = next(self.inner)
         if isinstance(batch, dict):
-            batch = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
-                     for k, v in batch.items()}
+            # The mask is looked at before the copies: a plain causal one is dropped uncopied
+            # (CausalCut: CellData already checked the microbatch's whole mask).
+            plain = isinstance(batch, CausalCut)
+            batch = dict(batch)
             if "attention_mask" in batch:
                 mask = batch["attention_mask"]
-                if mask is None or is_causal_cut(mask, self.cell):
+                if mask is None or plain or is_causal_cut(mask, self.cell):
                     del batch["attention_mask"]
                 elif self.must_drop_mask:
                     raise ValueError(
                         "TeraPipe with --tensor-model-parallel-size > 1 supports only the plain "
                         "causal attention mask, but the data has another one (e.g. from "
                         "--reset-attention-mask): drop it, or use --tensor-model-parallel-size 1")
+            batch = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v)
+                     for k, v in batch.items()}
         elif isinstance(batch, (list, tuple)):
             batch = type(batch)(v.contiguous() if isinstance(v, torch.Tensor) else v for v in batch)
         return batch
