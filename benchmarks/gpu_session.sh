@@ -61,7 +61,9 @@ graphs() {
 measure() {
   local model=(--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --vocab-size 50304)
   local gpu  # the profile is named for the card it was measured on ("h100", "h200")
-  gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())")
+  # ("NVIDIA H100 80GB HBM3" -> h100: the last word, HBM3, named the H100's profile once)
+  gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name()
+m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split()[-1]).lower())")
   local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
     --out "$OUT/${gpu}_layer_profile.json")
   "${command[@]}" 2>&1 | tee "$OUT/measure.log"
