@@ -78,7 +78,7 @@ def causal_mask(size: int, device: torch.device) -> torch.Tensor:
 def is_plain_causal(mask: torch.Tensor, first_query: int = 0) -> bool:
     """Whether `mask` [..., queries, keys] (True = masked) is exactly the causal mask of queries
     first_query, first_query + 1, ... over keys 0, 1, ...: one comparison with the kept causal
-    mask, no temporaries (on an H100 host, building them cost about 24 ms per 2048-token
+    mask, no temporaries (on an H100 host, building them cost about 23 ms per 2048-token
     microbatch, more than its GPU time: docs/benchmarks.md)."""
     queries, keys = mask.shape[-2:]
     causal = causal_mask(max(first_query + queries, keys), mask.device)
