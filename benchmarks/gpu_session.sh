@@ -21,11 +21,13 @@
 #   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
 #                                               # against Megatron-Core's own (cuda_graph_impl=local)
 #   bash benchmarks/gpu_session.sh pipeline-eight   # pipeline-graphs on 8 stages x 4 layers, 1 microbatch
+#                                               # (needs an H200: 8 processes of 9-13 GiB ran out of
+#                                               # an H100's 79 GiB, 2026-11-26)
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
-#   bash benchmarks/gpu_session.sh measure      # a measured layer profile, and a plan with it
+#   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
 #       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
 #       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
@@ -60,17 +62,21 @@ graphs() {
 
 measure() {
   local model=(--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --vocab-size 50304)
-  local gpu  # the profile is named for the card it was measured on ("h100", "h200")
+  local gpu timing profile  # the profile is named for the card it was measured on ("h100", "h200")
   # ("NVIDIA H100 80GB HBM3" -> h100: the last word, HBM3, named the H100's profile once)
   gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name()
 m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split()[-1]).lower())")
-  local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
-    --out "$OUT/${gpu}_layer_profile.json")
-  "${command[@]}" 2>&1 | tee "$OUT/measure.log"
-  # the profile's writer is the package's: the provenance is added to the file it wrote
-  python3 benchmarks/provenance.py --stamp "$OUT/${gpu}_layer_profile.json" -- "${command[@]}"
-  python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
-    --hardware h100 --profile "$OUT/${gpu}_layer_profile.json" 2>&1 | tee -a "$OUT/measure.log"
+  # wall: eager cells, host launches included; device: the GPU's time (graphed cells)
+  for timing in wall device; do
+    profile="$OUT/${gpu}_layer_profile_$timing.json"
+    local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
+      --timing "$timing" --out "$profile")
+    "${command[@]}" 2>&1 | tee -a "$OUT/measure.log"
+    # the profile's writer is the package's: the provenance is added to the file it wrote
+    python3 benchmarks/provenance.py --stamp "$profile" -- "${command[@]}"
+    python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
+      --hardware h100 --profile "$profile" 2>&1 | tee -a "$OUT/measure.log"
+  done
 }
 
 pipeline_graphs() {

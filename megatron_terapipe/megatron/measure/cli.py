@@ -12,6 +12,7 @@ import argparse
 from typing import Callable, Optional, Sequence
 
 from ...planner.cost.dims import ModelDims
+from .clocks import TIMINGS
 from .device_setup import POSITION_EMBEDDING_TYPES
 
 #: (namespace, model) -> (the fitted profile with a .save(path), lines to print)
@@ -26,7 +27,8 @@ def _measure_layers(args: argparse.Namespace, model: ModelDims) -> tuple[object,
     batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     cells = default_grid(args.seq_length, batch_sizes, args.granularity, args.points)
     measured = measure_layer_times(model, cells, dtype=args.dtype, repeats=args.repeats,
-                                   position_embedding_type=args.position_embedding_type)
+                                   position_embedding_type=args.position_embedding_type,
+                                   timing=args.timing)
     fit = fit_layer_times(measured)
     return fit, summary_lines(fit, measured)
 
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     layers.add_argument("--batch-sizes", default="1", help="comma list, e.g. 1,2,4")
     layers.add_argument("--points", type=int, default=6, help="lengths and contexts per axis")
     layers.add_argument("--repeats", type=int, default=5)
+    layers.add_argument("--timing", choices=TIMINGS, default="wall",
+                        help="wall: the host's time, device synchronised (eager cells); device: "
+                             "the GPU's time, the host's launches queued ahead (cells replayed "
+                             "from CUDA graphs, --terapipe-cuda-graphs; needs CUDA)")
     layers.add_argument("--out", required=True, help="layer profile JSON to write")
     layers.set_defaults(measure=_measure_layers, kind="profile")
     memory = sub.add_parser("memory", help="what a stage keeps for backward: a memory profile "
@@ -94,6 +100,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           num_query_groups=args.num_query_groups, vocab_size=args.vocab_size)
         if args.command == "layers":
             [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+            if args.timing == "device":
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise ValueError("--timing device measures GPU time and this machine has "
+                                     "no CUDA device: use --timing wall (the default)")
     except ValueError as exc:
         p.error(str(exc))
     fit, lines = args.measure(args, model)

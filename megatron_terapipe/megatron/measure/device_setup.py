@@ -97,17 +97,23 @@ class MeasureDevice:
             return torch.cuda.get_device_name()
         return platform.processor() or platform.machine() or "cpu"
 
-    def metadata(self, repeats: int, warmup: int, statistic: str) -> dict:
+    def metadata(self, repeats: int, warmup: int, statistic: str, timing: str = "wall") -> dict:
         import torch
 
         return {"device": self.name(), "device_type": "cuda" if self.on_gpu else "cpu",
                 "dtype": self.dtype_name, "tensor_parallel": self.tp, "repeats": repeats,
-                "warmup": warmup, "statistic": statistic, "threads": torch.get_num_threads(),
+                "warmup": warmup, "statistic": statistic, "timing": timing,
+                "threads": torch.get_num_threads(),
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 **_versions()}
 
 
-def check_repeats(repeats: int, statistic: str) -> None:
+def check_repeats(repeats: int, statistic: str, timing: str = "wall") -> None:
+    """The common arguments of a measurement, checked before any work starts."""
+    from .clocks import TIMINGS
+
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     if repeats <= 0:

@@ -6,7 +6,6 @@ lazily."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 from ...planner.cost.dims import ModelDims
 from ...planner.profile.time_samples import EdgeMeasurements
+from .clocks import WallClock, make_clock, timed
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 
 CACHE_FLUSH_BYTES = 8 << 20  # touched before each timed edge part on CPU (evicts L1/L2)
@@ -46,7 +46,7 @@ class _EdgeParts:
     times each part's forward and backward on random tokens."""
 
     def __init__(self, env: MeasureDevice, model: ModelDims, vocab_size: int, max_seq: int,
-                 position_embedding_type: str, seed: int):
+                 position_embedding_type: str, seed: int, clock=None):
         from megatron.core import tensor_parallel
         from megatron.core.models.common.embeddings.language_model_embedding import (
             LanguageModelEmbedding)
@@ -55,6 +55,7 @@ class _EdgeParts:
 
         config = env.config(model)
         self.env, self.vocab_size, self.hidden = env, vocab_size, model.hidden_size
+        self.clock = clock if clock is not None else WallClock(env.sync)
         self.embedding = LanguageModelEmbedding(
             config=config, vocab_size=vocab_size, max_sequence_length=max_seq,
             position_embedding_type=position_embedding_type)
@@ -74,6 +75,9 @@ class _EdgeParts:
 
     def run(self, b: int, l: int) -> tuple[float, float, float, float]:
         """Seconds of embedding forward, backward, output forward, backward."""
+        return self.clock.retried(lambda: self._run(b, l))
+
+    def _run(self, b: int, l: int) -> tuple[float, float, float, float]:
         dev, dt, gen, V, h = self.env.device, self.env.dtype, self.generator, self.vocab_size, self.hidden
         ids = torch.randint(0, V, (b, l), generator=gen).to(dev)
         positions = torch.arange(l).unsqueeze(0).expand(b, -1).contiguous().to(dev)
@@ -97,11 +101,7 @@ class _EdgeParts:
     def _timed(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         if self.scratch is not None:
             self.scratch.add_(1.0)
-        self.env.sync()
-        start = time.perf_counter()
-        out = fn()
-        self.env.sync()
-        return time.perf_counter() - start, out
+        return timed(self.clock, fn)
 
 
 def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, int]]] = None,
@@ -111,7 +111,7 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
                        seq_length: Optional[int] = None, batch_sizes: Sequence[int] = (1,),
                        granularity: int = 8, dtype: str = "bfloat16", device: Optional[str] = None,
                        repeats: int = 3, warmup: int = 1, progress: bool = True, seed: int = 0,
-                       statistic: str = "min") -> EdgeMeasurements:
+                       statistic: str = "min", timing: str = "wall") -> EdgeMeasurements:
     """Seconds of the pipeline's edges, forward and backward, on (batch, length) points:
 
     embedding: Megatron's LanguageModelEmbedding (word embeddings, plus learned absolute
@@ -125,7 +125,7 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
     by the TP size (give Megatron's padded size). points: default every batch size with 4
     lengths from `granularity` to `seq_length`. max_sequence_length: rows of the position table
     (default the longest point). Parameter gradients accumulate over the runs as they do over
-    the cells of an iteration. Other arguments as for measure_layer_times.
+    the cells of an iteration. Other arguments (timing too) as for measure_layer_times.
     """
     V = vocab_size if vocab_size is not None else model.vocab_size
     if V is None or int(V) <= 0:
@@ -137,7 +137,7 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
     points = [(int(b), int(l)) for b, l in points]
     if not points or any(b <= 0 or l <= 0 for b, l in points):
         raise ValueError(f"edge points must be positive (batch, length) pairs, got {points}")
-    check_repeats(repeats, statistic)
+    check_repeats(repeats, statistic, timing)
     max_seq = int(max_sequence_length or max(l for _, l in points))
     if max_seq < max(l for _, l in points):
         raise ValueError(f"max_sequence_length {max_seq} is shorter than the longest point")
@@ -145,7 +145,8 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
     if V % env.tp:
         raise ValueError(f"vocab_size {V} is not divisible by the tensor-parallel size {env.tp}: "
                          "give the padded vocabulary size")
-    parts = _EdgeParts(env, model, V, max_seq, position_embedding_type, seed)
+    parts = _EdgeParts(env, model, V, max_seq, position_embedding_type, seed,
+                       make_clock(timing, env.sync, env.on_gpu))
     parts.run(*max(points, key=lambda p: p[0] * p[1]))  # one-off costs, and the gradients exist
     # settle=1: on CPU the first run of a shape after a much larger one is up to 2x slower for
     # small shapes (seen at hidden 64: 190 vs 117 us), a transient a steady pipeline of
@@ -156,6 +157,6 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
     metadata = {"vocab_size": V, "position_embedding_type": position_embedding_type,
                 "max_sequence_length": max_seq, "hidden_size": model.hidden_size,
                 "output_includes": "final layer norm, output layer, cross entropy, masked sum",
-                **env.metadata(repeats, warmup, statistic)}
+                **env.metadata(repeats, warmup, statistic, timing)}
     return EdgeMeasurements(arr[:, 0], arr[:, 1], stat[:, 0], stat[:, 1], stat[:, 2], stat[:, 3],
                             metadata)

@@ -14,7 +14,6 @@ executor runs them. With a vocabulary size the pipeline's edges are measured too
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -29,6 +28,7 @@ from ...runtime.kv_cache import KVCache
 from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral
+from .clocks import WallClock, make_clock
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 from .edges import edge_points_for, measure_edge_times
 from ..hooks.spec import get_gpt_layer_spec
@@ -40,10 +40,11 @@ class _SliceLayer:
     """One GPT layer with slice-aware attention and deferrable weight gradients, run on a
     real token slice per call."""
 
-    def __init__(self, env: MeasureDevice, model: ModelDims):
+    def __init__(self, env: MeasureDevice, model: ModelDims, clock=None):
         from megatron.core.transformer.spec_utils import build_module
 
         self.env, self.hidden = env, model.hidden_size
+        self.clock = clock if clock is not None else WallClock(env.sync)
         config = env.config(model)
         spec = get_gpt_layer_spec("auto" if env.on_gpu else "local")
         self.layer = build_module(spec, config=config, layer_number=1)
@@ -63,7 +64,11 @@ class _SliceLayer:
     def run_cell(self, b: int, l: int, c: int, store: Optional[WeightGradStore] = None
                  ) -> tuple[float, float, float]:
         """Forward and backward seconds of the cell, and with a store its W action's."""
-        dev, dt, sync = self.env.device, self.env.dtype, self.env.sync
+        return self.clock.retried(lambda: self._timed_cell(b, l, c, store))
+
+    def _timed_cell(self, b: int, l: int, c: int, store: Optional[WeightGradStore]
+                    ) -> tuple[float, float, float]:
+        dev, dt, clock = self.env.device, self.env.dtype, self.clock
         cache = KVCache()
         n_slices = 2 if c else 1
         if c:
@@ -74,30 +79,29 @@ class _SliceLayer:
         cell = Cell(0, 0, n_slices - 1, 0, b, c, l, n_slices)
         x = torch.randn(l, b, self.hidden, device=dev, dtype=dt, requires_grad=True)
         grad = torch.randn(l, b, self.hidden, device=dev, dtype=dt)
-        sync()
-        start = time.perf_counter()
+        clock.begin()
         with running_cell(cell, cache, "forward", wgrad=store):
             out, _ = self.layer(x)
-        sync()
-        middle = time.perf_counter()
+        clock.mark()
         cached = [len(v) for v in cache.entries.get(cell.sequence_key, {}).values()]
         if cached != [n_slices]:  # the timed slice must have read (and joined) the K/V cache
             raise RuntimeError("TeraPipe slice attention did not run in the measured layer: "
                                f"K/V cache holds {cached} slices, expected [{n_slices}]")
         with running_cell(cell, cache, "backward", wgrad=store):
             out.backward(grad)
-        sync()
-        end = time.perf_counter()
+        clock.mark()
         if store is None:
             # Gradients stay: in an iteration every cell after the first adds into them, which
             # costs more than writing fresh ones.
-            return middle - start, end - middle, 0.0
+            forward, backward = clock.spans()
+            return forward, backward, 0.0
         if store.deferred != self.deferrable:  # every deferrable parameter must have deferred
             raise RuntimeError(f"gradient deferral did not run in the measured layer: "
                                f"{store.deferred} of {self.deferrable} parameters deferred")
         store.flush(cell.sequence_key)
-        sync()
-        return middle - start, end - middle, time.perf_counter() - end
+        clock.mark()
+        forward, backward, wgrad = clock.spans()
+        return forward, backward, wgrad
 
 
 def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, int, int]]] = None,
@@ -106,13 +110,15 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
                         repeats: int = 3, warmup: int = 1, progress: bool = True,
                         seed: int = 0, statistic: str = "min", vocab_size: Optional[int] = None,
                         position_embedding_type: str = "learned_absolute",
-                        edges: bool = True) -> LayerMeasurements:
+                        edges: bool = True, timing: str = "wall") -> LayerMeasurements:
     """Seconds of one layer's forward and backward on each (batch, length, context), and on
     context-free cells also the backward with deferred weight gradients and its W action (the
     weight-gradient GEMMs alone; NaN on cells with context, which W does not depend on).
 
     statistic: "min" (default) keeps the fastest of `repeats` runs, since interference from
-    other work only ever slows a run down; "median" keeps the median.
+    other work only ever slows a run down; "median" keeps the median. timing: "wall" (default)
+    the host's time with the device synchronised, what an eager cell costs; "device" the GPU's
+    time with the host's launches queued ahead, what a CUDA-graphed cell costs (clocks.py).
     cells: explicit (batch, length, context) list; otherwise `default_grid(seq_length,
     batch_sizes, granularity)`. dtype: "float32", "bfloat16" or "float16" (CPU: float32 or
     bfloat16). Tensor parallelism comes from Megatron's parallel state if the caller
@@ -127,12 +133,12 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
         if seq_length is None:
             raise ValueError("measure_layer_times needs `cells` or `seq_length`")
         cells = default_grid(seq_length, batch_sizes, granularity)
-    check_repeats(repeats, statistic)
+    check_repeats(repeats, statistic, timing)
     V = vocab_size if vocab_size is not None else model.vocab_size
     if edges and V is not None:
         check_position_type(position_embedding_type)
     env = MeasureDevice(dtype, device, seed)
-    layer = _SliceLayer(env, model)
+    layer = _SliceLayer(env, model, make_clock(timing, env.sync, env.on_gpu))
     cells = [(int(b), int(l), int(c)) for b, l, c in cells]
     if cells:  # first calls pay one-off costs (allocator, kernel selection): run the largest once
         layer.run(*max(cells, key=lambda cell: cell[0] * (cell[1] + cell[2])))
@@ -142,14 +148,15 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     measured_model = model if V is None else replace(model, vocab_size=int(V))
     metadata = {"model": measured_model.to_dict(), "model_name": model.name,
                 "wgrad_deferring_parameters": layer.deferrable,
-                **env.metadata(repeats, warmup, statistic)}
+                **env.metadata(repeats, warmup, statistic, timing)}
     edge_measurements = None
     if edges and V is not None and cells:
         edge_measurements = measure_edge_times(
             model, edge_points_for(cells), vocab_size=int(V),
             position_embedding_type=position_embedding_type,
             max_sequence_length=max(l + c for _, l, c in cells), dtype=dtype, device=device,
-            repeats=repeats, warmup=warmup, progress=progress, seed=seed, statistic=statistic)
+            repeats=repeats, warmup=warmup, progress=progress, seed=seed, statistic=statistic,
+            timing=timing)
     arr = np.array(cells, dtype=np.float64).reshape(-1, 3)
     return LayerMeasurements(arr[:, 0], arr[:, 1], arr[:, 2], np.array(fwd), np.array(bwd), metadata,
                              edge_measurements, deferred_backward=np.array(deferred_bwd),

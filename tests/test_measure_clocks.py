@@ -1,0 +1,113 @@
+"""The measurement clocks: wall time with the device synchronised, or the GPU's own time with
+the host's launches queued behind a sleep (measure/clocks.py). The device clock runs here on a
+stand-in CUDA module whose events say when the GPU passed them; on a GPU, gpu_session.sh's
+`measure` part runs it for real."""
+
+import pytest
+
+from megatron_terapipe.megatron.measure.clocks import (DeviceClock, HoldTooShort, WallClock,
+                                                       make_clock, timed)
+
+
+class _FakeCuda:
+    """The GPU's timeline as a list: `_sleep` adds a hold, each event its time; `host_slow`
+    says whether the host finished queueing after the hold ended (the start event then ran)."""
+
+    def __init__(self, host_slow_tries: int = 0):
+        self.host_slow_tries = host_slow_tries  # regions in a row the host queues too slowly
+        self.slept, self.syncs, self.clock_ms = [], 0, 0.0
+
+    def is_available(self):
+        return True
+
+    def synchronize(self):
+        self.syncs += 1
+
+    def _sleep(self, cycles):
+        self.slept.append(cycles)
+
+    def Event(self, enable_timing):  # noqa: N802 - torch.cuda's name
+        cuda = self
+
+        class _Event:
+            def __init__(self):
+                cuda.clock_ms += 1.5  # every region part takes 1.5 ms of GPU time
+                self.at = cuda.clock_ms
+
+            def record(self):
+                pass
+
+            def query(self):  # the start event: done already if the host was too slow
+                slow = cuda.host_slow_tries > 0
+                cuda.host_slow_tries -= 1
+                return slow
+
+            def elapsed_time(self, other):
+                return other.at - self.at
+
+        return _Event()
+
+
+def test_device_clock_times_gpu_spans_and_doubles_a_short_hold():
+    cuda = _FakeCuda(host_slow_tries=2)
+    clock = DeviceClock(cuda, hold_cycles=1000)
+    calls = []
+
+    def region():
+        calls.append(1)
+        clock.begin()
+        clock.mark()
+        clock.mark()
+        return clock.spans()
+
+    spans = clock.retried(region)
+    assert spans == [pytest.approx(1.5e-3), pytest.approx(1.5e-3)]
+    assert len(calls) == 3 and cuda.slept == [1000, 2000, 4000]  # two short holds, doubled
+
+
+def test_device_clock_gives_up_with_the_option_named():
+    clock = DeviceClock(_FakeCuda(host_slow_tries=99), hold_cycles=10, tries=3)
+    with pytest.raises(RuntimeError, match="--timing wall"):
+        clock.retried(lambda: timed(clock, lambda: None))
+
+
+def test_a_short_hold_raises_for_the_caller_to_rerun_the_whole_region():
+    clock = DeviceClock(_FakeCuda(host_slow_tries=1), hold_cycles=10)
+    with pytest.raises(HoldTooShort):
+        timed(clock, lambda: None)
+
+
+def test_device_timing_is_refused_off_a_gpu_before_any_measuring():
+    with pytest.raises(ValueError, match="--timing device measures GPU time.*--timing wall"):
+        make_clock("device", lambda: None, on_gpu=False)
+    with pytest.raises(ValueError, match="timing must be one of wall, device"):
+        make_clock("gpu", lambda: None, on_gpu=True)
+
+
+def test_layer_measurement_checks_timing_before_any_work():
+    from megatron_terapipe.megatron.measure.layers import measure_layer_times
+    from megatron_terapipe.planner.cost.dims import ModelDims
+
+    model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match="timing must be one of"):
+        measure_layer_times(model, [(1, 8, 0)], timing="cuda", edges=False, progress=False)
+
+
+def test_wall_clock_synchronises_at_every_mark():
+    syncs = []
+    clock = WallClock(lambda: syncs.append(1))
+    seconds, out = timed(clock, lambda: "done")
+    assert out == "done" and seconds >= 0 and len(syncs) == 2
+
+
+def test_the_command_refuses_device_timing_without_cuda(capsys):
+    import torch
+
+    from megatron_terapipe.megatron.measure.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --timing device runs here")
+    with pytest.raises(SystemExit):
+        main(["layers", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+              "128", "--timing", "device", "--out", "unused.json"])
+    assert "--timing device measures GPU time" in capsys.readouterr().err
