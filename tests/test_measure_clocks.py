@@ -111,3 +111,48 @@ def test_the_command_refuses_device_timing_without_cuda(capsys):
         main(["layers", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
               "128", "--timing", "device", "--out", "unused.json"])
     assert "--timing device measures GPU time" in capsys.readouterr().err
+
+
+class _OnceShortClock(WallClock):
+    """A wall clock whose first region of each retried call is reported too short, as a device
+    clock does when the host was slow: the region must run again from fresh inputs."""
+
+    def __init__(self, sync):
+        super().__init__(sync)
+        self.short_next, self.regions = True, 0
+
+    def spans(self):
+        if self.short_next:
+            self.short_next = False
+            raise HoldTooShort
+        return super().spans()
+
+    def retried(self, region):
+        self.short_next = True
+        for _ in range(2):
+            try:
+                self.regions += 1
+                return region()
+            except HoldTooShort:
+                continue
+        raise AssertionError("the region did not finish on its second try")
+
+
+def test_a_rerun_region_measures_a_layer_and_the_edges_again_from_scratch():
+    # the deferred cell's rerun gets a fresh weight-gradient store (it counts what it received:
+    # a reused one would fail the check that every deferrable parameter deferred)
+    import math
+
+    from megatron_terapipe.megatron.measure.device_setup import MeasureDevice
+    from megatron_terapipe.megatron.measure.edges import _EdgeParts
+    from megatron_terapipe.megatron.measure.layers import _SliceLayer
+    from megatron_terapipe.planner.cost.dims import ModelDims
+
+    env = MeasureDevice("float32", "cpu", 0)
+    model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4)
+    clock = _OnceShortClock(env.sync)
+    times = _SliceLayer(env, model, clock).run(1, 16, 0)
+    assert clock.regions == 4 and all(math.isfinite(t) and t > 0 for t in times)
+    clock = _OnceShortClock(env.sync)
+    edges = _EdgeParts(env, model, 128, 32, "learned_absolute", 0, clock).run(1, 16)
+    assert clock.regions == 2 and all(t > 0 for t in edges)

@@ -58,13 +58,14 @@ class _SliceLayer:
             return forward, backward, float("nan"), float("nan")
         # the same cell again, its weight gradients deferred as the executor does: the backward
         # without them, then the W action that computes them
-        _, deferred_backward, wgrad = self.run_cell(b, l, 0, WeightGradStore())
+        _, deferred_backward, wgrad = self.run_cell(b, l, 0, defer=True)
         return forward, backward, deferred_backward, wgrad
 
-    def run_cell(self, b: int, l: int, c: int, store: Optional[WeightGradStore] = None
-                 ) -> tuple[float, float, float]:
-        """Forward and backward seconds of the cell, and with a store its W action's."""
-        return self.clock.retried(lambda: self._timed_cell(b, l, c, store))
+    def run_cell(self, b: int, l: int, c: int, defer: bool = False) -> tuple[float, float, float]:
+        """Forward and backward seconds of the cell, and deferring its weight gradients its W
+        action's (each try of a device clock on a fresh store: it counts what it received)."""
+        return self.clock.retried(
+            lambda: self._timed_cell(b, l, c, WeightGradStore() if defer else None))
 
     def _timed_cell(self, b: int, l: int, c: int, store: Optional[WeightGradStore]
                     ) -> tuple[float, float, float]:
