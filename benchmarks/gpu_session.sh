@@ -31,7 +31,8 @@
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
 #       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
 #       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
-#       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts)
+#       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts;
+#       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -50,7 +51,8 @@ stage() {
 
 pipeline() {
   python3 benchmarks/bench_gpu_pipeline.py --cases "${PIPELINE_CASES:-full}" \
-    --repeats "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
+    --repeats "${PIPELINE_REPEATS:-5}" \
+    --granularity "${PIPELINE_GRANULARITY:-64}" --out "$OUT/gpu_pipeline" 2>&1 | tee "$OUT/pipeline.log"
 }
 
 graphs() {
@@ -81,13 +83,15 @@ m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split
 
 pipeline_graphs() {
   python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases "${PIPELINE_CASES:-full}" \
-    --repeats "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
+    --repeats "${PIPELINE_REPEATS:-5}" \
+    --granularity "${PIPELINE_GRANULARITY:-64}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
 }
 
 # The same on 32 layers in 8 stages (terapipe-plan's question at 1 microbatch), each stage an
 # eighth of the SMs
 pipeline_eight() {
   python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases eight --repeats "${PIPELINE_REPEATS:-5}" \
+    --granularity "${PIPELINE_GRANULARITY:-64}" \
     --out "$OUT/gpu_pipeline_eight" 2>&1 | tee "$OUT/pipeline_eight.log"
 }
 
