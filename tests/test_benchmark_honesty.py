@@ -189,6 +189,23 @@ def test_a_ratio_is_only_ever_to_the_megatron_row_with_the_same_graphs():
     assert "no Megatron row with graphs" in graphed["no_ratio"]
 
 
+def test_beside_it_each_row_has_a_ratio_to_the_fastest_megatron_row_of_each_round():
+    import bench_gpu_pipeline
+
+    # round 0: eager Megatron is the faster (3.0 < 3.5); round 1: the graphed one (2.5 < 4.0)
+    rows = [_pipeline_row("megatron_1f1b", "none", [3.0, 4.0]),
+            _pipeline_row("megatron_1f1b+graphs", "megatron", [3.5, 2.5]),
+            _pipeline_row("terapipe_dp+graphs", "terapipe", [1.5, 1.25])]
+    bench_gpu_pipeline.with_ratios(rows)
+    best = {r["config"]: r["speedup_vs_fastest_megatron"] for r in rows}
+    assert best["terapipe_dp+graphs"] == pytest.approx(2.0)  # 3.0 / 1.5 and 2.5 / 1.25
+    assert rows[2]["speedup_vs_megatron"] == pytest.approx((3.5 / 1.5 + 2.5 / 1.25) / 2)
+    assert best["megatron_1f1b"] == pytest.approx((1.0 + 2.5 / 4.0) / 2)
+    no_megatron = [_pipeline_row("terapipe_dp", "none", [1.0])]
+    bench_gpu_pipeline.with_ratios(no_megatron)
+    assert no_megatron[0]["speedup_vs_fastest_megatron"] is None
+
+
 def test_a_failing_megatron_capture_is_recorded_and_the_case_reruns_without_it(monkeypatch):
     import bench_gpu_pipeline
     from pipeline_runs import SpeedCase
