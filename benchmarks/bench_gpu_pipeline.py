@@ -211,7 +211,8 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
                      "measured_s": statistics.median(runs), "runs_s": runs,
                      "predicted_s": predict(cost, plan, model, case.num_microbatches,
                                             float(case.stages), case.stages),
-                     "peak_bytes": [r.get("peak:" + label, [None])[0] for r in per_rank]})
+                     "peak_bytes": [r.get("peak:" + label, [None])[0] for r in per_rank],
+                     "added_peak_bytes": [r.get("added:" + label, [None])[0] for r in per_rank]})
     with_ratios(rows)
     return rows
 
@@ -219,10 +220,11 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'case':<20} {'schedule':<24} {'graphs':<9} {'slices':>6} {'measured ms':>11} "
           f"{'predicted ms':>12} {'sim err':>7} {'vs 1F1B':>8} {'vs best':>8} "
-          f"{'peak GiB per stage':>20}")
+          f"{'GiB added per stage':>20}")
     for r in rows:
         n = "-" if r["slices"] is None else f"{len(r['slices'])}{'+W' if r['defer_wgrad'] else ''}"
-        peaks = " / ".join("-" if p is None else f"{p / 2**30:.1f}" for p in r["peak_bytes"])
+        peaks = " / ".join("-" if p is None else f"{p / 2**30:.1f}"
+                           for p in r.get("added_peak_bytes", r["peak_bytes"]))
         ratio = "-" if r["speedup_vs_megatron"] is None else f"{r['speedup_vs_megatron']:.2f}x"
         best = r.get("speedup_vs_fastest_megatron")
         best = "-" if best is None else f"{best:.2f}x"
@@ -234,7 +236,8 @@ def print_table(rows: list[dict]) -> None:
     print("(graphs: eager; layers: Megatron-Core's CudaGraphManager, a graph per transformer "
           "layer call; actions: a CUDA graph per TeraPipe compute action; stand-in: ReplayGraph "
           "on CPU. vs 1F1B: the median ratio to the Megatron row with the same graphs; '-': "
-          "there is none. vs best: to the fastest Megatron row of each round, graphed or not)")
+          "there is none. vs best: to the fastest Megatron row of each round, graphed or not. "
+          "GiB added: a stage's peak over what it held when the row's run started)")
 
 
 def chart(rows: list[dict], path: str) -> None:

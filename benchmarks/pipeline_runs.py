@@ -121,13 +121,17 @@ def _megatron_graphed_model(case: SpeedCase, world_size: int, eager, device: str
 
 
 def _warm_up(label: str, run, models: dict, case: SpeedCase, device: str, times: dict) -> None:
-    """Allocator, kernels, connections (with graphs: the capture too); then the peak memory."""
+    """Allocator, kernels, connections (with graphs: the capture too); then the peak memory:
+    absolute ("peak:"), and over what the process held when the run started ("added:"; the
+    earlier labels' models, pools and graphs stay allocated, so only this one compares)."""
     for _ in range(2 if label in case.graphed else 1):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
         run(label)
         if device == "cuda":
-            times["peak:" + label] = [float(torch.cuda.max_memory_allocated())]
+            peak = float(torch.cuda.max_memory_allocated())
+            times["peak:" + label], times["added:" + label] = [peak], [peak - held]
         _zero_grads(models[label], case)
 
 
@@ -177,7 +181,8 @@ STAGE_BACKEND = {"cpu": "gloo", "cuda": GLOO_AND_NCCL}
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
     """Every configuration of `case`, interleaved, `repeats` times: wall seconds per run, for
     TeraPipe runs this stage's busy seconds (its cells' spans, "busy:" + label), and on a GPU
-    each configuration's peak allocated bytes on this stage ("peak:" + label)."""
+    each configuration's peak allocated bytes on this stage ("peak:" + label) and the peak over
+    what the stage held when its run started ("added:" + label)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

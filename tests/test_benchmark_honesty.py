@@ -308,3 +308,30 @@ def test_bf16_benchmark_models_hold_every_parameter_in_bf16():
     out = spawn(1, "test_benchmark_honesty:bf16_parameter_dtypes", timeout=300)[0]
     assert out == {"terapipe": {"torch.bfloat16"}, "megatron": {"torch.bfloat16"},
                    "pipeline_stage": {"torch.bfloat16"}}
+
+
+def test_a_rows_added_peak_is_over_what_the_stage_held_when_its_run_started(monkeypatch):
+    # Earlier rows' models, pools and graphs stay allocated in the stage process: the absolute
+    # peak counts them, the added peak does not
+    import types
+
+    import pipeline_runs
+    import torch
+
+    allocated = {"now": 5.0, "peak": 0.0}
+
+    def run(label):
+        allocated["peak"] = max(allocated["peak"], allocated["now"] + 3.0)  # the run's own 3
+        allocated["now"] += 1.0  # and 1 it keeps (a pool)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocated["peak"])
+    model = types.SimpleNamespace(zero_grad=lambda set_to_none: None)
+    times = {}
+    case = types.SimpleNamespace(graphed=("b",))
+    pipeline_runs._warm_up("a", run, {"a": model}, case, "cuda", times)
+    assert times["peak:a"] == [8.0] and times["added:a"] == [3.0]
+    pipeline_runs._warm_up("b", run, {"b": model}, case, "cuda", times)  # graphed: warmed twice
+    assert times["peak:b"] == [10.0] and times["added:b"] == [3.0]
