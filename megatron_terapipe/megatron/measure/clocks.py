@@ -27,8 +27,6 @@ class HoldTooShort(Exception):
 class WallClock:
     """Host wall time between marks, the device synchronised at each (sync: a no-op on CPU)."""
 
-    name = "wall"
-
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync = sync
         self.marks: list[float] = []
@@ -50,18 +48,14 @@ class WallClock:
 
 
 class DeviceClock:
-    """GPU seconds between marks, the host's launches queued behind a sleep kernel."""
-
-    name = "device"
+    """GPU seconds between marks, the host's launches queued behind a sleep kernel (make_clock
+    checks that the measurement runs on a GPU)."""
 
     def __init__(self, cuda: Any = None, hold_cycles: int = 20_000_000, tries: int = 7) -> None:
         if cuda is None:
             import torch
 
             cuda = torch.cuda
-        if not cuda.is_available():
-            raise ValueError("--timing device measures GPU time and needs CUDA; on CPU use "
-                             "--timing wall (the default)")
         if not hasattr(cuda, "_sleep"):
             raise RuntimeError("--timing device needs torch.cuda._sleep, which this torch "
                                "lacks: use --timing wall")
@@ -100,16 +94,20 @@ class DeviceClock:
             "synchronise with the device?): use --timing wall")
 
 
+def check_timing(timing: str) -> None:
+    if timing not in TIMINGS:
+        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+
+
 def make_clock(timing: str, sync: Callable[[], None], on_gpu: bool, cuda: Optional[Any] = None):
     """The clock for `timing` ("wall" or "device") of a measurement on the GPU or not."""
+    check_timing(timing)
     if timing == "wall":
         return WallClock(sync)
-    if timing == "device":
-        if not on_gpu:
-            raise ValueError("--timing device measures GPU time, but this measurement runs on "
-                             "the CPU: use --timing wall (the default)")
-        return DeviceClock(cuda)
-    raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    if not on_gpu:
+        raise ValueError("--timing device measures GPU time, but this measurement runs on "
+                         "the CPU: use --timing wall (the default)")
+    return DeviceClock(cuda)
 
 
 def timed(clock, fn: Callable[[], Any]) -> tuple[float, Any]:

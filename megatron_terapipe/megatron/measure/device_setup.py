@@ -110,10 +110,9 @@ class MeasureDevice:
 
 def check_repeats(repeats: int, statistic: str, timing: str = "wall") -> None:
     """The common arguments of a measurement, checked before any work starts."""
-    from .clocks import TIMINGS
+    from .clocks import check_timing
 
-    if timing not in TIMINGS:
-        raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    check_timing(timing)
     if statistic not in ("min", "median"):
         raise ValueError(f"statistic must be 'min' or 'median', got {statistic!r}")
     if repeats <= 0:

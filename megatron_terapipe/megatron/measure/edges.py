@@ -13,7 +13,7 @@ import torch
 
 from ...planner.cost.dims import ModelDims
 from ...planner.profile.time_samples import EdgeMeasurements
-from .clocks import WallClock, make_clock, timed
+from .clocks import make_clock, timed
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 
 CACHE_FLUSH_BYTES = 8 << 20  # touched before each timed edge part on CPU (evicts L1/L2)
@@ -46,7 +46,7 @@ class _EdgeParts:
     times each part's forward and backward on random tokens."""
 
     def __init__(self, env: MeasureDevice, model: ModelDims, vocab_size: int, max_seq: int,
-                 position_embedding_type: str, seed: int, clock=None):
+                 position_embedding_type: str, seed: int, clock):
         from megatron.core import tensor_parallel
         from megatron.core.models.common.embeddings.language_model_embedding import (
             LanguageModelEmbedding)
@@ -55,7 +55,7 @@ class _EdgeParts:
 
         config = env.config(model)
         self.env, self.vocab_size, self.hidden = env, vocab_size, model.hidden_size
-        self.clock = clock if clock is not None else WallClock(env.sync)
+        self.clock = clock
         self.embedding = LanguageModelEmbedding(
             config=config, vocab_size=vocab_size, max_sequence_length=max_seq,
             position_embedding_type=position_embedding_type)

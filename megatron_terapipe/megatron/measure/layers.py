@@ -28,7 +28,7 @@ from ...runtime.kv_cache import KVCache
 from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral
-from .clocks import WallClock, make_clock
+from .clocks import make_clock
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 from .edges import edge_points_for, measure_edge_times
 from ..hooks.spec import get_gpt_layer_spec
@@ -40,11 +40,10 @@ class _SliceLayer:
     """One GPT layer with slice-aware attention and deferrable weight gradients, run on a
     real token slice per call."""
 
-    def __init__(self, env: MeasureDevice, model: ModelDims, clock=None):
+    def __init__(self, env: MeasureDevice, model: ModelDims, clock):
         from megatron.core.transformer.spec_utils import build_module
 
-        self.env, self.hidden = env, model.hidden_size
-        self.clock = clock if clock is not None else WallClock(env.sync)
+        self.env, self.hidden, self.clock = env, model.hidden_size, clock
         config = env.config(model)
         spec = get_gpt_layer_spec("auto" if env.on_gpu else "local")
         self.layer = build_module(spec, config=config, layer_number=1)
