@@ -11,7 +11,11 @@ chunks per stage (5 layers per stage: 1 or 5 are the only chunk counts), deferre
    beats Megatron 1F1B's time over it (the slice count's ceiling), however W is placed;
 2. for 1 slice, each group and warm-up (virtual_group, virtual_warmup): the predicted speed-up
    and the peak per GPU against the budget, then with W places (within the budget where the
-   plan fits it, else with no budget).
+   plan fits it, else with no budget);
+3. the same for 2 chunks in a V (virtual_placement "v", Zero Bubble's ZB-V placement: rank k
+   holds virtual stages k and 15 - k, the loss on rank 0; chunks of 2 + 3 or 3 + 2 layers),
+   1 or 2 slices, each `virtual_warmup` (units in flight on rank 0 beyond 1F1B's), and its
+   busiest stage's ceiling. A V is planned and simulated only: the runtime refuses it.
 Everything is simulated under the analytic cost model: no GPU is involved. The JSON starts
 with its provenance (benchmarks/provenance.py).
 """
@@ -41,6 +45,7 @@ from provenance import provenance, script_command  # noqa: E402
 CHUNKS = 5
 GROUPS = (8, 11, 12, 16, 32)  # the allowed groups of 32 microbatches of one cell
 WARMUPS = (None, 3, 1, 0)
+V_LEADS = (0, 1, 2, 4, 8)
 
 
 def inputs(microbatches: int, budget_bytes=None):
@@ -88,6 +93,32 @@ def one_slice_rows(run, free, base: float, microbatches: int) -> list[dict]:
     return rows
 
 
+def v_rows(run, free, base: float, microbatches: int) -> list[dict]:
+    """The V's rows (module docstring, 3.)."""
+    caches = shared_caches(run.cost_model, run.space.memory)
+    shape = (microbatches, 8, 1)
+    rows = []
+    for layers in ((2, 3), (3, 2)):
+        for slices in (1, 2):
+            for lead in V_LEADS:
+                plan = replace(plan_of(slices), virtual_stages=2, virtual_placement="v",
+                               chunk_layers=layers, virtual_warmup=lead)
+                schedule = build_schedule(plan, *shape)
+                found = estimate_lists(schedule, run.cost_model, run.space.memory, caches)
+                seconds = plan_time(plan, run.cost_model, *shape, cache=caches.costs)
+                fits = run.budget.fits(found.peak_memory_bytes)
+                _, placed = plan_wgrad(plan, run.cost_model, *shape,
+                                       run.budget if fits else free.budget, run.space.memory,
+                                       cache=caches.costs, default_time=seconds)
+                busy = max(simulate(schedule, run.cost_model).busy)
+                rows.append({"chunk_layers": list(layers), "slices": slices, "warmup": lead,
+                             "speedup": round(base / seconds, 4),
+                             "peak_gib": round(max(run.budget.totals(found.peak_memory_bytes)) / GiB, 2),
+                             "fits": fits, "speedup_w_placed": round(base / placed, 4),
+                             "ceiling_speedup": round(base / busy, 4)})
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=32)
@@ -102,7 +133,8 @@ def main(argv=None) -> int:
     result = {"microbatches": args.microbatches, "budget_gib": round(budget / GiB, 3),
               "megatron_1f1b_ms": round(base * 1e3, 3),
               "ceilings": ceilings(run, base, args.microbatches),
-              "one_slice": one_slice_rows(run, free, base, args.microbatches)}
+              "one_slice": one_slice_rows(run, free, base, args.microbatches),
+              "v_shape": v_rows(run, free, base, args.microbatches)}
     for c in result["ceilings"]:
         print(f"{c['slices']} slice(s): busiest stage {c['busiest_stage_ms']} ms, at best "
               f"{c['ceiling_speedup']}x over Megatron 1F1B ({result['megatron_1f1b_ms']} ms)")
@@ -110,6 +142,11 @@ def main(argv=None) -> int:
         print(f"1 slice, groups of {r['group']}, warm-up {r['warmup']}: {r['speedup']}x, peak "
               f"{r['peak_gib']} GiB ({'fits' if r['fits'] else 'over'} {result['budget_gib']}),"
               f" W placed {r['speedup_w_placed']}x{'' if r['fits'] else ' (no budget)'}")
+    for r in result["v_shape"]:
+        print(f"V of {'+'.join(map(str, r['chunk_layers']))} layers, {r['slices']} slice(s), "
+              f"warm-up {r['warmup']}: {r['speedup']}x, peak {r['peak_gib']} GiB "
+              f"({'fits' if r['fits'] else 'over'}), W placed {r['speedup_w_placed']}x"
+              f"{'' if r['fits'] else ' (no budget)'}; ceiling {r['ceiling_speedup']}x")
     with open(args.out, "w") as f:
         json.dump({"provenance": origin, **result}, f, indent=1)
     print(f"results: {args.out}")

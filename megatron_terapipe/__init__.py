@@ -6,7 +6,8 @@
     mt.install()                                        # get_forward_backward_func -> TeraPipe
 """
 
-from .plan import PlanTable, TeraPipePlan
+from .plan import TeraPipePlan
+from .plan_table import PlanTable
 from .schedule import Action
 from .schedule import Cell
 from .schedule import Schedule

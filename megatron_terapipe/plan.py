@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 from .plan_fields import as_int_tuple as _as_int_tuple, checked_layout
 
@@ -62,6 +62,12 @@ class TeraPipePlan:
         1F1B on stage k (None: all; fewer keep fewer activations alive, orders.py).
     wgrad_after: per stage, for each of its W actions in their default order, how many of
         its F and B actions run before it (empty: the defaults; `planner.plan_wgrad` fills it).
+    virtual_placement: where the chunks sit: "ring" (rank k holds virtual stages k, K + k,
+        ...: Megatron's) or "v" (2 chunks, rank k holding k and 2K - 1 - k: down the ranks and
+        back, the loss on rank 0, as Zero Bubble's ZB-V; planned and simulated only: the
+        runtime refuses it, schedule/actions.py). chunk_layers: layers of each chunk when they
+        differ (e.g. (2, 3) for a stage of 5 layers on 2 chunks; empty: equal chunks;
+        planned and simulated only).
     """
 
     seq_slices: TokenSlices
@@ -74,6 +80,8 @@ class TeraPipePlan:
     virtual_group: Optional[int] = None
     virtual_warmup: Optional[int] = None
     wgrad_after: Sequence[Sequence[int]] = ()
+    virtual_placement: str = "ring"
+    chunk_layers: Sequence[int] = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
@@ -129,9 +137,8 @@ class TeraPipePlan:
         object.__setattr__(self, "batch_slices", batch)
         object.__setattr__(self, "token_slices", token_slices)
         object.__setattr__(self, "wgrad_points", self._checked_wgrad_points(token_slices))
-        layout = checked_layout(self)
-        object.__setattr__(self, "virtual_stages", layout[0])
-        object.__setattr__(self, "wgrad_after", layout[1])
+        for name, value in zip(("virtual_stages", "wgrad_after", "chunk_layers"), checked_layout(self)):
+            object.__setattr__(self, name, value)
         if per_batch is None:
             object.__setattr__(self, "seq_slices", flat)
         else:
@@ -158,8 +165,34 @@ class TeraPipePlan:
                     "a W action)")
         return points
 
+    @property
+    def chunk_shares(self) -> Optional[tuple[float, ...]]:
+        """Each model chunk's part of a stage's layers (None: equal chunks)."""
+        return tuple(n / sum(self.chunk_layers) for n in self.chunk_layers) or None
+
+    @property
+    def planned_only(self) -> str:
+        """What of the plan the runtime does not run ('' where it runs all of it)."""
+        if self.virtual_placement != "ring":
+            return f"virtual_placement {self.virtual_placement!r}"
+        return f"chunk_layers {list(self.chunk_layers)}" if self.chunk_layers else ""
+
+    def check_runnable(self) -> None:
+        """ValueError where the runtime does not run the plan (`planned_only`)."""
+        if self.planned_only:
+            raise ValueError(
+                f"the TeraPipe plan's {self.planned_only} is planned and simulated only: the "
+                "runtime runs model chunks in Megatron's ring, equal in size; use "
+                "virtual_placement='ring' without chunk_layers")
+
     def check_layers(self, layers_per_stage: int, where: str = "virtual_stages") -> None:
         """ValueError unless the plan's model chunks divide a stage's layers."""
+        if self.chunk_layers:
+            if sum(self.chunk_layers) != layers_per_stage:
+                raise ValueError(f"chunk_layers {list(self.chunk_layers)} hold "
+                                 f"{sum(self.chunk_layers)} layers, a pipeline stage "
+                                 f"{layers_per_stage}: give layers that sum to a stage's")
+            return
         if layers_per_stage % self.virtual_stages:
             raise ValueError(f"{where} {self.virtual_stages} does not divide the {layers_per_stage} "
                              "layers of a pipeline stage: use a divisor of them")
@@ -234,7 +267,9 @@ class TeraPipePlan:
                 ("virtual_stages", self.virtual_stages, 1),
                 ("virtual_group", self.virtual_group, None),
                 ("virtual_warmup", self.virtual_warmup, None),
-                ("wgrad_after", [list(p) for p in self.wgrad_after], [])) if v != default},
+                ("wgrad_after", [list(p) for p in self.wgrad_after], []),
+                ("virtual_placement", self.virtual_placement, "ring"),
+                ("chunk_layers", list(self.chunk_layers), [])) if v != default},
         }
 
     @classmethod
@@ -246,7 +281,9 @@ class TeraPipePlan:
                    virtual_stages=data.get("virtual_stages", 1),
                    virtual_group=data.get("virtual_group"),
                    virtual_warmup=data.get("virtual_warmup"),
-                   wgrad_after=data.get("wgrad_after") or ())
+                   wgrad_after=data.get("wgrad_after") or (),
+                   virtual_placement=data.get("virtual_placement", "ring"),
+                   chunk_layers=data.get("chunk_layers") or ())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -260,6 +297,8 @@ class TeraPipePlan:
             wgrad += f" ({self.early_w_text()})"
         wgrad += " (W placed)" if self.wgrad_after else ""
         chunks = f"; {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else ""
+        chunks += " in a V" if self.virtual_placement == "v" else ""
+        chunks += f" of {'+'.join(map(str, self.chunk_layers))} layers" if self.chunk_layers else ""
         return f"order={self.order}{chunks}; wgrad={wgrad}; " + "; ".join(parts)
 
 
@@ -355,36 +394,3 @@ class SliceGrid:
                     f"{n.tp_slices} {bad} are not multiples of {n.tp_multiple.format(tp=tp)}, "
                     "which sequence parallelism requires (slices must be multiples of the "
                     f"tensor-parallel size {tp}): use slice lengths that are multiples of {tp}")
-
-
-class PlanTable:
-    """Plans by sequence length, for runs whose sequence length changes between iterations.
-
-    Looks a length up in `plans`; otherwise asks `planner(seq_length, micro_batch_size)` once
-    and caches the answer. Pass it to `configure(config, PlanTable(...))`.
-    """
-
-    def __init__(self, plans: Optional[Mapping[int, TeraPipePlan]] = None,
-                 planner: Optional[Callable[[int, int], TeraPipePlan]] = None) -> None:
-        self.plans: dict[tuple[int, Optional[int]], TeraPipePlan] = {
-            (int(k), None): v for k, v in (plans or {}).items()}
-        for length, plan in self.plans.items():
-            if plan.seq_length != length[0]:
-                raise ValueError(
-                    f"PlanTable: the plan for length {length[0]} has slices summing to "
-                    f"{plan.seq_length}")
-        self.planner = planner
-
-    def plan_for(self, seq_length: int, micro_batch_size: int) -> TeraPipePlan:
-        for key in ((seq_length, micro_batch_size), (seq_length, None)):
-            if key in self.plans:
-                return self.plans[key]
-        if self.planner is None:
-            known = sorted({k[0] for k in self.plans})
-            raise ValueError(
-                f"TeraPipe has no plan for sequence length {seq_length} (plans exist for "
-                f"lengths {known}): add a plan for {seq_length} or give PlanTable a planner")
-        plan = self.planner(seq_length, micro_batch_size)
-        plan.validate(seq_length, plan.batch_slices and sum(plan.batch_slices) or micro_batch_size)
-        self.plans[(seq_length, micro_batch_size)] = plan
-        return plan

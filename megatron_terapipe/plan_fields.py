@@ -20,8 +20,9 @@ def as_int_tuple(values, what: str) -> tuple[int, ...]:
     return out
 
 
-def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...]]:
-    """virtual_stages (virtual_group and virtual_warmup with it) and wgrad_after, checked."""
+def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """virtual_stages (virtual_group and virtual_warmup with it), wgrad_after and the chunks'
+    placement and layers, checked."""
     v, g, raw = plan.virtual_stages, plan.virtual_group, plan.wgrad_after or ()
     if not _whole(v) or (g is not None and not (_whole(g) and v > 1)):
         raise ValueError(f"TeraPipePlan.virtual_stages must be at least 1 model chunk per rank "
@@ -41,5 +42,23 @@ def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...]]:
         if any(a < 0 for a in p) or any(b < a for a, b in zip(p, p[1:])):
             raise ValueError(f"TeraPipePlan.wgrad_after for stage {k} must be non-negative "
                              f"and non-decreasing (W actions keep their order), got {list(p)}")
-    return v, places
+    return v, places, checked_placement(plan)
 
+
+
+PLACEMENTS = ("ring", "v")
+
+
+def checked_placement(plan) -> tuple[int, ...]:
+    """virtual_placement and chunk_layers checked; returns chunk_layers as a tuple."""
+    if plan.virtual_placement not in PLACEMENTS:
+        raise ValueError(f"TeraPipePlan.virtual_placement must be one of {PLACEMENTS}, got "
+                         f"{plan.virtual_placement!r}")
+    if plan.virtual_placement == "v" and plan.virtual_stages != 2:
+        raise ValueError("TeraPipePlan.virtual_placement 'v' holds 2 model chunks per rank "
+                         f"(down the ranks and back), got virtual_stages={plan.virtual_stages}")
+    layers = as_int_tuple(plan.chunk_layers or (), "TeraPipePlan.chunk_layers")
+    if layers and (len(layers) != plan.virtual_stages or min(layers) < 1):
+        raise ValueError(f"TeraPipePlan.chunk_layers must give {plan.virtual_stages} positive "
+                         f"layer counts, one per model chunk (virtual_stages), got {list(layers)}")
+    return layers

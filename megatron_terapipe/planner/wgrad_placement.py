@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 from ..plan import TeraPipePlan
 from ..schedule import Action, Schedule, TimedAction, build_schedule
 from ..schedule.actions import peer_cell
+from ..schedule.placement import message_peer
 from ..schedule.lower import message_ends
 from ..schedule.wgrad_places import default_places
 from .cost.cost_model import CostModel
@@ -94,7 +95,7 @@ def _stage_lists(schedule: Schedule, k: int, costs: CellCosts, keys: dict,
             outputs.append(None)
             continue
         peer = peer_cell(a.cell, a.kind, k, K)
-        out = key((k + 1 if a.kind == "F" else k - 1) % K, a.kind, peer, peer is a.cell)
+        out = key(message_peer(a.cell, a.kind, k, K), a.kind, peer, peer is a.cell)
         outputs.append(out)
         producer[out] = (k, a)
     seconds = [costs.compute(k, a) for a in ops]

@@ -74,6 +74,7 @@ class StageExecutor:
                  data: Union[CellData, Sequence[CellData]], transport: Transport,
                  options: StageOptions, device: torch.device, pool: Optional[BufferPool] = None,
                  graphs: Optional[CellGraphs] = None) -> None:
+        getattr(schedule, "schedule", schedule).plan.check_runnable()  # before any work
         lowered = _lowered_for(schedule, transport)
         schedule = lowered.schedule
         self.models, self.chunk_data = _per_chunk(schedule, model, data)

@@ -115,21 +115,36 @@ class Cell:
 
 @dataclass(frozen=True)
 class VirtualCell(Cell):
-    """A TeraPipe cell on one model chunk of a rank (plans with virtual_stages V > 1). Rank k
-    holds chunks 0..V-1, chunk c being virtual stage c * K + k of the K * V the model is cut
-    into; a cell goes forward through the virtual stages in order, so the last rank hands it
-    to the first rank's next chunk. Each chunk has its own layers, so its own K/V cache and
-    its own weight gradients: the sequence key names the chunk."""
+    """A TeraPipe cell on one model chunk of a rank (plans with virtual_stages V > 1). Each
+    chunk has its own layers, so its own K/V cache and its own weight gradients: the sequence
+    key names the chunk. Where the chunks sit (`v_shape`, the plan's virtual_placement):
+
+    - ring (default): rank k holds chunks 0..V-1, chunk c being virtual stage c * K + k of the
+      K * V the model is cut into; the last rank hands a cell to the first rank's next chunk.
+    - V (v_shape, V = 2): rank k holds virtual stages k (chunk 0) and 2K - 1 - k (chunk 1): a
+      cell goes down the ranks on chunk 0, turns on the last rank (a hand-over within the
+      rank, no message) and comes back up on chunk 1; rank 0 runs the embedding and the loss.
+
+    chunk_shares: each chunk's part of the stage's layers (None: 1 / V each, equal chunks)."""
 
     chunk: int = 0
     num_chunks: int = 1
+    v_shape: bool = False
+    chunk_shares: Optional[tuple[float, ...]] = None
 
     @property
     def sequence_key(self) -> tuple[int, int, int]:
         """The sequence's rows on this chunk: its K/V cache and its W action are per chunk."""
         return (self.microbatch, self.batch_slice, self.chunk)
 
+    @property
+    def share(self) -> float:
+        """The chunk's part of its stage's layers."""
+        return 1.0 / self.num_chunks if self.chunk_shares is None else self.chunk_shares[self.chunk]
+
     def virtual_stage(self, rank: int, num_stages: int) -> int:
+        if self.v_shape:
+            return rank if self.chunk == 0 else 2 * num_stages - 1 - rank
         return self.chunk * num_stages + rank
 
     def __str__(self) -> str:
@@ -144,16 +159,20 @@ def first_virtual_stage(cell: Cell, stage: int) -> bool:
 
 def last_virtual_stage(cell: Cell, stage: int, num_stages: int) -> bool:
     """Whether `stage` runs the model's last layers for `cell` (no output message; the
-    output layer and loss): the last stage, and on virtual stages only its last chunk."""
+    output layer and loss): the last stage, and on virtual stages only its last chunk; in a
+    V, stage 0's chunk 1."""
+    if getattr(cell, "v_shape", False):
+        return stage == 0 and cell.chunk == 1
     return stage == num_stages - 1 and getattr(cell, "chunk", 0) == getattr(cell, "num_chunks", 1) - 1
 
 
 def peer_cell(cell: Cell, direction: str, stage: int, num_stages: int) -> Cell:
-    """The cell under which the neighbour receives `cell`'s message in `direction` (F: to the
+    """The cell under which the receiver takes `cell`'s message in `direction` (F: to the
     next virtual stage, B: to the previous): `cell` itself, except across the ring of
     virtual stages, where the last rank's chunk c feeds the first rank's chunk c + 1 and the
-    first rank's chunk c sends its gradient to the last rank's chunk c - 1."""
-    if type(cell) is not VirtualCell:
+    first rank's chunk c sends its gradient to the last rank's chunk c - 1. (A V's messages
+    keep their chunk: its turn is no message, placement.py.)"""
+    if type(cell) is not VirtualCell or cell.v_shape:
         return cell
     if direction == "F" and stage == num_stages - 1:
         return replace(cell, chunk=cell.chunk + 1)
@@ -340,7 +359,8 @@ def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int,
                 cells.append(Cell(microbatch, b, t, row, rows, start, length, len(token_slices)))
             else:
                 cells.append(VirtualCell(microbatch, b, t, row, rows, start, length,
-                                         len(token_slices), chunk, plan.virtual_stages))
+                                         len(token_slices), chunk, plan.virtual_stages,
+                                         plan.virtual_placement == "v", plan.chunk_shares))
             start += length
         row += rows
     return cells

@@ -7,7 +7,8 @@ from itertools import compress
 
 from ..plan import TeraPipePlan
 from .actions import Action, ActionKind, Schedule, microbatch_cells
-from .orders import CHUNKED_ORDERS, ORDERS
+from .orders import CHUNKED_ORDERS, ORDERS, gpipe_chunked
+from .v_order import v_shape_1f1b
 from .wgrad_places import place_weight_grads
 
 
@@ -37,14 +38,20 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
         if V == 1:
             ordered = ORDERS[plan.order](forwards[0], backwards[0], k, num_stages)
         else:
-            ordered = CHUNKED_ORDERS[plan.order](forwards, backwards, k, num_stages, group,
-                                                 plan.virtual_warmup)
+            orders = V_ORDERS if plan.virtual_placement == "v" else CHUNKED_ORDERS
+            ordered = orders[plan.order](forwards, backwards, k, num_stages, group,
+                                         plan.virtual_warmup)
         actions = _with_weight_grads(ordered, plan, k, weight_grads, last_w)
         if plan.wgrad_after:
             actions = place_weight_grads(actions, plan.wgrad_after[k] if k < len(plan.wgrad_after)
                                          else None, k)
         stages.append(tuple(actions))
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
+
+
+#: The orders on a V's two chunks (TeraPipePlan.virtual_placement "v"): gpipe's chunk by chunk
+#: runs as it does round a ring.
+V_ORDERS = {"1f1b": v_shape_1f1b, "gpipe": gpipe_chunked}
 
 
 def virtual_group(plan: TeraPipePlan, num_microbatches: int, num_stages: int) -> int:

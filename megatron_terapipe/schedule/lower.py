@@ -18,7 +18,9 @@ forward receives unless it runs the model's first layers (rank 0, chunk 0) and s
 it runs the last ones (the last rank, last chunk); backwards the other way. Messages go round
 a ring: rank k sends forward to rank (k + 1) % K and backward to (k - 1) % K. Each side names
 its own cell: the last rank's SEND_F(m0b0t0c0) arrives as the first rank's RECV_F(m0b0t0c1)
-(`actions.peer_cell`).
+(`actions.peer_cell`). In a V (`VirtualCell.v_shape`) chunk 1 sends forward to the previous
+rank (`placement.message_peer`), and the last rank's turn from chunk 0 to chunk 1 is no message:
+its list runs the two in order.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 
 from .actions import (Action, Cell, Schedule, first_virtual_stage, last_virtual_stage, opposite,
                       post, recv, send, send_recv)
+from .placement import hands_over_locally, takes_over_locally
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,11 @@ def message_ends(schedule: Schedule, stage: int) -> tuple[Callable[[Action], boo
     def last(a: Action) -> bool:
         return last_virtual_stage(a.cell, stage, K)
 
-    return ((lambda a: not (first(a) if a.kind == "F" else last(a))),
-            (lambda a: not (last(a) if a.kind == "F" else first(a))))
+    # a V's turn hands a cell from chunk 0 to chunk 1 (and its gradient back) within the rank
+    return ((lambda a: not ((first(a) if a.kind == "F" else last(a))
+                            or takes_over_locally(a.cell, a.kind, stage, K))),
+            (lambda a: not ((last(a) if a.kind == "F" else first(a))
+                            or hands_over_locally(a.cell, a.kind, stage, K))))
 
 
 def _next_cells(actions: tuple[Action, ...],

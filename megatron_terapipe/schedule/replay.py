@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from .actions import (COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError,
                       TimedAction, VirtualCell, format_action, opposite, peer_cell, recv)
+from .placement import message_peer
 from .lower import Lowering, lower
 
 Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list
@@ -59,9 +60,9 @@ class _Replay:
             if operation == "RECV":
                 steps.append((_RECV, arrival[k][direction], cid, a, None))
             elif operation != "POST":  # a send, with the compute action it asks a transfer time for
-                # the next (F) or previous (B) stage; modulo: an interleaved schedule's last
-                # rank sends to the first rank's next model chunk (interleaved.py)
-                to = (k + 1 if direction == "F" else k - 1) % self.num_stages
+                # the next (F) or previous (B) virtual stage's rank (round the ring of an
+                # interleaved schedule's chunks; back up the ranks on a V's chunk 1)
+                to = message_peer(a.cell, direction, k, self.num_stages)
                 sent = (computed if computed is not None and computed.cell is a.cell
                         and computed.kind == direction else Action(direction, a.cell))
                 if type(a.cell) is VirtualCell:  # the receiver names its own cell (lower.py)

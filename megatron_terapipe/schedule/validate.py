@@ -8,13 +8,18 @@ Dependencies (what the executor relies on, and what the timing engines model):
 - Token slices of one (microbatch, batch slice) go forward in order and backward in reverse,
   because slice t reads the K/V of slices < t, and their K/V gradients arrive from later slices.
 Virtual stages (VirtualCell): the same per virtual stage. F(c) of virtual stage s needs F(c)
-of s - 1 (on rank (s - 1) % K, the previous chunk across the ring), B(c) needs B(c) of s + 1;
-slice order, the K/V and the W actions are per (sequence, chunk): its sequence key.
+of s - 1 (on rank (s - 1) % K, the previous chunk across the ring; in a V, chunk 1 of rank k
+follows chunk 1 of rank k + 1, and the last rank's chunk 1 its own chunk 0, run before it in
+its list), B(c) needs B(c) of s + 1; slice order, the K/V and the W actions are per
+(sequence, chunk): its sequence key.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .actions import Action, Cell, Schedule, ScheduleError, opposite, peer_cell
+from .placement import message_peer, message_source, takes_over_locally
 from .grid import format_grid
 from .lower import Lowering, lower
 from .replay import Lowered, replay_timeline
@@ -30,7 +35,7 @@ def validate(schedule: Schedule, lowering: Lowering = Lowering()) -> Lowered:
     for k, actions in enumerate(schedule.stages):
         _check_stage(schedule, k, actions, expected)
     lowered = lower(schedule, lowering)
-    _check_messages(lowered, ring=schedule.plan.virtual_stages > 1)
+    _check_messages(lowered)
     try:
         replay_timeline(lowered, lambda k, a: 1.0)
     except ScheduleError as exc:
@@ -71,6 +76,11 @@ def _check_action(schedule: Schedule, k: int, a: Action, state: _StageState) -> 
         raise ScheduleError(f"stage {k} runs {a} twice")
     if a.kind == "F" and c.token_slice != last["F"].get(c.sequence_key, -1) + 1:
         raise ScheduleError(f"stage {k} runs {a} before the token slices before it")
+    if takes_over_locally(c, a.kind, k, schedule.num_stages):
+        given = replace(c, chunk=1 - c.chunk)  # the turn's other chunk
+        if given not in seen[a.kind]:
+            raise ScheduleError(f"stage {k} runs {a} before {a.kind}({given}), whose "
+                                f"{'output' if a.kind == 'F' else 'input gradient'} it takes")
     if a.kind == "B":
         if c not in seen["F"]:
             raise ScheduleError(f"stage {k} runs {a} before its forward")
@@ -111,39 +121,40 @@ def _check_w(schedule: Schedule, k: int, a: Action, backwards_seen: set[Cell],
         early_w.add(a.cell)
 
 
-def _check_messages(lowered: tuple[tuple[Action, ...], ...], ring: bool = False) -> None:
-    """Each direction between two neighbours carries its messages in one order on both sides
+def _check_messages(lowered: tuple[tuple[Action, ...], ...]) -> None:
+    """Each direction between two ranks carries its messages in one order on both sides
     (transports match them in order), and a posted receive is used before the next is posted.
-    ring: virtual stages, where the last rank and the first are neighbours too, and a message
-    is named by each side's own cell (`peer_cell`)."""
+    Where a message goes and comes from is the virtual stages' (`message_peer`: neighbours,
+    round the ring of chunks, or down and back up a V), and each side names it by its own
+    cell (`peer_cell`)."""
     K = len(lowered)
-    sent = [{"F": [], "B": []} for _ in lowered]
-    received = [{"F": [], "B": []} for _ in lowered]
+    sent: dict[tuple[int, int, str], list[Cell]] = {}  # (from, to, direction) -> cells
+    received: dict[tuple[int, int, str], list[Cell]] = {}
     for k, actions in enumerate(lowered):
         posted = {"F": None, "B": None}
         for step, a in enumerate(actions):
             if a.is_compute:
                 continue
             if a.operation in ("SEND", "SEND_RECV"):
-                sent[k][a.direction].append(peer_cell(a.cell, a.direction, k, K))
-            if a.operation == "SEND_RECV":
-                received[k][opposite(a.direction)].append(a.recv_cell)
-            elif a.operation == "RECV":
-                received[k][a.direction].append(a.cell)
-            elif a.operation == "POST":
+                to = message_peer(a.cell, a.direction, k, K)
+                sent.setdefault((k, to, a.direction), []).append(
+                    peer_cell(a.cell, a.direction, k, K))
+            if a.operation in ("RECV", "SEND_RECV"):
+                used, cell = ((a.direction, a.cell) if a.operation == "RECV"
+                              else (opposite(a.direction), a.recv_cell))
+                source = message_source(cell, used, k, K)
+                received.setdefault((source, k, used), []).append(cell)
+            if a.operation == "POST":
                 if posted[a.direction] is not None:
                     raise ScheduleError(f"stage {k} posts {a} before using {posted[a.direction]}",
                                         format_grid(lowered, (k, step)))
                 posted[a.direction] = a.cell
             if a.operation in ("RECV", "SEND_RECV"):
-                used, cell = ((a.direction, a.cell) if a.operation == "RECV"
-                              else (opposite(a.direction), a.recv_cell))
                 if posted[used] not in (None, cell):
                     raise ScheduleError(f"stage {k} runs {a} while the receive of "
                                         f"{posted[used]} is posted", format_grid(lowered, (k, step)))
                 posted[used] = None
-    for k in range(K if ring and K > 1 else K - 1):
-        n = (k + 1) % K
-        if sent[k]["F"] != received[n]["F"] or sent[n]["B"] != received[k]["B"]:
-            raise ScheduleError(f"stages {k} and {n} send and receive in different orders",
-                                format_grid(lowered))
+    for key in sorted(set(sent) | set(received)):
+        if sent.get(key, []) != received.get(key, []):
+            raise ScheduleError(f"stages {key[0]} and {key[1]} send and receive in different "
+                                f"orders ({key[2]} messages)", format_grid(lowered))

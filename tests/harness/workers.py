@@ -71,7 +71,7 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
 
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
-    from megatron_terapipe.plan import PlanTable
+    from megatron_terapipe.plan_table import PlanTable
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

@@ -108,11 +108,13 @@ def _actions(schedule: Schedule) -> _Actions:
                     np.array([c.tokens for c in cells], np.int64))
 
 
-def _chunk_kind(cell) -> Optional[tuple[bool, bool, int]]:
-    """On virtual stages, (first chunk, last chunk, chunks): what of a cell's chunk its costs
-    and bytes depend on (first and last virtual stages run the edges); else None."""
+def _chunk_kind(cell) -> Optional[tuple]:
+    """On virtual stages, (chunk, chunks, V-shaped, layer share): what of a cell's chunk its
+    costs and bytes depend on with the stage (first and last virtual stages run the edges, a
+    chunk its share of the layers); else None."""
     chunks = getattr(cell, "num_chunks", None)
-    return None if chunks is None else (cell.chunk == 0, cell.chunk == chunks - 1, chunks)
+    return None if chunks is None else (cell.chunk, chunks, getattr(cell, "v_shape", False),
+                                        getattr(cell, "chunk_shares", None))
 
 
 _BYTES = ("cell", "kv", "kv_grad", "hold", "rise")

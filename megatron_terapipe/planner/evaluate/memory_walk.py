@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...schedule import Cell, ChunkCell, Schedule, TimedAction, VirtualCell
+from ...schedule.actions import first_virtual_stage, last_virtual_stage
 from ..cost.stage_memory import StageMemory
 
 
@@ -81,9 +82,10 @@ class MemoryWalk:
         """(first, last, layers) of the cell on this stage (a model chunk has its share)."""
         K = self.schedule.num_stages
         if isinstance(cell, (ChunkCell, VirtualCell)):
-            layers = getattr(self.memory, "layers_per_stage", 1) / cell.num_chunks
-            return (self.stage == 0 and cell.chunk == 0,
-                    self.stage == K - 1 and cell.chunk == cell.num_chunks - 1, layers)
+            share = cell.share if isinstance(cell, VirtualCell) else 1.0 / cell.num_chunks
+            layers = getattr(self.memory, "layers_per_stage", 1) * share
+            return (first_virtual_stage(cell, self.stage),
+                    last_virtual_stage(cell, self.stage, K), layers)
         return self.stage == 0, self.stage == K - 1, None
 
     def cell_value(self, what: str, cell: Cell) -> float:

@@ -130,7 +130,7 @@ class CellCosts:
         m = self.cost_model
         # a virtual stage's chunk runs 1/V of the stage's layers (`share`); the edges run
         # where the model's first and last layers do
-        share = 1.0 / c.num_chunks if type(c) is VirtualCell else 1.0
+        share = c.share if type(c) is VirtualCell else 1.0
         first = first_virtual_stage(c, stage)
         last = last_virtual_stage(c, stage, self.num_stages)
         if action.kind == "W":
@@ -170,7 +170,7 @@ class CellCosts:
         """Seconds of a W action of `cell`'s sequence on `stage` over `tokens` deferred tokens."""
         if not tokens:
             return 0.0
-        share = 1.0 / cell.num_chunks if type(cell) is VirtualCell else 1.0
+        share = cell.share if type(cell) is VirtualCell else 1.0
         return self.wgrad_share(cell.rows, tokens, first_virtual_stage(cell, stage),
                                 last_virtual_stage(cell, stage, self.num_stages), share)
 

@@ -1,0 +1,121 @@
+"""Model chunks in a V (TeraPipePlan.virtual_placement "v"; schedule/placement.py, v_order.py):
+rank k holds virtual stages k and 2K - 1 - k. Its schedules validate (deadlock-free, every
+message paired) on every small shape; messages go down the ranks on chunk 0 and back up on
+chunk 1, with no message at the turn; it runs the same work as the ring with both edges on
+rank 0; its order keeps at most K + cells - 1 + lead units in flight on rank 0; W placement is timed to
+the bit on it; the runtime refuses it before any work (planned and simulated only)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_terapipe import TeraPipePlan, build_schedule, validate
+from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
+from megatron_terapipe.planner.evaluate.simulator import plan_time
+from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
+from megatron_terapipe.runtime.executor import StageExecutor
+from megatron_terapipe.schedule.lower import lower
+
+BIG = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("h100"), layers_per_stage=5,
+                        tensor_parallel=8, inter_node=True)
+
+
+def v_plan(slices=(4,), order="1f1b", layers=(), lead=None, batch=None, defer=True):
+    return TeraPipePlan(list(slices), batch_slices=batch, order=order, defer_wgrad=defer,
+                        virtual_stages=2, virtual_placement="v", chunk_layers=layers,
+                        virtual_warmup=lead)
+
+
+plans = st.builds(
+    lambda slices, batch, order, layers, lead, defer: v_plan(slices, order, layers, lead, batch, defer),
+    st.lists(st.integers(1, 4), min_size=1, max_size=3), st.one_of(st.none(), st.just([1, 1])),
+    st.sampled_from(["1f1b", "gpipe"]), st.sampled_from([(), (1, 2), (3, 1)]),
+    st.sampled_from([None, 0, 2]), st.booleans())
+
+
+@settings(max_examples=80, deadline=None)
+@given(plan=plans, M=st.integers(1, 5), K=st.integers(2, 5))
+def test_v_schedules_validate_on_small_shapes(plan, M, K):
+    validate(build_schedule(plan, M, K, 2))  # raises ScheduleError on any broken rule
+
+
+def test_messages_go_down_on_chunk_0_and_back_up_on_chunk_1():
+    K = 4
+    lowered = lower(build_schedule(v_plan(), 2, K, 1))
+    sends = {(k, str(a.kind), a.cell.chunk) for k, actions in enumerate(lowered)
+             for a in actions if str(a.kind) in ("SEND_F", "SEND_B", "RECV_F", "RECV_B")}
+    expected = set()
+    for k in range(K):
+        if k < K - 1:  # down on chunk 0; the turn (rank K - 1) is no message
+            expected |= {(k, "SEND_F", 0), (k + 1, "RECV_F", 0), (k + 1, "SEND_B", 0),
+                         (k, "RECV_B", 0)}
+            # back up on chunk 1, from rank k + 1 to rank k
+            expected |= {(k + 1, "SEND_F", 1), (k, "RECV_F", 1), (k, "SEND_B", 1),
+                         (k + 1, "RECV_B", 1)}
+    assert sends == expected
+
+
+def test_the_v_runs_the_ring_s_work_with_both_edges_on_rank_0():
+    """The same layers and edges, placed differently: the stages' compute adds up to one
+    chunk per stage's, and rank 0 carries the embedding and the output layer."""
+    K, M = 4, 6
+    plain = simulate(build_schedule(TeraPipePlan([8192]), M, K, 1), BIG)
+    for layers in ((), (2, 3)):
+        v = simulate(build_schedule(v_plan((8192,), layers=layers), M, K, 1), BIG)
+        assert sum(v.busy) == pytest.approx(sum(plain.busy), rel=1e-9)
+        assert v.busy[0] == pytest.approx(plain.busy[0] + plain.busy[-1] - plain.busy[1], rel=1e-9)
+        assert v.busy[1:] == pytest.approx([plain.busy[1]] * (K - 1), rel=1e-9)
+
+
+@pytest.mark.parametrize("lead", [None, 0, 1, 3])
+@pytest.mark.parametrize("slices", [(8,), (4, 4), (2, 3, 3)])
+def test_rank_0_keeps_at_most_k_plus_cells_minus_1_plus_lead_units_in_flight(lead, slices):
+    K, M = 4, 8
+    rank0 = build_schedule(v_plan(slices, lead=lead), M, K, 1).stages[0]
+    in_flight = most = 0
+    for a in rank0:
+        if a.cell.chunk == 0 and str(a.kind) in ("F", "B"):
+            in_flight += 1 if str(a.kind) == "F" else -1
+            most = max(most, in_flight)
+    # units enter as soon as the cap allows; a whole microbatch reaches the loss first
+    assert most == K + len(slices) - 1 + (lead or 0)
+
+
+def test_w_placement_on_a_v_is_timed_exactly():
+    plan = v_plan((2048, 2048, 4096), layers=(2, 3))
+    schedule = build_schedule(plan, 4, 4, 1)
+    default = simulate(schedule, BIG)
+    placer = WgradPlacer(schedule, BIG)
+    for policy in POLICIES:
+        places, time = placer.place(policy, None)
+        placed = simulate(build_schedule(replace(plan, wgrad_after=places), 4, 4, 1), BIG)
+        assert placed.iteration_time == time
+    best, time = plan_wgrad(plan, BIG, 4, 4, 1, None)
+    assert time <= default.iteration_time
+    assert time == plan_time(best, BIG, 4, 4, 1)
+
+
+def test_the_runtime_refuses_a_v_and_unequal_chunks_before_any_work():
+    for plan in (v_plan(), TeraPipePlan([4], virtual_stages=2, chunk_layers=(1, 2))):
+        with pytest.raises(ValueError, match="planned and simulated only: the runtime runs "
+                                             "model chunks in Megatron's ring, equal in size"):
+            StageExecutor(build_schedule(plan, 2, 2, 1), 0, None, None, None, None, None)
+
+
+def test_placement_fields_are_checked_and_kept():
+    with pytest.raises(ValueError, match="virtual_placement 'v' holds 2 model chunks"):
+        TeraPipePlan([4], virtual_stages=3, virtual_placement="v")
+    with pytest.raises(ValueError, match="virtual_placement must be one of"):
+        TeraPipePlan([4], virtual_stages=2, virtual_placement="w")
+    with pytest.raises(ValueError, match="chunk_layers must give 2 positive layer counts"):
+        TeraPipePlan([4], virtual_stages=2, chunk_layers=(5,))
+    with pytest.raises(ValueError, match=r"chunk_layers \[2, 2\] hold 4 layers, a pipeline stage 5"):
+        TeraPipePlan([4], virtual_stages=2, chunk_layers=(2, 2)).check_layers(5)
+    plan = v_plan(layers=(2, 3), lead=1)
+    assert TeraPipePlan.from_dict(plan.to_dict()) == plan
+    assert "2 chunks per stage in a V of 2+3 layers" in plan.describe()
+    assert "virtual_placement" not in TeraPipePlan([4]).to_dict()  # old files read as before
