@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_terapipe import TeraPipePlan, build_schedule, validate
+from megatron_terapipe import ScheduleError, TeraPipePlan, build_schedule, validate
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
@@ -119,3 +119,17 @@ def test_placement_fields_are_checked_and_kept():
     assert TeraPipePlan.from_dict(plan.to_dict()) == plan
     assert "2 chunks per stage in a V of 2+3 layers" in plan.describe()
     assert "virtual_placement" not in TeraPipePlan([4]).to_dict()  # old files read as before
+
+
+def test_validate_refuses_a_turn_taken_before_it_is_handed_over():
+    """The last rank's chunk 1 takes chunk 0's output within the rank: its list must run
+    chunk 0's forward first (and chunk 1's backward before chunk 0's)."""
+    schedule = build_schedule(v_plan(), 1, 2, 1)
+    last = list(schedule.stages[-1])
+    f0 = next(i for i, a in enumerate(last) if str(a) == "F(m0b0t0c0)")
+    f1 = next(i for i, a in enumerate(last) if str(a) == "F(m0b0t0c1)")
+    last[f0], last[f1] = last[f1], last[f0]
+    broken = replace(schedule, stages=schedule.stages[:-1] + (tuple(last),))
+    with pytest.raises(ScheduleError, match=r"stage 1 runs F\(m0b0t0c1\) before F\(m0b0t0c0\), "
+                                            "whose output it takes"):
+        validate(broken)
