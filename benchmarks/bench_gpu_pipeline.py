@@ -4,8 +4,9 @@
     python benchmarks/bench_gpu_pipeline.py --cases smoke    # a tiny case, also runs on CPU
 
 Each case starts one process per stage under MPS, each with 100/N % of the SMs (mps.py), and
-runs Megatron-Core's unmodified 1F1B, TeraPipe with the DP plan and TeraPipe with the best
-uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
+runs Megatron-Core's unmodified 1F1B, TeraPipe with the DP plan, the DP plan with its W actions
+placed by the planner (where that is faster in simulation: "terapipe_dp_w_placed") and TeraPipe
+with the best uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
 through pinned host memory and gloo for both (host_staged.py), whose cost alone is measured
 first. The cost model is a layer profile measured at start in one process with one stage's SM
 share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
@@ -130,6 +131,21 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
                               dtype="bfloat16" if bf16 else "float32")
 
 
+def w_placed_plans(plans: dict, cost, case: GpuCase) -> dict:
+    """The DP plan again with its W actions placed by the planner (`plan_wgrad`, simulated on
+    the case's profile), as "terapipe_dp_w_placed"; none where the default places are as fast
+    (plan_wgrad then keeps them: the row would repeat the DP's)."""
+    from megatron_terapipe.planner.wgrad_placement import plan_wgrad
+
+    dp = plans["terapipe_dp"]
+    if not dp.defer_wgrad:
+        return {}
+    placed, seconds = plan_wgrad(dp, cost, case.num_microbatches, case.stages, 1)
+    if not placed.wgrad_after:
+        return {}
+    return {"terapipe_dp_w_placed": replace(placed, predicted_time=seconds)}
+
+
 def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...]]:
     """The case's labels and which run graphed: with --cuda-graphs each TeraPipe plan again with
     its graphs, and Megatron's 1F1B with Megatron's own graphs where they can run."""
@@ -193,6 +209,7 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
           f"uniform {info['uniform_slices']} slices", flush=True)
+    plans.update(w_placed_plans(plans, cost, case))
     plans, graphed = labelled_plans(plans, args, device)
     speed = SpeedCase(case.name, model, case.num_microbatches, args.granularity, args.repeats,
                       plans, mps=device == "cuda", graphed=graphed)
@@ -206,6 +223,7 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
                      "slices": None if plan is None else list(plan.seq_slices),
                      "order": None if plan is None else plan.order,
                      "defer_wgrad": None if plan is None else plan.defer_wgrad,
+                     "w_placed": plan is not None and bool(plan.wgrad_after),
                      "graphs": graphs, "graphs_detail": GRAPHS[graphs],
                      "megatron_graphs_error": graphs_error,
                      "measured_s": statistics.median(runs), "runs_s": runs,
@@ -218,11 +236,12 @@ def run_case(case: GpuCase, args, device: str) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'case':<20} {'schedule':<24} {'graphs':<9} {'slices':>6} {'measured ms':>11} "
+    print(f"\n{'case':<20} {'schedule':<28} {'graphs':<9} {'slices':>6} {'measured ms':>11} "
           f"{'predicted ms':>12} {'sim err':>7} {'vs 1F1B':>8} {'vs best':>8} "
           f"{'GiB added per stage':>20}")
     for r in rows:
-        n = "-" if r["slices"] is None else f"{len(r['slices'])}{'+W' if r['defer_wgrad'] else ''}"
+        n = "-" if r["slices"] is None else (f"{len(r['slices'])}{'+W' if r['defer_wgrad'] else ''}"
+                                             f"{'p' if r.get('w_placed') else ''}")
         peaks = " / ".join("-" if p is None else f"{p / 2**30:.1f}"
                            for p in r.get("added_peak_bytes", r["peak_bytes"]))
         ratio = "-" if r["speedup_vs_megatron"] is None else f"{r['speedup_vs_megatron']:.2f}x"
@@ -230,10 +249,10 @@ def print_table(rows: list[dict]) -> None:
         best = "-" if best is None else f"{best:.2f}x"
         graphs = {"none": "eager", "megatron": "layers", "terapipe": "actions",
                   "terapipe_cpu": "stand-in"}[r["graphs"]]
-        print(f"{r['case']:<20} {r['config']:<24} {graphs:<9} {n:>6} {r['measured_s'] * 1e3:>11.1f} "
+        print(f"{r['case']:<20} {r['config']:<28} {graphs:<9} {n:>6} {r['measured_s'] * 1e3:>11.1f} "
               f"{r['predicted_s'] * 1e3:>12.1f} {r['sim_error']:>+6.1%} {ratio:>8} {best:>8} "
               f"{peaks:>20}")
-    print("(graphs: eager; layers: Megatron-Core's CudaGraphManager, a graph per transformer "
+    print("(slices: +W deferred weight gradients, +Wp placed by the planner; graphs: eager; layers: Megatron-Core's CudaGraphManager, a graph per transformer "
           "layer call; actions: a CUDA graph per TeraPipe compute action; stand-in: ReplayGraph "
           "on CPU. vs 1F1B: the median ratio to the Megatron row with the same graphs; '-': "
           "there is none. vs best: to the fastest Megatron row of each round, graphed or not. "

@@ -166,6 +166,31 @@ def test_graphed_rows_on_both_sides_only_where_megatron_can_graph():
     assert bench_gpu_pipeline.labelled_plans(plans, _pipeline_args(cuda_graphs=False), "cuda") == (plans, ())
 
 
+def test_a_w_placed_row_where_the_planner_places_w_faster():
+    """bench_gpu_pipeline adds the DP plan with its W actions placed (plan_wgrad) as its own
+    row, predicted at plan_wgrad's time; none where the DP defers no W or placing gains
+    nothing."""
+    import bench_gpu_pipeline
+    from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
+    from megatron_terapipe.planner.evaluate.simulator import plan_time
+    from megatron_terapipe.plan import TeraPipePlan
+
+    cost = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"),
+                             layers_per_stage=6, tensor_parallel=2)
+    case = bench_gpu_pipeline.GpuCase(4, 2048, 4)
+    dp = TeraPipePlan([512] * 4)
+    added = bench_gpu_pipeline.w_placed_plans({"terapipe_dp": dp}, cost, case)
+    placed = added["terapipe_dp_w_placed"]
+    assert placed.seq_slices == dp.seq_slices and placed.wgrad_after
+    assert placed.predicted_time == plan_time(placed, cost, 4, 4, 1) < plan_time(dp, cost, 4, 4, 1)
+    from dataclasses import replace
+    assert bench_gpu_pipeline.w_placed_plans(
+        {"terapipe_dp": replace(dp, defer_wgrad=False)}, cost, case) == {}
+    # one stage: nothing to wait for, so no place beats the default
+    single = bench_gpu_pipeline.GpuCase(1, 2048, 1)
+    assert bench_gpu_pipeline.w_placed_plans({"terapipe_dp": dp}, cost, single) == {}
+
+
 def _pipeline_row(config, graphs, runs):
     return {"config": config, "order": None if config.startswith("megatron") else "1f1b",
             "graphs": graphs, "runs_s": runs, "measured_s": runs[0], "predicted_s": runs[0]}
