@@ -23,6 +23,8 @@
 #   bash benchmarks/gpu_session.sh pipeline-eight   # pipeline-graphs on 8 stages x 4 layers, 1 microbatch
 #                                               # (needs an H200: 8 processes of 9-13 GiB ran out of
 #                                               # an H100's 79 GiB, 2026-11-26)
+#   bash benchmarks/gpu_session.sh virtual      # bench_gpu_virtual: 2 stages under MPS, 4 microbatches,
+#                                               # Megatron 1F1B / interleaved vs TeraPipe on 1 and 2 chunks
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
@@ -95,6 +97,11 @@ pipeline_eight() {
     --out "$OUT/gpu_pipeline_eight" 2>&1 | tee "$OUT/pipeline_eight.log"
 }
 
+virtual() {
+  python3 benchmarks/bench_gpu_virtual.py --microbatches "${VIRTUAL_MICROBATCHES:-4}" \
+    --rounds "${PIPELINE_REPEATS:-5}" --out "$OUT/gpu_virtual" 2>&1 | tee "$OUT/virtual.log"
+}
+
 # Each part in its own process group under what is left of the lease; everything so far is
 # packed after each part, so a part cut at the deadline still leaves the earlier ones.
 lease() {
@@ -159,10 +166,11 @@ case "${1:-}" in
   pipeline) pipeline ;;
   pipeline-graphs) pipeline_graphs ;;
   pipeline-eight) pipeline_eight ;;
+  virtual) virtual ;;
   megatron-lm) megatron_lm ;;
   megatron-lm-profile) megatron_lm_profile ;;
   graphs) graphs ;;
   measure) measure ;;
   lease) lease ;;
-  *) echo "usage: $0 stage|pipeline|pipeline-graphs|pipeline-eight|megatron-lm|megatron-lm-profile|graphs|measure|lease" >&2; exit 2 ;;
+  *) echo "usage: $0 stage|pipeline|pipeline-graphs|pipeline-eight|virtual|megatron-lm|megatron-lm-profile|graphs|measure|lease" >&2; exit 2 ;;
 esac

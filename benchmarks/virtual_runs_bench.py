@@ -8,13 +8,23 @@ them for its interleaved schedule (harness.virtual_runs.build_chunks: GPTModel(.
 vp_stage=c) under config.virtual_pipeline_model_parallel_size = V), both loaded with those
 weights by each layer's global number. Megatron's module-level virtual pipeline size is set for
 the rows on chunks and cleared for the one-chunk rows, as each would run on its own.
+
+Where (`VirtualSpeedCase.device`): on CPU one pinned core per stage; on one GPU shared by the
+stages under CUDA MPS (`mps`, each process its SM share, models in the model's precision).
+`host_staged`: every row moves its activations through host memory and gloo, as
+bench_gpu_pipeline.py's rows do under MPS: Megatron's schedules and TeraPipe on one chunk
+through host_staged.HostStagedP2PCommunicator (TeraPipe's transport "megatron" over it),
+TeraPipe on chunks through its torch transport staged through the host (transport "host": on
+the ring of chunks TeraPipe's sends must not wait, which the communicator's calls do).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
+
+import torch
 
 from harness import TinyGPT
 from megatron_terapipe.plan import TeraPipePlan
@@ -39,6 +49,9 @@ class VirtualSpeedCase:
     rounds: int
     chunks: int  # V of the rows on chunks
     rows: list[Row] = field(default_factory=list)
+    device: str = "cpu"
+    host_staged: bool = False
+    mps: bool = False
 
 
 def full_model_state(model_cfg: TinyGPT) -> dict:
@@ -66,18 +79,19 @@ def _use_virtual(chunks: int) -> None:
     parallel_state.set_virtual_pipeline_model_parallel_rank(0 if chunks > 1 else None)
 
 
-def build_models(case: VirtualSpeedCase, world_size: int) -> dict[int, list]:
-    """{1: [the stage], V: its V chunks}, all with the same full model's weights."""
+def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict[int, list], dict]:
+    """{1: [the stage], V: its V chunks}, all with the same full model's weights, on the case's
+    device in the model's precision; and each one's config."""
     from megatron.core import parallel_state
 
-    from harness import build_stage_model, load_full_state
+    from harness import build_stage_model, in_precision, load_full_state, to_device
     from harness.virtual_runs import VirtualCase, build_chunks
 
     state = full_model_state(case.model)
     parallel_state.initialize_model_parallel(
         1, world_size, virtual_pipeline_model_parallel_size=case.chunks)
     _use_virtual(1)
-    _, stage = build_stage_model(case.model, 1, world_size)
+    stage_config, stage = build_stage_model(case.model, 1, world_size)
     load_full_state(stage, state)
     _use_virtual(case.chunks)
     shape = VirtualCase("bench", TeraPipePlan([case.model.seq_length], virtual_stages=case.chunks),
@@ -86,10 +100,42 @@ def build_models(case: VirtualSpeedCase, world_size: int) -> dict[int, list]:
     # Megatron's interleaved schedule on 2 ranks needs overlapped, unbatched P2P (as
     # harness.virtual_runs.megatron_interleaved sets it); TeraPipe's torch transport ignores both.
     config.overlap_p2p_comm, config.batch_p2p_comm = world_size == 2, world_size > 2
-    return {1: [stage], case.chunks: chunks}
+    configs = {1: stage_config, case.chunks: config}
+    on_device = {n: [in_precision(configs[n], to_device(m, case.device)) for m in models]
+                 for n, models in ((1, [stage]), (case.chunks, chunks))}
+    return on_device, configs
 
 
-def _runner(case: VirtualSpeedCase, models: dict[int, list], batches: list, runs: list):
+
+def _transfers(case: VirtualSpeedCase, configs: dict) -> dict[int, dict]:
+    """Per chunk count, the communicator arguments every schedule of those rows takes: with
+    `host_staged`, one HostStagedP2PCommunicator per config, TeraPipe's transport over it."""
+    if not case.host_staged:
+        return {n: {} for n in configs}
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from host_staged import HostStagedP2PCommunicator
+    from megatron_terapipe import TeraPipeConfig
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    out = {}
+    for n, config in configs.items():
+        config.terapipe = replace(getattr(config, "terapipe", None) or TeraPipeConfig(),
+                                  transport="megatron" if n == 1 else "host")
+        out[n] = {"p2p_communicator": HostStagedP2PCommunicator(group, config),
+                  "pg_collection": ProcessGroupCollection.use_mpu_process_groups()}
+    return out
+
+
+def _staged(transfers: dict) -> int:
+    """Messages the row's host-staged communicator has moved so far (0 without one)."""
+    communicator = transfers.get("p2p_communicator")
+    return 0 if communicator is None else communicator.transfers
+
+
+def _runner(case: VirtualSpeedCase, models: dict[int, list], batches: list, runs: list,
+            transfers: dict[int, dict]):
     """run(row) -> the losses of one iteration of the row's schedule on its model chunks."""
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving,
@@ -102,17 +148,17 @@ def _runner(case: VirtualSpeedCase, models: dict[int, list], batches: list, runs
                   seq_length=case.model.seq_length, micro_batch_size=1)
 
     def run(row: Row) -> list:
-        chunks = models[row.chunks]
+        chunks, args = models[row.chunks], dict(common, **transfers[row.chunks])
         _use_virtual(row.chunks)
         if row.schedule == MEGATRON_1F1B:
             return forward_backward_pipelining_without_interleaving(
-                data_iterator=iter(batches), model=chunks, **common)
+                data_iterator=iter(batches), model=chunks, **args)
         iterators = [iter(batches) for _ in chunks] if row.chunks > 1 else iter(batches)
         if row.schedule == MEGATRON_INTERLEAVED:
             return forward_backward_pipelining_with_interleaving(
-                data_iterator=iterators, model=chunks, **common)
+                data_iterator=iterators, model=chunks, **args)
         return forward_backward_terapipe(data_iterator=iterators, model=chunks, plan=row.plan,
-                                         on_run=runs.append, **common)
+                                         on_run=runs.append, **args)
 
     return run
 
@@ -132,32 +178,47 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     from harness import make_batches, release_model_parallel, report_values
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
 
-    enable_cpu_mode()
-    pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
-    batches = make_batches(case.num_microbatches, 1, case.model.seq_length,
-                           case.model.vocab_size, masked_rows=False)
-    models = build_models(case, world_size)
+    if case.mps:
+        from mps import enter_stage
+
+        enter_stage(rank, world_size)  # this stage's SM share, before CUDA starts
+    if case.device == "cpu":
+        enable_cpu_mode()
+        pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
+    batches = [{k: (v.to(case.device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+               for b in make_batches(case.num_microbatches, 1, case.model.seq_length,
+                                     case.model.vocab_size, masked_rows=False)]
+    models, configs = build_models(case, world_size)
     last_stage = parallel_state.is_pipeline_last_stage()
     runs: list = []  # TeraPipe's run records
-    run = _runner(case, models, batches, runs)
+    transfers = _transfers(case, configs)
+    run = _runner(case, models, batches, runs, transfers)
+    # Host barriers over gloo: with NCCL for CUDA tensors a plain barrier could go to NCCL,
+    # which refuses two ranks on one GPU.
+    host = dist.new_group(backend="gloo")
     out: dict = {"last_stage": last_stage}
     for row in case.rows:
         out[row.label] = []
+        staged = _staged(transfers[row.chunks])
         losses = run(row)  # warm-up: allocator, connections, TeraPipe's schedule and buffers
         out["losses:" + row.label] = report_values(losses) if last_stage else None
+        out["staged:" + row.label] = _staged(transfers[row.chunks]) - staged  # messages moved
         _zero_grads(models[row.chunks])
         if row.schedule == TERAPIPE:
             out["busy:" + row.label] = []
+            out["received:" + row.label] = runs[-1].receives  # by the torch transport
     for round_ in range(case.rounds):
         # Rotate the order every round (as pipeline_runs.speed_worker does), so each row
         # follows each other one about equally often.
         shift = round_ % len(case.rows)
         for row in case.rows[shift:] + case.rows[:shift]:
             _zero_grads(models[row.chunks])
-            dist.barrier()
+            dist.barrier(group=host)
             start = time.perf_counter()
             run(row)
-            dist.barrier()
+            if case.device == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier(group=host)
             out[row.label].append(time.perf_counter() - start)
             if row.schedule == TERAPIPE:
                 out["busy:" + row.label].append(sum(e.end - e.start for e in runs[-1].events))

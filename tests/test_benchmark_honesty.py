@@ -360,3 +360,23 @@ def test_a_rows_added_peak_is_over_what_the_stage_held_when_its_run_started(monk
     assert times["peak:a"] == [8.0] and times["added:a"] == [3.0]
     pipeline_runs._warm_up("b", run, {"b": model}, case, "cuda", times)  # graphed: warmed twice
     assert times["peak:b"] == [10.0] and times["added:b"] == [3.0]
+
+
+def test_virtual_rows_through_the_host_staged_communicator_on_cpu(tmp_path):
+    """bench_gpu_virtual --smoke on CPU: every row moves its activations as the GPU run does
+    under MPS (Megatron's 1F1B and interleaved 1F1B and TeraPipe on one chunk through the
+    host-staged communicator, TeraPipe on 2 chunks through its host-staged torch transport),
+    and computes Megatron 1F1B's losses."""
+    import bench_gpu_virtual
+
+    assert bench_gpu_virtual.main(["--smoke", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "virtual_gpu_smoke.json") as f:
+        result = json.load(f)
+    rows = {r["config"]: r for r in result["speed"]}
+    assert {"megatron_1f1b", "megatron_interleaved_v2", "terapipe_v1", "terapipe_v2"} <= set(rows)
+    for r in rows.values():
+        staged = (r["torch_transport_received"] if r["config"].startswith("terapipe_v2")
+                  else r["host_staged_messages"])  # TeraPipe on chunks: its host-staged transport
+        assert all(n > 0 for n in staged), r["config"]
+        assert r["loss_rel_diff_vs_megatron_1f1b"] <= 1e-6, r["config"]
+    assert result["machine"]["device"] == "cpu" and result["provenance"]["command"]

@@ -70,13 +70,18 @@ class TorchTransport(Transport):
     A sent tensor is kept (a detached alias of its storage) until its send is waited on: gloo
     reads it only once the receiver has posted its receive, and a stage output freed after
     its send (deallocated pipeline outputs) would otherwise hand that memory to the next
-    allocation while the send still reads it."""
+    allocation while the send still reads it.
+
+    `host_staged`: messages cross through host memory on gloo, received into a device buffer
+    of the pool: for stages that share one GPU (CUDA MPS), where NCCL refuses two ranks on one
+    device (config.terapipe.transport = "host")."""
 
     def __init__(self, pp_group, dtype: torch.dtype, device: torch.device,
-                 ring: bool = False) -> None:
+                 ring: bool = False, host_staged: bool = False) -> None:
         self.group = pp_group
         self.dtype = dtype
         self.device = device
+        self.host_staged = host_staged
         rank = dist.get_rank(pp_group)
         ranks = dist.get_process_group_ranks(pp_group)
         K = len(ranks)
@@ -89,7 +94,7 @@ class TorchTransport(Transport):
         self._posted: dict[str, tuple[dist.Work, torch.Tensor]] = {}  # direction -> receive
         # Only gloo posts ahead: NCCL runs a pair's sends and receives in order on one stream,
         # where a receive posted ahead would hold back this stage's own send its peer waits for.
-        self.lowering = Lowering(post_receives_early=dist.get_backend(pp_group) == "gloo")
+        self.lowering = Lowering(post_receives_early=host_staged or dist.get_backend(pp_group) == "gloo")
         self.receives = 0
         self.receives_posted_early = 0
 
@@ -100,7 +105,8 @@ class TorchTransport(Transport):
         dst = self.peer[direction]
         if dst is None:
             raise RuntimeError("TeraPipe: no neighbour stage to send to")
-        tensor = tensor.detach().to(self.dtype).contiguous()
+        tensor = tensor.detach().to(self.dtype)
+        tensor = (tensor.to("cpu") if self.host_staged else tensor).contiguous()
         work = dist.isend(tensor, dst, group=self.group, tag=_TAGS[direction])
         self._sending[direction].append((work, tensor))
         self._sent[direction] += 1
@@ -119,7 +125,9 @@ class TorchTransport(Transport):
         src = self._source(direction)
         if src is None:
             raise RuntimeError("TeraPipe: no neighbour stage to receive from")
-        if self.pool is not None:
+        if self.host_staged:
+            buf = torch.empty(tuple(shape), dtype=self.dtype)
+        elif self.pool is not None:
             buf = self.pool.take(tuple(shape), self.dtype, self.device)
         else:
             buf = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
@@ -142,7 +150,11 @@ class TorchTransport(Transport):
                 raise RuntimeError(f"TeraPipe: a receive of shape {tuple(shape)} found the "
                                    f"posted receive of shape {tuple(buf.shape)}")
         work.wait()
-        return buf
+        if not self.host_staged:
+            return buf
+        out = (self.pool.take(tuple(shape), self.dtype, self.device) if self.pool is not None
+               else torch.empty(tuple(shape), dtype=self.dtype, device=self.device))
+        return out.copy_(buf)
 
     def finish(self) -> None:
         if self._posted:

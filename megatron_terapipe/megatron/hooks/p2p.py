@@ -114,10 +114,12 @@ def make_transport(pp_group, config, device: torch.device, p2p_communicator=None
     # config.terapipe.transport ("megatron" or "torch") overrides the choice, e.g. to run
     # Megatron's communicator on gloo in tests.
     choice = run_config(config).transport or ("megatron" if device.type == "cuda" else "torch")
-    if choice not in ("megatron", "torch"):
-        raise ValueError(f"config.terapipe.transport must be 'megatron' or 'torch', got {choice!r}")
-    if choice == "torch":
-        return TorchTransport(pp_group, config.pipeline_dtype or torch.float32, device, ring=ring)
+    if choice not in ("megatron", "torch", "host"):
+        raise ValueError("config.terapipe.transport must be 'megatron', 'torch' or 'host' (the "
+                         f"torch transport through host memory), got {choice!r}")
+    if choice in ("torch", "host"):
+        return TorchTransport(pp_group, config.pipeline_dtype or torch.float32, device, ring=ring,
+                              host_staged=choice == "host")
     if p2p_communicator is None or ring:
         # Shapes come from the plan, so the communicator's shape handshake is never needed;
         # on the ring sends do not wait, which Megatron's batched calls cannot do.

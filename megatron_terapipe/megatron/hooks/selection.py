@@ -24,7 +24,8 @@ class TeraPipeConfig:
     cuda_graphs: Optional[bool] = None
     graph_factory: Optional[Callable[[str], object]] = None  # makes each graph (tests: RecordingGraph)
     on_run: Optional[Callable[[RunRecord], None]] = None  # gets each call's RunRecord
-    transport: Optional[str] = None  # "megatron" or "torch": overrides p2p.py's choice
+    # "megatron", "torch" or "host" (torch's through host memory: stages sharing one GPU)
+    transport: Optional[str] = None  # overrides p2p.py's choice
 
     def over(self, default: "TeraPipeConfig") -> "TeraPipeConfig":
         """These settings, with `default`'s where these are None."""

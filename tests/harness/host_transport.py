@@ -1,0 +1,32 @@
+"""Workers for tests/test_host_transport.py: TeraPipe's torch transport staged through host
+memory (config.terapipe.transport = "host"), on gloo processes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def exchange(rank: int, world_size: int) -> dict:
+    """Rank 0 sends an activation forward and gets a gradient back through the transport that
+    make_transport builds for transport "host"; what each side received and how."""
+    from types import SimpleNamespace
+
+    from megatron_terapipe.megatron.hooks.p2p import make_transport
+    from megatron_terapipe.megatron.hooks.selection import TeraPipeConfig
+    from megatron_terapipe.runtime.buffer_pool import BufferPool
+
+    group = dist.new_group(list(range(world_size)), backend="gloo")
+    config = SimpleNamespace(pipeline_dtype=torch.float32, terapipe=TeraPipeConfig(transport="host"))
+    transport = make_transport(group, config, torch.device("cpu"))
+    transport.pool = BufferPool()
+    shape = (2, 3)
+    if rank == 0:
+        transport.send("F", torch.arange(6.0).reshape(shape))
+        got = transport.recv("B", shape)
+    else:
+        got = transport.recv("F", shape)
+        transport.send("B", got * 2)
+    transport.finish()
+    return {"host_staged": transport.host_staged, "posts_early": transport.lowering.post_receives_early,
+            "received": got.tolist(), "pool_slot": transport.pool.slot_of(got)}
