@@ -74,7 +74,7 @@ class TorchTransport(Transport):
 
     `host_staged`: messages cross through host memory on gloo, received into a device buffer
     of the pool: for stages that share one GPU (CUDA MPS), where NCCL refuses two ranks on one
-    device (config.terapipe.transport = "host")."""
+    device (the transport setting "host" of the Megatron glue, megatron/hooks/p2p.py)."""
 
     def __init__(self, pp_group, dtype: torch.dtype, device: torch.device,
                  ring: bool = False, host_staged: bool = False) -> None:
