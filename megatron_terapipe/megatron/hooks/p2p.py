@@ -111,7 +111,7 @@ def make_transport(pp_group, config, device: torch.device, p2p_communicator=None
     rank, size = pp_group.rank(), pp_group.size()
     from .selection import run_config
 
-    # config.terapipe.transport ("megatron" or "torch") overrides the choice, e.g. to run
+    # config.terapipe.transport ("megatron", "torch" or "host") overrides the choice, e.g. to run
     # Megatron's communicator on gloo in tests.
     choice = run_config(config).transport or ("megatron" if device.type == "cuda" else "torch")
     if choice not in ("megatron", "torch", "host"):
