@@ -106,7 +106,6 @@ def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict[int, lis
     return on_device, configs
 
 
-
 def _transfers(case: VirtualSpeedCase, configs: dict) -> dict[int, dict]:
     """Per chunk count, the communicator arguments every schedule of those rows takes: with
     `host_staged`, one HostStagedP2PCommunicator per config, TeraPipe's transport over it."""
