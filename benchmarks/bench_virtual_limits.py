@@ -115,6 +115,7 @@ def v_rows(run, free, base: float, microbatches: int) -> list[dict]:
                              "speedup": round(base / seconds, 4),
                              "peak_gib": round(max(run.budget.totals(found.peak_memory_bytes)) / GiB, 2),
                              "fits": fits, "speedup_w_placed": round(base / placed, 4),
+                             "busiest_stage_ms": round(busy * 1e3, 2),
                              "ceiling_speedup": round(base / busy, 4)})
     return rows
 

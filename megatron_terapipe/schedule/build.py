@@ -7,8 +7,8 @@ from itertools import compress
 
 from ..plan import TeraPipePlan
 from .actions import Action, ActionKind, Schedule, microbatch_cells
-from .orders import CHUNKED_ORDERS, ORDERS, gpipe_chunked
-from .v_order import v_shape_1f1b
+from .orders import CHUNKED_ORDERS, ORDERS
+from .v_order import V_ORDERS
 from .wgrad_places import place_weight_grads
 
 
@@ -30,17 +30,12 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     # the W after each sequence's last backward (its first slice's); early ones per stage below
     last_w = {i: w for i, w in weight_grads.items() if w.cell.token_slice == 0}
     group = virtual_group(plan, num_microbatches, num_stages)
+    if forward_only:
+        every_forward = tuple(f for per_mb in forwards for fs in per_mb for f in fs)
+        return Schedule(plan, num_microbatches, micro_batch_size, forward_only,
+                        (every_forward,) * num_stages)
     stages = []
-    for k in range(num_stages):
-        if forward_only:
-            stages.append(tuple(f for per_mb in forwards for fs in per_mb for f in fs))
-            continue
-        if V == 1:
-            ordered = ORDERS[plan.order](forwards[0], backwards[0], k, num_stages)
-        else:
-            orders = V_ORDERS if plan.virtual_placement == "v" else CHUNKED_ORDERS
-            ordered = orders[plan.order](forwards, backwards, k, num_stages, group,
-                                         plan.virtual_warmup)
+    for k, ordered in enumerate(_stage_orders(plan, forwards, backwards, num_stages, group)):
         actions = _with_weight_grads(ordered, plan, k, weight_grads, last_w)
         if plan.wgrad_after:
             actions = place_weight_grads(actions, plan.wgrad_after[k] if k < len(plan.wgrad_after)
@@ -49,9 +44,16 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     return Schedule(plan, num_microbatches, micro_batch_size, forward_only, tuple(stages))
 
 
-#: The orders on a V's two chunks (TeraPipePlan.virtual_placement "v"): gpipe's chunk by chunk
-#: runs as it does round a ring.
-V_ORDERS = {"1f1b": v_shape_1f1b, "gpipe": gpipe_chunked}
+def _stage_orders(plan: TeraPipePlan, forwards: list, backwards: list, num_stages: int,
+                  group: int) -> list[list[Action]]:
+    """Every stage's forwards and backwards in the plan's order (orders.py; a V's, v_order.py)."""
+    if plan.virtual_stages == 1:
+        return [ORDERS[plan.order](forwards[0], backwards[0], k, num_stages)
+                for k in range(num_stages)]
+    if plan.virtual_placement == "v":
+        return V_ORDERS[plan.order](forwards, backwards, num_stages, plan.virtual_warmup)
+    return [CHUNKED_ORDERS[plan.order](forwards, backwards, k, num_stages, group,
+                                       plan.virtual_warmup) for k in range(num_stages)]
 
 
 def virtual_group(plan: TeraPipePlan, num_microbatches: int, num_stages: int) -> int:

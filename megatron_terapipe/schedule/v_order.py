@@ -23,27 +23,30 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .orders import PerChunk
+from .orders import PerChunk, gpipe_chunked
 
 
-def v_shape_1f1b(forwards: PerChunk, backwards: PerChunk, stage: int, num_stages: int,
-                 group: int, lead: Optional[int] = None) -> list:
-    """Stage `stage`'s forwards and backwards in the V's 1F1B order (module docstring);
-    `lead`: units in flight on rank 0 beyond K + C - 1 (None: 0). `group` plays no part: a V has no
-    interleaved groups."""
+def v_shape_1f1b(forwards: PerChunk, backwards: PerChunk, num_stages: int,
+                 lead: Optional[int] = None) -> list[list]:
+    """Every stage's forwards and backwards in the V's 1F1B order (module docstring), from one
+    list schedule; `lead`: units in flight on rank 0 beyond K + C - 1 (None: 0)."""
     cells = len(forwards[0][0])  # a whole microbatch reaches the loss before its backward
-    cap = num_stages + cells - 1 + (lead or 0)
-    if _LAST[:3] != [forwards, num_stages, cap]:  # one list schedule for all the stages
-        made = _VListSchedule(forwards, num_stages, cap)
-        _LAST[:] = [forwards, num_stages, cap, made.units, made.run()]
-    units, orders = _LAST[3], _LAST[4]
-    picked = {"F": forwards, "B": backwards}
-    return [picked[kind][chunk][units[u][0]][units[u][1]] for kind, u, chunk in orders[stage]]
+    made = _VListSchedule(forwards, num_stages, num_stages + cells - 1 + (lead or 0))
+    picked, units = {"F": forwards, "B": backwards}, made.units
+    return [[picked[kind][chunk][units[u][0]][units[u][1]] for kind, u, chunk in stage]
+            for stage in made.run()]
 
 
-# The last call's (forwards, stages, cap, units, orders): build.py asks once per stage with the
-# same objects (held here, so their identity stands for them).
-_LAST: list = [None, None, None]
+def v_shape_gpipe(forwards: PerChunk, backwards: PerChunk, num_stages: int,
+                  lead: Optional[int] = None) -> list[list]:
+    """Every stage's actions in gpipe's chunk-by-chunk order, which runs in a V as round a
+    ring (`lead` plays no part)."""
+    return [gpipe_chunked(forwards, backwards, k, num_stages, 1) for k in range(num_stages)]
+
+
+#: The orders on a V's two chunks (TeraPipePlan.virtual_placement "v"), each laying out every
+#: stage at once: the V's 1F1B is one list schedule over all of them.
+V_ORDERS = {"1f1b": v_shape_1f1b, "gpipe": v_shape_gpipe}
 
 
 class _VListSchedule:

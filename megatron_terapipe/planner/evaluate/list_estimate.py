@@ -19,7 +19,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...schedule import Action, ChunkCell, Schedule, TimedAction
+from ...schedule import Action, ChunkCell, Schedule, TimedAction, VirtualCell
 from ..cost.cost_model import CostModel
 from ..cost.stage_memory import CostModelMemory, StageMemory
 from .memory_walk import MemoryWalk, walk_stage
@@ -109,12 +109,14 @@ def _actions(schedule: Schedule) -> _Actions:
 
 
 def _chunk_kind(cell) -> Optional[tuple]:
-    """On virtual stages, (chunk, chunks, V-shaped, layer share): what of a cell's chunk its
-    costs and bytes depend on with the stage (first and last virtual stages run the edges, a
-    chunk its share of the layers); else None."""
+    """On virtual stages, (first chunk, last chunk, chunks, V-shaped, the chunk's share of the
+    layers): what of a cell's chunk its costs and bytes depend on with the stage (first and
+    last virtual stages run the edges); else None."""
     chunks = getattr(cell, "num_chunks", None)
-    return None if chunks is None else (cell.chunk, chunks, getattr(cell, "v_shape", False),
-                                        getattr(cell, "chunk_shares", None))
+    if chunks is None:
+        return None
+    share = cell.share if isinstance(cell, VirtualCell) else 1.0 / chunks
+    return cell.chunk == 0, cell.chunk == chunks - 1, chunks, getattr(cell, "v_shape", False), share
 
 
 _BYTES = ("cell", "kv", "kv_grad", "hold", "rise")
