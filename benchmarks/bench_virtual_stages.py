@@ -1,6 +1,6 @@
 """TeraPipe on virtual stages with planned W places against Megatron's schedules, simulated.
 
-    python benchmarks/bench_virtual_stages.py [--microbatches 1,8,32]
+    python benchmarks/bench_virtual_stages.py [--microbatches 1,8,32] [--sequence-parallel]
         [--out benchmarks/results/virtual_stages.json]
 
 gpt3-13b on the H100 preset, 8 pipeline stages x TP 8 (inter-node pipeline links), sequences
@@ -13,7 +13,9 @@ layouts would need). Each row: predicted iteration, speed-up over Megatron's 1F1
 peak per stage (activations, K/V and model state), whether it fits, and the plan (slices,
 chunks, group, warm-up, W places). The bubble-free limit is Megatron 1F1B's time over its
 busiest stage's compute. Everything is simulated: no GPU is involved. The JSON starts with
-its provenance (benchmarks/provenance.py).
+its provenance (benchmarks/provenance.py). --sequence-parallel asks every table with
+terapipe-plan's --sequence-parallel (Megatron's: both sides' activations and messages split over
+the TP ranks) and writes virtual_stages_sequence_parallel.json by default.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ MODEL = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel
          "--seq-length 8192 --micro-batch-size 1").split()
 TARGETS = {1: 3.12, 8: 1.55, 32: 1.15}  # speed-up over Megatron 1F1B to reach
 BEFORE = ["--virtual-stages", "1", "--wgrad-placement", "off"]
+RUN_OPTIONS: list[str] = []  # ["--sequence-parallel"] under --sequence-parallel
 
 
 def table(microbatches: int, extra: list[str]) -> tuple[ScheduleTable, float]:
     """terapipe-plan's schedule table for `microbatches` with options `extra`, and seconds."""
     parser = build_parser()
-    args = parser.parse_args(MODEL + ["--num-microbatches", str(microbatches), *extra])
+    args = parser.parse_args(MODEL + RUN_OPTIONS + ["--num-microbatches", str(microbatches), *extra])
     start = time.perf_counter()
     out = inputs_from_options(args, parser).schedule_table()
     return out, time.perf_counter() - start
@@ -100,9 +103,15 @@ def case(microbatches: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", default="1,8,32", help="comma list (default 1,8,32)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "virtual_stages.json"))
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's --sequence-parallel on both sides")
+    p.add_argument("--out", help="results file (default: benchmarks/results/virtual_stages.json, "
+                                 "or virtual_stages_sequence_parallel.json)")
     args = p.parse_args(argv)
+    name = "virtual_stages_sequence_parallel" if args.sequence_parallel else "virtual_stages"
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        f"{name}.json")
+    RUN_OPTIONS[:] = ["--sequence-parallel"] if args.sequence_parallel else []
     origin = provenance(script_command(__file__, argv))
     cases = [case(int(m)) for m in args.microbatches.split(",")]
     for c in cases:
@@ -114,7 +123,8 @@ def main(argv=None) -> int:
               f"planned in {c['planning_seconds']} s")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"provenance": origin, "cases": cases}, f, indent=1)
+        json.dump({"provenance": origin, "sequence_parallel": args.sequence_parallel,
+                   "cases": cases}, f, indent=1)
     print(f"results: {args.out}")
     return 0
 

@@ -27,6 +27,14 @@ CONFIGS = {
         dict(pipeline_model_parallel_size=8, tensor_model_parallel_size=2, world_size=16,
              micro_batch_size=2, global_batch_size=8),
         ["--terapipe-order", "gpipe", "--terapipe-granularity", "16"]),
+    "13b, 8 stages x TP 8, sequence parallel, 8 microbatches, a budget": (
+        ["--pipeline-stages", "8", "--tensor-parallel-size", "8", "--sequence-parallel",
+         "--num-microbatches", "8", "--granularity", "64", "--memory-budget", "16GiB",
+         "--hardware", "h100"],
+        dict(pipeline_model_parallel_size=8, tensor_model_parallel_size=8, world_size=64,
+             micro_batch_size=1, global_batch_size=8, sequence_parallel=True),
+        ["--terapipe-granularity", "64", "--terapipe-memory-budget", "16GiB",
+         "--terapipe-hardware", "h100"]),
     "1b, 2 stages x DP 4, distributed optimizer, a budget": (
         ["--pipeline-stages", "2", "--data-parallel-size", "4", "--distributed-optimizer",
          "--memory-budget", "12GiB", "--hardware", "a100"],
@@ -84,3 +92,5 @@ def test_the_inputs_differ_where_the_configurations_do(monkeypatch):
     one, _ = _both("1b, 2 stages x DP 4, distributed optimizer, a budget", monkeypatch)
     _, other = _both("1b, 4 stages, defaults", monkeypatch)
     assert one.budget != other.budget and one.space != other.space
+    sp, _ = _both("13b, 8 stages x TP 8, sequence parallel, 8 microbatches, a budget", monkeypatch)
+    assert "sequence parallel" in sp.cost_model.describe() and sp.space.multiple_of == 8

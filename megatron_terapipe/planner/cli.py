@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="microbatches per iteration on each pipeline")
     r.add_argument("--pipeline-stages", type=_positive_int, required=True)
     r.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    r.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's: activations and P2P messages split over the TP ranks, "
+                        "token slices multiples of the TP size (nothing changes at TP 1)")
     r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")
     c = p.add_argument_group("cost model")
     c.add_argument("--hardware", choices=sorted(HARDWARE_PRESETS), default="v100",

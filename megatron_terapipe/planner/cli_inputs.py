@@ -20,7 +20,9 @@ from .slicer import resolve_batch_sizes
 
 
 #: How slice-length errors name terapipe-plan's options.
-CLI_SLICE_NAMES = SliceNames(seq_length="--seq-length", granularity="--granularity")
+CLI_SLICE_NAMES = SliceNames(seq_length="--seq-length", granularity="--granularity",
+                             tensor_parallel="--tensor-parallel-size",
+                             tp_multiple="--tensor-parallel-size {tp}")
 
 
 def _size(text: str) -> float:
@@ -76,12 +78,18 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
         parser.error(f"--memory-profile: {exc}")
     space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,
                         args.num_microbatches, args.order, args.granularity,
-                        batch_sizes=batch_sizes,
+                        multiple_of=_tp_multiple(args), batch_sizes=batch_sizes,
                         defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
                         refine=not args.no_refine, memory=memory,
                         virtual_stages=_virtual_stages(args, model, parser),
                         place_wgrad=args.wgrad_placement == "auto")
     return PlannerInputs(model, cost, space, _budget(args, model, cost, parser))
+
+
+def _tp_multiple(args) -> int:
+    """What --sequence-parallel asks of every slice: a multiple of the TP size (as
+    RunShape.tp_multiple for Megatron-LM's flags)."""
+    return args.tensor_parallel_size if args.sequence_parallel else 1
 
 
 def _virtual_stages(args, model: ModelDims, parser) -> tuple[int, ...]:
@@ -162,7 +170,7 @@ def _check_shape(args, model: ModelDims, parser) -> None:
         parser.error(f"--tensor-parallel-size {tp} does not divide the model's "
                      f"{model.num_attention_heads} attention heads")
     try:
-        SliceGrid(args.granularity, names=CLI_SLICE_NAMES).units(args.seq_length)
+        SliceGrid(args.granularity, _tp_multiple(args), names=CLI_SLICE_NAMES).units(args.seq_length)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -174,7 +182,8 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
     cross_nodes = stages_cross_nodes(tp * args.data_parallel_size, K, hardware.gpus_per_node)
     try:
         return layer_cost_model(model, hardware, K, tensor_parallel=tp, dtype_bytes=2,
-                                cross_nodes=cross_nodes, profile_path=args.profile)
+                                cross_nodes=cross_nodes, profile_path=args.profile,
+                                sequence_parallel=args.sequence_parallel)
     except ValueError as exc:
         parser.error(f"--profile: {exc}")
     raise AssertionError  # unreachable: parser.error exits

@@ -91,22 +91,26 @@ def priced_layers(model: ModelDims, num_stages: int, busiest_layers: Optional[in
 def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
                      tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
                      profile_path: Optional[str] = None, fit=None,
-                     busiest_layers: Optional[int] = None) -> CostModel:
+                     busiest_layers: Optional[int] = None,
+                     sequence_parallel: bool = False) -> CostModel:
     """The analytic model of `hardware`, or the profiled one from a layer fit (`fit`, or the
-    file at `profile_path`); stage-to-stage links as `search.pipeline_link`. Raises ValueError
-    on a profile that does not fit the model (the adapters name their option)."""
+    file at `profile_path`); stage-to-stage links as `search.pipeline_link`; activations and
+    P2P messages split over the TP ranks under `sequence_parallel`. Raises ValueError on a
+    profile that does not fit the model (the adapters name their option)."""
     layers = priced_layers(model, num_stages, busiest_layers)
     if fit is None and profile_path is None:
         return AnalyticCostModel(model, hardware, layers, tensor_parallel=tensor_parallel,
-                                 dtype_bytes=dtype_bytes, inter_node=cross_nodes)
+                                 dtype_bytes=dtype_bytes, inter_node=cross_nodes,
+                                 sequence_parallel=sequence_parallel)
     from .profile.profiled_cost import ProfiledCostModel
 
     link = pipeline_link(hardware, cross_nodes)
     if fit is not None:
         return ProfiledCostModel(fit, layers, link, model=model, tensor_parallel=tensor_parallel,
-                                 dtype_bytes=dtype_bytes)
+                                 dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)
     return ProfiledCostModel.load(profile_path, layers, link, model=model,
-                                  tensor_parallel=tensor_parallel, dtype_bytes=dtype_bytes)
+                                  tensor_parallel=tensor_parallel, dtype_bytes=dtype_bytes,
+                                  sequence_parallel=sequence_parallel)
 
 
 def memory_budget(model: ModelDims, num_stages: int, budget_bytes: Optional[float],

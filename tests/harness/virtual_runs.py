@@ -58,7 +58,7 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp)
@@ -66,8 +66,11 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     config.microbatch_group_size_per_vp_stage = case.pp
     chunks = []
     for c in range(case.chunks):
+        # sequence parallelism: the block spec, whose norms run sequence-parallel on CPU
+        spec = (get_gpt_decoder_block_spec(config, vp_stage=c) if case.model.sequence_parallel
+                else get_gpt_layer_spec())
         chunk = GPTModel(
-            config, get_gpt_layer_spec(), vocab_size=case.model.vocab_size,
+            config, spec, vocab_size=case.model.vocab_size,
             max_sequence_length=case.model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c),

@@ -50,7 +50,8 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
         cost = layer_cost_model(model, hardware, shape.pipeline_parallel,
                                 tensor_parallel=shape.tensor_parallel,
                                 dtype_bytes=shape.dtype_bytes, cross_nodes=crosses,
-                                profile_path=path, fit=fit, busiest_layers=layers)
+                                profile_path=path, fit=fit, busiest_layers=layers,
+                                sequence_parallel=shape.sequence_parallel)
     with _named("--terapipe-memory-profile"):
         memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers)
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,

@@ -27,9 +27,10 @@ class AnalyticCostModel(LayerStackCostModel):
 
     def __init__(self, model: ModelDims, hardware: Hardware, layers_per_stage: int,
                  tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True,
-                 inter_node: bool = False):
+                 inter_node: bool = False, sequence_parallel: bool = False):
         link = hardware.inter_node if inter_node else hardware.intra_node
-        super().__init__(model, layers_per_stage, link, tensor_parallel, dtype_bytes, flash_attention)
+        super().__init__(model, layers_per_stage, link, tensor_parallel, dtype_bytes, flash_attention,
+                         sequence_parallel)
         self.hardware = hardware
         self.flash_attention = flash_attention
         self.inter_node = inter_node
@@ -51,6 +52,10 @@ class AnalyticCostModel(LayerStackCostModel):
         return weights + kv_read + activations
 
     def _tp_allreduce_time(self, b, l) -> np.ndarray:
+        """Two all-reduces per layer pass. Under sequence parallelism each is an all-gather and
+        a reduce-scatter, the two halves of a ring all-reduce: the same steps and bytes. (The
+        backward's second all-gather of the column-parallel GEMMs' inputs, for their weight
+        gradients, overlaps the input-gradient GEMM in Megatron; it is not counted.)"""
         t = self.tensor_parallel
         if t == 1:
             return np.zeros(np.broadcast(b, l).shape)
@@ -149,4 +154,4 @@ class AnalyticCostModel(LayerStackCostModel):
         edges = (f"embedding and output layer of vocab {self.model.vocab_size}"
                  if self.model.vocab_size is not None else "no vocab size: edge costs 0")
         return (f"analytic: {self.model.name} on {self.hardware.name}, {self.layers_per_stage} "
-                f"layers/stage, TP={self.tensor_parallel}, {link} pipeline links; {edges}")
+                f"layers/stage, {self.parallelism_text()}, {link} pipeline links; {edges}")

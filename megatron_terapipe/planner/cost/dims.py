@@ -125,20 +125,26 @@ class Hardware:
 @dataclass(frozen=True)
 class LayerMemory:
     """Bytes a GPT layer keeps for backward, after Korthikanti et al. 2022 ("Reducing
-    activation recomputation in large transformer models", section 4.1), split so that K and V
-    are counted apart (a token slice's K/V outlive its other activations)."""
+    activation recomputation in large transformer models", sections 4.1 and 4.2.2), split so
+    that K and V are counted apart (a token slice's K/V outlive its other activations).
+
+    Sequence parallelism (Megatron's --sequence-parallel) splits the tensors that tensor
+    parallelism replicates (the norms', the dropouts' and the column-parallel GEMMs' inputs)
+    along the sequence over the TP ranks: every term is then divided by the TP size."""
 
     model: ModelDims
     tensor_parallel: int = 1
     dtype_bytes: int = 2
     flash_attention: bool = True  # fused attention keeps no score matrix
+    sequence_parallel: bool = False
 
     def activation_bytes(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike) -> np.ndarray:
         b, l, c = as_float_arrays(batch, length, context)
         m, t, d = self.model, self.tensor_parallel, self.dtype_bytes
         h, f = m.hidden_size, m.ffn
-        # Replicated over TP ranks: inputs of LN1, QKV, LN2 and FC1, plus two 1-byte dropout masks.
-        replicated = (4 * d + 2) * h
+        # Replicated over TP ranks: inputs of LN1, QKV, LN2 and FC1, plus two 1-byte dropout
+        # masks; split along the sequence under sequence parallelism.
+        replicated = (4 * d + 2) * h / (t if self.sequence_parallel else 1)
         # Split over TP ranks: Q and the attention output; FC1 output and activation output.
         fc1_saved = (3 if m.gated_linear_unit else 2) * d * f
         split = (2 * d * h + fc1_saved) / t

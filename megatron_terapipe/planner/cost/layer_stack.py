@@ -21,7 +21,8 @@ class LayerStackCostModel(CostModel):
     """
 
     def __init__(self, model: ModelDims, layers_per_stage: int, link: Link,
-                 tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True):
+                 tensor_parallel: int = 1, dtype_bytes: int = 2, flash_attention: bool = True,
+                 sequence_parallel: bool = False):
         if layers_per_stage <= 0:
             raise ValueError(f"layers_per_stage must be positive, got {layers_per_stage}")
         if tensor_parallel <= 0:
@@ -35,8 +36,20 @@ class LayerStackCostModel(CostModel):
         self.link = link
         self.tensor_parallel = int(tensor_parallel)
         self.dtype_bytes = int(dtype_bytes)
-        self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention)
+        # Megatron turns --sequence-parallel off without tensor parallelism
+        self.sequence_parallel = bool(sequence_parallel) and self.tensor_parallel > 1
+        self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention,
+                                  self.sequence_parallel)
         self.flash_attention = flash_attention
+
+    @property
+    def sequence_split(self) -> int:
+        """What sequence parallelism divides a stage's token rows by (1 without it)."""
+        return self.tensor_parallel if self.sequence_parallel else 1
+
+    def parallelism_text(self) -> str:
+        """TP size (and sequence parallelism) for describe()."""
+        return f"TP={self.tensor_parallel}" + (", sequence parallel" if self.sequence_parallel else "")
 
     @abstractmethod
     def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
@@ -53,8 +66,11 @@ class LayerStackCostModel(CostModel):
         return scalar_or_array(self.layers_per_stage * self.layer_backward_time(*as_float_arrays(batch, length, context)))
 
     def transfer_time(self, batch, length):
+        """One P2P message: each TP rank sends the stage's output, its own rows of it under
+        sequence parallelism (Megatron's P2P shape is then seq_length / TP)."""
         b, l = as_float_arrays(batch, length)
-        return scalar_or_array(self.link.time(b * l * self.model.hidden_size * self.dtype_bytes))
+        nbytes = b * l * self.model.hidden_size * self.dtype_bytes / self.sequence_split
+        return scalar_or_array(self.link.time(nbytes))
 
     def activation_bytes(self, batch, length, context):
         return scalar_or_array(self.layers_per_stage * self.memory.activation_bytes(batch, length, context))
@@ -81,12 +97,14 @@ class LayerStackCostModel(CostModel):
         return self._edge_time("backward", batch, length, first_stage, last_stage)
 
     def wgrad_hold_bytes(self, batch, length):
-        """Per layer: the inputs of QKV, projection, fc1 and fc2, and their output gradients."""
+        """Per layer: the inputs of QKV, projection, fc1 and fc2, and their output gradients;
+        the hidden-sized ones that TP replicates are this rank's rows under sequence parallelism
+        (the W action gathers them)."""
         b, l = as_float_arrays(batch, length)
-        m, t = self.model, self.tensor_parallel
+        m, t, sp = self.model, self.tensor_parallel, self.sequence_split
         fc1_out = (2 if m.gated_linear_unit else 1) * m.ffn
-        inputs = 3 * m.hidden_size + m.ffn / t
-        outputs = (m.hidden_size + 2 * m.kv_hidden) / t + 2 * m.hidden_size + fc1_out / t
+        inputs = 3 * m.hidden_size / sp + m.ffn / t
+        outputs = (m.hidden_size + 2 * m.kv_hidden) / t + 2 * m.hidden_size / sp + fc1_out / t
         return scalar_or_array(self.layers_per_stage * b * l * (inputs + outputs) * self.dtype_bytes)
 
     def layer_wgrad_time(self, batch, length, context):

@@ -29,12 +29,14 @@ class ProfiledCostModel(LayerStackCostModel):
 
     def __init__(self, fit: LayerTimeFit, layers_per_stage: int, link: Link,
                  model: Optional[ModelDims] = None, tensor_parallel: Optional[int] = None,
-                 dtype_bytes: int = 2, flash_attention: bool = True):
+                 dtype_bytes: int = 2, flash_attention: bool = True,
+                 sequence_parallel: bool = False):
         if model is None:
             model = _model_from_metadata(fit)
         fit.check_matches(model, tensor_parallel)
         tp = tensor_parallel if tensor_parallel is not None else int(fit.metadata.get("tensor_parallel", 1))
-        super().__init__(model, layers_per_stage, link, tp, dtype_bytes, flash_attention)
+        super().__init__(model, layers_per_stage, link, tp, dtype_bytes, flash_attention,
+                         sequence_parallel)
         self.fit = fit
 
     @classmethod
@@ -76,7 +78,7 @@ class ProfiledCostModel(LayerStackCostModel):
     def describe(self) -> str:
         md = self.fit.metadata
         return (f"profiled: {md.get('device', '?')} {md.get('dtype', '?')}, "
-                f"{self.layers_per_stage} layers/stage, TP={self.tensor_parallel}; "
+                f"{self.layers_per_stage} layers/stage, {self.parallelism_text()}; "
                 f"{self.fit.edges_note()}")
 
 
