@@ -48,6 +48,7 @@ CASES_2 = [
     VirtualCase("w_v2_planned_w_places", planned_places(plan(), 3, 2, 2)),
     VirtualCase("w_v2_gpipe_planned_w_places", planned_places(plan(order="gpipe"), 3, 2, 2)),
     VirtualCase("w_v2_one_microbatch_one_slice", plan([16]), num_microbatches=1),
+    VirtualCase("w_v2_groups_of_3_of_5", plan(virtual_group=3), num_microbatches=5),
     VirtualCase("w_v2_batch_slices", TeraPipePlan([[8, 8], [4, 4, 8]], batch_slices=[1, 2],
                                                  virtual_stages=2), micro_batch_size=3),
     VirtualCase("w_v3_six_layers", plan(V=3), model=TinyGPT(num_layers=6), num_microbatches=2),
@@ -73,6 +74,11 @@ CASES_4 = [
                 num_microbatches=4, transport="megatron"),
     VirtualCase("w_v2_tp2_pp2", plan([6, 6, 4]), tp=2, model=FOUR_LAYERS),
     VirtualCase("w_v2_tp2_pp2_sequence_parallel_ddp", plan([6, 6, 4]), tp=2, ddp=True,
+                model=TinyGPT(num_layers=4, sequence_parallel=True)),
+    # whole sequences in groups of 3 of 5 microbatches (the planner's 32-microbatch plan
+    # under sequence parallelism: 1 slice, groups of 11)
+    VirtualCase("w_v2_tp2_pp2_sequence_parallel_one_slice_groups_of_3", plan([16], virtual_group=3),
+                tp=2, ddp=True, num_microbatches=5,
                 model=TinyGPT(num_layers=4, sequence_parallel=True)),
     VirtualCase("v2_tp2_pp2_sequence_parallel_ddp_gpipe", plan([6, 6, 4], order="gpipe",
                 defer=False), tp=2, ddp=True, model=TinyGPT(num_layers=4, sequence_parallel=True)),
