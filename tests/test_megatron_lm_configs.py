@@ -5,7 +5,7 @@ PP=2, mock data, a small fp32 GPT (harness/megatron_lm.py), 3 iterations and one
 For each configuration TeraPipe (4 token slices) either logs the same lm loss and grad norm as
 Megatron's own schedule at every iteration and the same validation loss (relative 1e-5), or
 stops before its first iteration with TeraPipe's argument error naming the flag and the way
-out. Runs only with a Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1 or core_v0.19.0)
+out; and two runs with the planner's own plans, whose W actions it places. Runs only with a Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1 or core_v0.19.0)
 and `triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of results.
 """
 
@@ -127,11 +127,37 @@ if moe_losses.line_problem() is not None:
     REFUSED += [(config, flag, True) for config, flag in MOE_LOSSES]
 
 
+#: The planner's own plans (no fixed slices): the analytic H100 model places the W actions of
+#: this small model's plans in the stages' waits (--terapipe-wgrad-placement auto, the default)
+PLANNED = [
+    Config("planned, W placed (8 microbatches)", 2, (
+        "--num-layers", "4", "--global-batch-size", "8", "--terapipe-hardware", "h100")),
+    Config("planned, virtual pipeline (PP=2 x V=2), W placed", 2, (
+        "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "8", "--terapipe-hardware", "h100")),
+]
+
+
 @pytest.mark.parametrize("config", EQUAL, ids=[c.name for c in EQUAL])
 def test_terapipe_equals_1f1b(config):
     ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port())
     assert ours.returncode == 0, ours.log[-4000:]
     assert "token slices (all rows) ... 16 16 16 16" in ours.log, ours.log[-4000:]  # TeraPipe ran
+    _assert_equal_to_1f1b(config, ours)
+
+
+@pytest.mark.parametrize("config", PLANNED, ids=[c.name for c in PLANNED])
+def test_planned_w_places_equal_1f1b(config):
+    ours = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "terapipe"],
+                    free_port())
+    assert ours.returncode == 0, ours.log[-4000:]
+    assert "W actions placed in the stages' waits" in ours.log, ours.log[-4000:]
+    _assert_equal_to_1f1b(config, ours)
+
+
+def _assert_equal_to_1f1b(config: Config, ours) -> None:
+    """Megatron's own schedule on the same flags: every iteration's lm loss and grad norm, the
+    validation loss and the MoE losses equal to `ours` (relative 1e-5)."""
     theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
                       free_port())
     assert theirs.returncode == 0, theirs.log[-4000:]

@@ -35,6 +35,14 @@ CONFIGS = {
              micro_batch_size=1, global_batch_size=8, sequence_parallel=True),
         ["--terapipe-granularity", "64", "--terapipe-memory-budget", "16GiB",
          "--terapipe-hardware", "h100"]),
+    "13b, 8 stages, TP 2, 4 microbatches of 2, gpipe, W places off": (
+        ["--pipeline-stages", "8", "--tensor-parallel-size", "2", "--micro-batch-size", "2",
+         "--num-microbatches", "4", "--order", "gpipe", "--granularity", "16",
+         "--wgrad-placement", "off"],
+        dict(pipeline_model_parallel_size=8, tensor_model_parallel_size=2, world_size=16,
+             micro_batch_size=2, global_batch_size=8),
+        ["--terapipe-order", "gpipe", "--terapipe-granularity", "16",
+         "--terapipe-wgrad-placement", "off"]),
     "1b, 2 stages x DP 4, distributed optimizer, a budget": (
         ["--pipeline-stages", "2", "--data-parallel-size", "4", "--distributed-optimizer",
          "--memory-budget", "12GiB", "--hardware", "a100"],
@@ -55,10 +63,10 @@ def _both(name: str, monkeypatch):
     preset = "gpt3-13b" if name.startswith("13b") else "gpt3-1b"
     model = MODEL_PRESETS[preset]
     parser = build_parser()
-    # virtual stages and planned W places are terapipe-plan's searches only: Megatron-LM's
-    # flags do not open them until the executor runs them (docs/design.md, virtual stages)
+    # virtual stages: Megatron-LM's flags give the chunks (--pipeline-schedule auto searches
+    # them, auto_schedule.py); planned W places: both ways by default
     options = parser.parse_args(["--model", preset, "--seq-length", "2048", "--virtual-stages",
-                                 "1", "--wgrad-placement", "off", *cli_argv])
+                                 "1", *cli_argv])
     if "--hardware" not in cli_argv:
         terapipe = terapipe + ["--terapipe-hardware", "v100"]  # terapipe-plan's default
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the presets' GPUs per node
@@ -92,5 +100,26 @@ def test_the_inputs_differ_where_the_configurations_do(monkeypatch):
     one, _ = _both("1b, 2 stages x DP 4, distributed optimizer, a budget", monkeypatch)
     _, other = _both("1b, 4 stages, defaults", monkeypatch)
     assert one.budget != other.budget and one.space != other.space
+    placed, _ = _both("13b, 8 stages, TP 2, 4 microbatches of 2, gpipe", monkeypatch)
+    _, default_places = _both("13b, 8 stages, TP 2, 4 microbatches of 2, gpipe, W places off",
+                              monkeypatch)
+    assert placed.search().plan.wgrad_after and not default_places.search().plan.wgrad_after
     sp, _ = _both("13b, 8 stages x TP 8, sequence parallel, 8 microbatches, a budget", monkeypatch)
     assert "sequence parallel" in sp.cost_model.describe() and sp.space.multiple_of == 8
+
+
+def test_rampup_plans_no_w_places(monkeypatch):
+    """--rampup-batch-size changes the microbatch count the places would be planned for:
+    the flags' inputs keep W actions in their default places and say why."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    model = MODEL_PRESETS["gpt3-13b"]
+    flags = parse(["--pipeline-schedule", "terapipe", "--terapipe-hardware", "v100",
+                   "--terapipe-order", "gpipe", "--terapipe-granularity", "16"],
+                  num_layers=model.num_layers, hidden_size=model.hidden_size,
+                  num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size,
+                  seq_length=2048, bf16=True, pipeline_model_parallel_size=8,
+                  tensor_model_parallel_size=2, world_size=16, micro_batch_size=2,
+                  global_batch_size=8, rampup_batch_size=["2", "2", "100"])
+    inputs = planner_inputs(RunSettings.from_args(flags).for_batch(2048, 2))
+    assert not inputs.space.place_wgrad and not inputs.search().plan.wgrad_after
+    assert any("--rampup-batch-size" in note for note in inputs.notes)

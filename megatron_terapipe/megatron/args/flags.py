@@ -39,14 +39,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     slices.add_argument("--terapipe-num-slices", type=int, default=None, metavar="N",
                         help="cut each sequence into N near-equal slices (multiples of "
                              "--terapipe-granularity)")
-    group.add_argument("--terapipe-defer-wgrad", choices=("auto", "on", "off"),
-                       default=next(k for k, v in DEFER_WGRAD.items() if v is DEFAULTS.defer_wgrad),
-                       help="compute each sequence's parameter gradients in one W action after "
-                            "its last backward cell instead of in every cell (on, the default: "
-                            "exact, and one accumulation per parameter and sequence however "
-                            "many slices; off: in every cell, less memory held until the W "
-                            "action; auto: when the cost model's simulation finds it at least "
-                            "1%% faster)")
+    _add_wgrad_args(group)
     group.add_argument("--terapipe-cost-model", default=DEFAULTS.cost_model,
                        metavar="{analytic,profile,PATH}",
                        help="cost model of the DP slicer (used when no slices are given) and of "
@@ -76,6 +69,25 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="write Chrome traces: the simulated plan to PATH's "
                             "'.simulated.json' sibling, the measured second iteration to PATH")
     return parser
+
+
+def _add_wgrad_args(group) -> None:
+    """Where weight gradients are computed: deferred to W actions, and where those run."""
+    group.add_argument("--terapipe-defer-wgrad", choices=("auto", "on", "off"),
+                       default=next(k for k, v in DEFER_WGRAD.items() if v is DEFAULTS.defer_wgrad),
+                       help="compute each sequence's parameter gradients in one W action after "
+                            "its last backward cell instead of in every cell (on, the default: "
+                            "exact, and one accumulation per parameter and sequence however "
+                            "many slices; off: in every cell, less memory held until the W "
+                            "action; auto: when the cost model's simulation finds it at least "
+                            "1%% faster)")
+    group.add_argument("--terapipe-wgrad-placement", choices=("auto", "off"),
+                       default="auto" if DEFAULTS.wgrad_placement else "off",
+                       help="with deferred weight gradients, the planner places each stage's W "
+                            "actions in its waits for its neighbours, within "
+                            "--terapipe-memory-budget, where that is faster (auto, the default; "
+                            "not with --rampup-batch-size, whose microbatch count changes); "
+                            "off: each right after its sequence's last backward")
 
 
 def _add_memory_args(group) -> None:

@@ -55,11 +55,15 @@ class PlanReport:
         wgrad = "deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"
         if plan.wgrad_points:
             wgrad += f"; {plan.early_w_text()}"
+        if plan.wgrad_after:
+            wgrad += "; W actions placed in the stages' waits"
         out.append(">   weight gradients .......... " + wgrad)
         if plan.defer_wgrad:  # the rule, and how to change it
             out.append(">     (the default: exact, one accumulation per parameter and sequence;")
             out.append(">     layers TeraPipe does not hook (Transformer Engine's) keep theirs there;")
             out.append(">     --terapipe-defer-wgrad off: all there, less memory held)")
+        if plan.wgrad_after:
+            out.append(">     (--terapipe-wgrad-placement off: each W after its sequence's last backward)")
         out.append(f">   slices from ............... {self.source}")
         if self.attention:
             out.append(f">   attention ................. {self.attention}")

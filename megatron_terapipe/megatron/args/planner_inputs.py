@@ -57,7 +57,10 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,
                         shape.num_microbatches, order=flags.order, granularity=flags.granularity,
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,
-                        memory=memory)
+                        memory=memory, place_wgrad=flags.wgrad_placement and not shape.rampup)
+    if flags.wgrad_placement and shape.rampup:
+        notes.append("W actions in their default places: --rampup-batch-size changes the "
+                     "microbatch count the places are planned for")
     budget = memory_budget(model, shape.pipeline_parallel, flags.memory_budget,
                            flags.model_state_memory, run.model_state, layers)
     return PlannerInputs(model, cost, space, budget, notes, layers)

@@ -75,6 +75,7 @@ class TeraPipeSettings:
     slices: Optional[tuple[int, ...]] = None  # --terapipe-slices
     num_slices: Optional[int] = None
     defer_wgrad: Optional[bool] = True  # --terapipe-defer-wgrad on / off; None: auto
+    wgrad_placement: bool = True  # --terapipe-wgrad-placement auto (True) / off
     cost_model: str = "analytic"  # analytic, profile or a layer-profile file
     hardware: str = "auto"
     granularity: int = 8
@@ -97,6 +98,7 @@ class TeraPipeSettings:
             slices=tuple(int(s) for s in slices) if slices else None,
             num_slices=_int_or_none(getattr(args, "terapipe_num_slices", None)),
             defer_wgrad=DEFER_WGRAD.get(_flag(args, "terapipe_defer_wgrad", "on")),
+            wgrad_placement=_flag(args, "terapipe_wgrad_placement", "auto") == "auto",
             cost_model=_flag(args, "terapipe_cost_model", d.cost_model),
             hardware=_flag(args, "terapipe_hardware", d.hardware),
             granularity=int(_flag(args, "terapipe_granularity", d.granularity)),
@@ -153,6 +155,7 @@ class RunShape:
     world_size: int = 1
     ranks_per_node: int = 1  # LOCAL_WORLD_SIZE, else the world
     global_batch_size: Optional[int] = None  # set when num_microbatches follows it
+    rampup: bool = False  # --rampup-batch-size: the microbatch count changes while training
 
     @classmethod
     def from_args(cls, args) -> "RunShape":
@@ -168,7 +171,8 @@ class RunShape:
                     int(getattr(args, "micro_batch_size", None) or 1), int(fixed or 1), pp, tp, dp,
                     cp, int(getattr(args, "expert_model_parallel_size", 1) or 1),
                     bool(getattr(args, "sequence_parallel", False)), dtype, world,
-                    int(os.environ.get("LOCAL_WORLD_SIZE", world)), gbs)
+                    int(os.environ.get("LOCAL_WORLD_SIZE", world)), gbs,
+                    bool(getattr(args, "rampup_batch_size", None)))
         return shape.for_batch(shape.seq_length, shape.micro_batch_size)
 
     def for_batch(self, seq_length: Optional[int], micro_batch_size: int) -> "RunShape":
