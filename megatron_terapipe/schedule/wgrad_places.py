@@ -40,7 +40,8 @@ def place_weight_grads(actions: Sequence[Action], places: Optional[Sequence[int]
         raise ValueError(
             f"the TeraPipe plan places {len(places)} W actions on stage {stage} (wgrad_after) "
             f"but the schedule has {len(weight_grads)} there: plan the W places for this "
-            "schedule (the same slices, microbatches, order and virtual stages)")
+            "schedule (the same slices, microbatches, order and virtual stages), or leave "
+            "wgrad_after unset (Megatron-LM: --terapipe-wgrad-placement off)")
     earliest = default_places(actions)
     for w, place, least in zip(weight_grads, places, earliest):
         if not least <= place <= len(others):
