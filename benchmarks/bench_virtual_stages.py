@@ -12,7 +12,8 @@ divides a stage's 5 layers, W placement on), as before virtual stages and W plac
 layouts would need). Each row: predicted iteration, speed-up over Megatron's 1F1B, bubble,
 peak per stage (activations, K/V and model state), whether it fits, and the plan (slices,
 chunks, group, warm-up, W places). The bubble-free limit is Megatron 1F1B's time over its
-busiest stage's compute. Everything is simulated: no GPU is involved. The JSON starts with
+busiest stage's compute; "recompute_one_layer" is the same limit once at least one layer per
+stage is recomputed for every microbatch (recompute_ceiling). Everything is simulated: no GPU is involved. The JSON starts with
 its provenance (benchmarks/provenance.py). --sequence-parallel asks every table with
 terapipe-plan's --sequence-parallel (Megatron's: both sides' activations and messages split over
 the TP ranks) and writes virtual_stages_sequence_parallel.json by default.
@@ -72,6 +73,21 @@ def best(rows: list[dict], family_prefix: str) -> dict:
                 and "iteration_ms" in r), key=lambda r: r["iteration_ms"], default={})
 
 
+def recompute_ceiling(microbatches: int, base: float, busiest: float) -> dict:
+    """The most any plan can gain over Megatron 1F1B (`base` seconds) once it recomputes at
+    least one whole layer per stage for every microbatch (Megatron's --recompute-granularity
+    full --recompute-num-layers 1, the least it recomputes; per chunk on virtual stages, so
+    more there): the busiest stage's compute (`busiest`) plus one layer's forward per
+    microbatch, with no bubble at all."""
+    parser = build_parser()
+    args = parser.parse_args(MODEL + RUN_OPTIONS + ["--num-microbatches", str(microbatches)])
+    inputs = inputs_from_options(args, parser)
+    layer_forward = float(inputs.cost_model.forward_time(args.micro_batch_size, args.seq_length,
+                                                         0)) / inputs.layers_per_stage
+    return {"layer_forward_ms": round(layer_forward * 1e3, 3),
+            "speedup_ceiling": round(base / (busiest + microbatches * layer_forward), 4)}
+
+
 def case(microbatches: int) -> dict:
     free, _ = table(microbatches, [])
     megatron = next(o for o in free.options if o.name == "Megatron 1F1B")
@@ -88,6 +104,7 @@ def case(microbatches: int) -> dict:
         "budget_gib": round(budget / GiB, 3),
         "megatron_1f1b_ms": round(base * 1e3, 3),
         "bubble_free_limit": round(base / max(megatron.result.busy), 4),
+        "recompute_one_layer": recompute_ceiling(microbatches, base, max(megatron.result.busy)),
         "planning_seconds": round(seconds, 2),
         "best_terapipe": chosen,
         "target_speedup": target,
