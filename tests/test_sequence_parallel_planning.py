@@ -105,3 +105,17 @@ def test_megatron_1f1b_predicted_peak_drops(capsys):
 
     plain, split = first_stage_peak([]), first_stage_peak(["--sequence-parallel"])
     assert split < 0.5 * plain
+
+
+def test_the_last_stage_keeps_its_rows_of_the_output_layer_input():
+    """The final norm's and the output layer's 16-bit inputs are this rank's rows under
+    sequence parallelism; the loss's float32 softmax is split by the vocabulary either way."""
+    from megatron_terapipe.planner.cost.stage_memory import CostModelMemory
+
+    def output_bytes(sp: bool) -> float:
+        memory = CostModelMemory(analytic(8, sp))
+        return memory.cell_bytes(1, 4096, 0, False, True) - memory.cell_bytes(1, 4096, 0, False, False)
+
+    h, V = GPT13.hidden_size, GPT13.vocab_size
+    assert output_bytes(False) == pytest.approx(4096 * (2 * h * 2 + 4 * V / 8), rel=1e-12)
+    assert output_bytes(True) == pytest.approx(4096 * (2 * h * 2 / 8 + 4 * V / 8), rel=1e-12)

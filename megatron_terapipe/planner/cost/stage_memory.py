@@ -143,13 +143,16 @@ class CostModelMemory(StageMemory):
         return float(self.cost_model.wgrad_hold_bytes(rows, tokens)) * self._share(layers)
 
     def _output_bytes(self, rows: int, tokens: int) -> float:
-        """Final norm and output layer inputs (16-bit) and the loss's float32 softmax."""
+        """Final norm and output layer inputs (16-bit; this rank's rows of them under sequence
+        parallelism, the output layer gathering its input again in backward) and the loss's
+        float32 softmax."""
         m = self.model
         if m is None or m.vocab_size is None:
             return 0.0
         tp = int(getattr(self.cost_model, "tensor_parallel", 1))
         dtype = int(getattr(self.cost_model, "dtype_bytes", 2))
-        return float(rows * tokens * (2 * m.hidden_size * dtype + 4 * m.vocab_size / tp))
+        split = int(getattr(self.cost_model, "sequence_split", 1))
+        return float(rows * tokens * (2 * m.hidden_size * dtype / split + 4 * m.vocab_size / tp))
 
     def describe(self) -> str:
         return f"from the cost model ({self.cost_model.describe()})"
