@@ -6,6 +6,8 @@ test_equivalence.py and test_virtual_runs.py.)"""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -85,7 +87,7 @@ def test_terapipe_plan_cuts_slices_in_multiples_of_tp_and_names_the_flag(tmp_pat
                         "--sequence-parallel", "--save-plan", str(path)]) == 0
     out = capsys.readouterr().out
     assert "TP=8, sequence parallel" in out
-    plan = TeraPipePlan.from_dict(__import__("json").loads(path.read_text()))
+    plan = TeraPipePlan.from_dict(json.loads(path.read_text()))
     assert len(plan.seq_slices) > 1 and all(s % 8 == 0 for s in plan.seq_slices)
     with pytest.raises(SystemExit):
         main(BASE + ["--seq-length", "2052", "--granularity", "4", "--sequence-parallel"])
