@@ -187,3 +187,29 @@ def test_megatron_schedules_keep_whole_microbatches():
     chunk = toy.microbatch_bytes(1, 64, False, False, layers=0.5)
     warmup = [(2 - k - 1) * 2 + 2 for k in range(2)]  # Megatron's warm-up forwards per rank
     assert two.peak_memory_bytes == tuple((w + 1) * chunk for w in warmup)
+
+
+def test_a_memory_profile_must_match_the_runs_tp_layout(tmp_path, capsys):
+    """Bytes measured at one TP size are not another's per rank: refused before planning,
+    naming the option, as is a run with sequence parallelism on a profile measured without."""
+    from megatron_terapipe.planner.cli import main
+    from megatron_terapipe.planner.inputs import stage_memory
+
+    m = synthetic_measurements()
+    m.metadata = {"model": {"hidden_size": 64}, "tensor_parallel": 1}
+    path = FittedMemory.fit(m, layers_per_stage=1).save(tmp_path / "m.json")
+    model = ModelDims(num_layers=2, hidden_size=64, num_attention_heads=4)
+    assert stage_memory(model, 2, str(path), tensor_parallel=1) is not None
+    with pytest.raises(ValueError, match="measured at tensor-parallel size 1, but the run has 2"):
+        stage_memory(model, 2, str(path), tensor_parallel=2)
+    m.metadata["tensor_parallel"] = 2
+    path = FittedMemory.fit(m, layers_per_stage=1).save(tmp_path / "m2.json")
+    assert stage_memory(model, 2, str(path), tensor_parallel=2) is not None
+    with pytest.raises(ValueError, match="without sequence parallelism"):
+        stage_memory(model, 2, str(path), tensor_parallel=2, sequence_parallel=True)
+    with pytest.raises(SystemExit):
+        main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "256", "--pipeline-stages", "2", "--tensor-parallel-size", "4",
+              "--memory-profile", str(path)])
+    err = capsys.readouterr().err
+    assert "--memory-profile" in err and "tensor-parallel size 2, but the run has 4" in err

@@ -73,7 +73,9 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
     hardware = HARDWARE_PRESETS[args.hardware]
     cost = _cost_model(args, model, hardware, parser)
     try:
-        memory = stage_memory(model, args.pipeline_stages, args.memory_profile)
+        memory = stage_memory(model, args.pipeline_stages, args.memory_profile,
+                              tensor_parallel=args.tensor_parallel_size,
+                              sequence_parallel=args.sequence_parallel)
     except ValueError as exc:
         parser.error(f"--memory-profile: {exc}")
     space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,

@@ -127,11 +127,14 @@ def memory_budget(model: ModelDims, num_stages: int, budget_bytes: Optional[floa
 
 
 def stage_memory(model: ModelDims, num_stages: int, profile_path: Optional[str],
-                 busiest_layers: Optional[int] = None) -> Optional[StageMemory]:
+                 busiest_layers: Optional[int] = None, tensor_parallel: int = 1,
+                 sequence_parallel: bool = False) -> Optional[StageMemory]:
     """The measured memory profile at `profile_path`, or None (the cost model's estimate).
-    Raises ValueError on a profile that does not fit the model."""
+    Raises ValueError on a profile that does not fit the model or the run's TP layout."""
     if not profile_path:
         return None
     from .profile.memory_fit import FittedMemory
 
-    return FittedMemory.load(profile_path, priced_layers(model, num_stages, busiest_layers), model)
+    fitted = FittedMemory.load(profile_path, priced_layers(model, num_stages, busiest_layers), model)
+    fitted.check_parallelism(tensor_parallel, sequence_parallel, profile_path)
+    return fitted
