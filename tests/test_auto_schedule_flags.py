@@ -172,3 +172,36 @@ def test_auto_chooses_terapipe_on_5_chunks_for_gpt3_13b_with_sequence_parallelis
     assert choice.chosen.time < choice.runner_up.time / 1.03
     apply_choice(args, choice)
     assert args.pipeline_schedule == "terapipe" and args.virtual_pipeline_model_parallel_size == 5
+
+
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+FULL_TEXT = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def test_recomputation_is_named_as_not_modelled():
+    """The planner prices no recomputation: a run that recomputes is told so in its report
+    (a warning naming its flags), and a budget error says the bytes are an upper bound."""
+    terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
+    plan, report = plan_and_report(parse(terapipe, **SHAPE, **FULL_RECOMPUTE), 2048, 1)
+    warnings = [line for line in report.lines(plan) if "recomputation" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("> terapipe: WARNING: ")
+    assert f"({FULL_TEXT}) is not modelled" in warnings[0]
+    _, plain = plan_and_report(parse(terapipe, **SHAPE), 2048, 1)
+    assert not any("recomputation" in note for note in plain.notes)
+    selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    inputs = planner_inputs(run_settings(parse(terapipe, **SHAPE, **selective), 2048, 1))
+    assert "(--recompute-granularity selective --recompute-modules core_attn mlp)" in inputs.notes[0]
+
+    tight = ["--terapipe-memory-budget", "1GiB"]
+    upper_bound = rf"This run recomputes activations \({FULL_TEXT}\), which the planner does not model"
+    with pytest.raises(TeraPipeArgumentError,
+                       match=r"^--terapipe-memory-budget: no pipeline schedule fits.*" + upper_bound):
+        resolve_auto_schedule(RunSettings.from_args(parse(AUTO + tight, **SHAPE, **FULL_RECOMPUTE)),
+                              log=lambda line: None)
+    for argv in (terapipe + tight, terapipe + tight + ["--terapipe-num-slices", "2"]):
+        with pytest.raises(TeraPipeArgumentError, match=upper_bound):
+            plan_and_report(parse(argv, **SHAPE, **FULL_RECOMPUTE), 2048, 1)
+        with pytest.raises(TeraPipeArgumentError) as plain_error:
+            plan_and_report(parse(argv, **SHAPE), 2048, 1)
+        assert "recomputes" not in str(plain_error.value)

@@ -215,4 +215,5 @@ def no_fit_message(space: SearchSpace, budget: MemoryBudget, leanest: Candidate)
             f"per GPU: the leanest ({leanest.label}) peaks at {format_size(totals[stage])} on "
             f"stage {stage} ({format_size(leanest.result.peak_memory_bytes[stage])} of "
             f"activations and K/V, {format_size(budget.state(stage))} of weights, gradients and "
-            f"optimizer state); give {fixes}, or activation recomputation")
+            f"optimizer state); give {fixes}, or recompute activations (Megatron's "
+            "--recompute-granularity; the planner does not count what that saves)")

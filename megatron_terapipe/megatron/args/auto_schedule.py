@@ -23,7 +23,7 @@ from ...planner.inputs import PlannerInputs
 from ...planner.report import auto_text, megatron_1f1b_time, schedule_row
 from ...planner.schedule_choice import AutoChoice, ScheduleTable, interleaved_chunk_counts
 from .plan_report import WARNING
-from .planner_inputs import planner_inputs
+from .planner_inputs import budget_error, planner_inputs
 from .profile_cache import profile_cache_path
 from .settings import RunSettings, TeraPipeArgumentError
 
@@ -75,7 +75,7 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     try:
         choice = table.auto()
     except MemoryBudgetError as exc:
-        raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
+        raise budget_error(exc, run.shape) from None
     for line in auto_log_lines(run, table, choice, inputs.cost_model.describe()):
         log(line)
     for note in inputs.notes:  # a guessed GPU: the choice rests on its numbers

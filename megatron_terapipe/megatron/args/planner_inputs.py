@@ -59,12 +59,33 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
                         shape.num_microbatches, order=flags.order, granularity=flags.granularity,
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,
                         memory=memory, place_wgrad=flags.wgrad_placement and not shape.rampup)
+    if shape.recompute:
+        notes.insert(0, recompute_warning(shape))
     if flags.wgrad_placement and shape.rampup:
         notes.append("W actions in their default places: --rampup-batch-size changes the "
                      "microbatch count the places are planned for")
     budget = memory_budget(model, shape.pipeline_parallel, flags.memory_budget,
                            flags.model_state_memory, run.model_state, layers)
     return PlannerInputs(model, cost, space, budget, notes, layers)
+
+
+def recompute_warning(shape: RunShape) -> str:
+    """The planner prices no recomputation: what that means for this run's predictions."""
+    return (f"{WARNING}activation recomputation ({shape.recompute}) is not modelled: predicted "
+            "times leave out the recomputed forwards, and activations are counted as if none "
+            "were recomputed (an upper bound: a plan within --terapipe-memory-budget fits, "
+            "some refused would fit too)")
+
+
+def budget_error(exc: object, shape: RunShape) -> TeraPipeArgumentError:
+    """A plan that does not fit --terapipe-memory-budget, as the error Megatron-LM's run
+    raises; under recomputation the bytes are an upper bound, and the error says so."""
+    text = f"--terapipe-memory-budget: {exc}"
+    if shape.recompute:
+        text += (f". This run recomputes activations ({shape.recompute}), which the planner "
+                 "does not model: the bytes above count every activation, so raise "
+                 "--terapipe-memory-budget or leave it out")
+    return TeraPipeArgumentError(text)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,8 @@ from ...planner.search import SearchResult, choose_deferral
 from ...planner.timeline import write_chrome_trace
 from .flags import COST_MODELS
 from .plan_report import PlanReport, attention_text
-from .planner_inputs import planner_inputs
-from .settings import RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
+from .planner_inputs import budget_error, planner_inputs
+from .settings import RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
 
 #: () -> what the planner starts from (the cost model measured or not, the space, the budget)
 InputsSource = Callable[[], PlannerInputs]
@@ -54,7 +54,7 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        searched = _search(given, chunks)
+        searched = _search(given, chunks, shape)
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
         if chunks > 1:
             source += f", on {chunks} virtual stages per rank"
@@ -73,7 +73,7 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
                             "--hidden-size, --num-attention-heads)")
     else:
         plan = _predict(given, plan, source, searched, report)
-        _check_fixed_plan_fits(plan, source, report, given.budget)
+        _check_fixed_plan_fits(plan, source, report, given.budget, shape)
     return PlannedRun(replace(plan, predicted_time=report.iteration_time), report, given)
 
 
@@ -114,7 +114,7 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     return plan
 
 
-def _search(inputs: PlannerInputs, chunks: int = 1):
+def _search(inputs: PlannerInputs, chunks: int, shape: RunShape):
     """The planner's search (on `chunks` model chunks per stage: Megatron's virtual pipeline
     stages), within the memory budget when one is given."""
     try:
@@ -122,23 +122,23 @@ def _search(inputs: PlannerInputs, chunks: int = 1):
             return inputs.search_virtual(inputs.space.order, chunks)
         return inputs.search()
     except MemoryBudgetError as exc:
-        raise TeraPipeArgumentError(f"--terapipe-memory-budget: {exc}") from None
+        raise budget_error(exc, shape) from None
 
 
 def _check_fixed_plan_fits(plan: TeraPipePlan, source: str, report: PlanReport,
-                           budget: MemoryBudget) -> None:
+                           budget: MemoryBudget, shape: RunShape) -> None:
     """Slices the flags fix must fit the budget too (the planner's search keeps within it)."""
     if budget.budget_bytes is None or report.peak_bytes is None:
         return
     worst = max(range(len(report.peak_bytes)), key=lambda k: report.peak_bytes[k])
     if report.peak_bytes[worst] > budget.budget_bytes:
         hint = "use --terapipe-order 1f1b, " if plan.order == "gpipe" else ""
-        raise TeraPipeArgumentError(
-            f"--terapipe-memory-budget: the plan from {source} does not fit the memory budget "
-            f"of {format_size(budget.budget_bytes)} per GPU: it peaks at "
+        raise budget_error(
+            f"the plan from {source} does not fit the memory budget of "
+            f"{format_size(budget.budget_bytes)} per GPU: it peaks at "
             f"{format_size(report.peak_bytes[worst])} on stage {worst} (weights, gradients and "
             f"optimizer state included); cut the sequence into more slices, {hint}give more "
-            "memory, or let the planner choose (drop the fixed slices)")
+            "memory, or let the planner choose (drop the fixed slices)", shape)
 
 
 def fixed_plan(flags: TeraPipeSettings, grid: SliceGrid,

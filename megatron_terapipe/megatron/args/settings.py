@@ -156,6 +156,7 @@ class RunShape:
     ranks_per_node: int = 1  # LOCAL_WORLD_SIZE, else the world
     global_batch_size: Optional[int] = None  # set when num_microbatches follows it
     rampup: bool = False  # --rampup-batch-size: the microbatch count changes while training
+    recompute: str = ""  # Megatron's recomputation flags as given ("" when none)
 
     @classmethod
     def from_args(cls, args) -> "RunShape":
@@ -172,7 +173,7 @@ class RunShape:
                     cp, int(getattr(args, "expert_model_parallel_size", 1) or 1),
                     bool(getattr(args, "sequence_parallel", False)), dtype, world,
                     int(os.environ.get("LOCAL_WORLD_SIZE", world)), gbs,
-                    bool(getattr(args, "rampup_batch_size", None)))
+                    bool(getattr(args, "rampup_batch_size", None)), recompute_flags(args))
         return shape.for_batch(shape.seq_length, shape.micro_batch_size)
 
     def for_batch(self, seq_length: Optional[int], micro_batch_size: int) -> "RunShape":
@@ -191,6 +192,23 @@ class RunShape:
     @property
     def dtype_bytes(self) -> int:
         return 4 if self.dtype == "fp32" else 2
+
+
+def recompute_flags(args) -> str:
+    """Megatron's activation recomputation as flags ("" without): the planner does not model
+    it, and its notes and errors say so by these names."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if not granularity:
+        return ""
+    text = f"--recompute-granularity {granularity}"
+    method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
+    if granularity == "full":
+        text += f" --recompute-method {method}" if method else ""
+        text += f" --recompute-num-layers {layers}" if layers else ""
+    modules = getattr(args, "recompute_modules", None)
+    if granularity == "selective" and modules:
+        text += " --recompute-modules " + " ".join(map(str, modules))
+    return text
 
 
 #: Megatron-LM's flags without which the planner has no model to price.
