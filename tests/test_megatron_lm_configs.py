@@ -45,6 +45,7 @@ class Config:
     nproc: int
     flags: tuple[str, ...]
     moe_logs: tuple[str, ...] = ()  # the MoE losses its iteration lines must carry
+    log_has: tuple[str, ...] = ()  # what TeraPipe's start-up report must say besides
 
 
 EQUAL = [
@@ -56,9 +57,14 @@ EQUAL = [
             "RMSNorm", "--untie-embeddings-and-output-weights")),
     Config("packed sequences", 2, ("--reset-position-ids", "--reset-attention-mask",
                                    "--eod-mask-loss")),
+    # the planner does not model recomputation: the report's warning names the flags
     Config("full recompute", 2, ("--recompute-granularity", "full", "--recompute-method",
-                                 "uniform", "--recompute-num-layers", "1")),
-    Config("selective recompute", 2, ("--recompute-granularity", "selective")),
+                                 "uniform", "--recompute-num-layers", "1"),
+           log_has=("> terapipe: WARNING: activation recomputation (--recompute-granularity "
+                    "full --recompute-method uniform --recompute-num-layers 1) is not modelled",)),
+    Config("selective recompute", 2, ("--recompute-granularity", "selective"),
+           log_has=("> terapipe: WARNING: activation recomputation (--recompute-granularity "
+                    "selective", "is not modelled")),
     Config("TP=2", 4, ("--tensor-model-parallel-size", "2")),
     Config("TP=2 + sequence parallel", 4, ("--tensor-model-parallel-size", "2",
                                            "--sequence-parallel")),
@@ -144,6 +150,8 @@ def test_terapipe_equals_1f1b(config):
     ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port())
     assert ours.returncode == 0, ours.log[-4000:]
     assert "token slices (all rows) ... 16 16 16 16" in ours.log, ours.log[-4000:]  # TeraPipe ran
+    for text in config.log_has:
+        assert text in ours.log, ours.log[-4000:]
     _assert_equal_to_1f1b(config, ours)
 
 
