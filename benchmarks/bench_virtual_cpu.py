@@ -25,7 +25,10 @@ interleaved rounds, the order rotating every round; a row's speedup is the media
 of Megatron 1F1B's time in the same round over its own (likewise against the interleaved
 schedule). The simulator predicts every row from the same profiled cost model with the stages
 sharing the measured parallel capacity (Megatron's interleaved 1F1B as the planner models it,
-schedule/interleaved.py). The JSON (`--out`) starts with its provenance.
+schedule/interleaved.py). That profile is measured in the rows' conditions (both stage
+processes at once, pinned, medians: `profile_in_run`); the predictions from a profile measured
+alone (the fastest of 3 runs, as before 2026-11-27) are kept beside them
+(`predicted_alone_profile_s`). The JSON (`--out`) starts with its provenance.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, R
 STAGES, CHUNKS, GRANULARITY = 2, 2, 64
 TARGET_OVER_1F1B = 1.20  # issue 34's measured target at 4 microbatches
 SIMULATOR_TOLERANCE = 0.10
+PROFILE_REPEATS = 5  # the in-run profile's runs per cell (their median)
 
 
 def virtual_plan(cost, model: TinyGPT, M: int, hint: TeraPipePlan):
@@ -94,6 +98,19 @@ def uniform_virtual_plan(cost, model: TinyGPT, M: int, like: TeraPipePlan) -> Te
         if best is None or seconds < best.predicted_time:
             best = replace(plan, predicted_time=seconds)
     return best
+
+
+def profile_in_run(model: TinyGPT, cache: str):
+    """The simulator's profile, measured in the rows' conditions (virtual_runs_bench.
+    profile_in_run_worker: both stage processes at once, pinned, CPU mode, medians): a profile
+    measured alone, the fastest of 3 runs, put every row 9-13% under its measured time
+    (2026-11-27), with the pipeline's cells 7-14% slower than it."""
+    paths = [cache.replace(".json", f"_in_run_rank{r}.json") for r in range(STAGES)]
+    print(f"profiling it again in the rows' conditions ({STAGES} processes at once, medians of "
+          f"{PROFILE_REPEATS}) ...", flush=True)
+    spawn(STAGES, "virtual_runs_bench:profile_in_run_worker", model, GRANULARITY,
+          model.num_layers // STAGES, paths, PROFILE_REPEATS, timeout=1800)
+    return profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", paths[0])
 
 
 def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
@@ -139,8 +156,9 @@ def plan_text(row: Row) -> str:
 
 
 def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: int,
-                capacity: float) -> list[dict]:
-    """Per row: the measured times (each round's slower stage), ratios per round, predictions."""
+                capacity: float, cost_alone) -> list[dict]:
+    """Per row: the measured times (each round's slower stage), ratios per round, predictions
+    (from the profile measured in the run's conditions, and from one measured alone)."""
     rounds = len(per_rank[0][rows[0].label])
     runs = {r.label: [max(p[r.label][i] for p in per_rank) for i in range(rounds)] for r in rows}
     losses = next(p for p in per_rank if p["last_stage"])
@@ -159,6 +177,7 @@ def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: 
                 i / t for i, t in zip(interleaved, times)),
             "predicted_s": sim, "predicted_over_measured": sim / measured,
             "predicted_dedicated_s": predicted(cost, row, model, M, float(STAGES)),
+            "predicted_alone_profile_s": predicted(cost_alone, row, model, M, capacity),
             "stage_busy_s": ([statistics.median(p["busy:" + row.label]) for p in per_rank]
                              if row.schedule == TERAPIPE else None),
             "loss_rel_diff_vs_megatron_1f1b": loss_difference(
@@ -201,11 +220,13 @@ def print_table(rows: list[dict], capacity: float) -> None:
           "median over rounds of that Megatron row's time in the same round over this row's; "
           f"simulated: the stages sharing {capacity:.2f} cores)")
     print(f"{'row':<26} {'V':>2} {'plan':<34} {'measured s':>10} {'simulated s':>11} "
-          f"{'sim/meas':>8} {'vs 1F1B':>8} {'vs interl.':>10} {'loss diff':>9}")
+          f"{'sim/meas':>8} {'alone/meas':>10} {'vs 1F1B':>8} {'vs interl.':>10} {'loss diff':>9}")
     for r in rows:
         print(f"{r['config']:<26} {r['chunks']:>2} {r['plan_text'][:34]:<34} "
               f"{r['measured_s']:>10.3f} {r['predicted_s']:>11.3f} "
-              f"{r['predicted_over_measured']:>8.3f} {r['speedup_vs_megatron_1f1b']:>7.3f}x "
+              f"{r['predicted_over_measured']:>8.3f} "
+              f"{r['predicted_alone_profile_s'] / r['measured_s']:>10.3f} "
+              f"{r['speedup_vs_megatron_1f1b']:>7.3f}x "
               f"{r['speedup_vs_megatron_interleaved']:>9.3f}x "
               f"{r['loss_rel_diff_vs_megatron_1f1b']:>9.1e}")
 
@@ -260,13 +281,16 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     cache = os.path.join(os.path.dirname(args.out),
                          f"profile_cpu_h{model.hidden_size}_s{model.seq_length}.json")
-    print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) ...", flush=True)
-    cost = profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", cache)
+    print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) alone "
+          "...", flush=True)
+    cost_alone = profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", cache)
     if args.limits:
         for cores in args.limits:
             print(f"a schedule with no bubble, {M} microbatches, {cores:.2f} cores' worth: "
-                  f"{bubble_free_limit(cost, model, M, cores):.3f}x over Megatron 1F1B (simulated)")
+                  f"{bubble_free_limit(cost_alone, model, M, cores):.3f}x over Megatron 1F1B "
+                  "(simulated)")
         return 0
+    cost = profile_in_run(model, cache)
     capacity = parallel_capacity(hidden=args.hidden_size, tokens=args.seq_length)
     print(f"two single-thread processes get {capacity:.2f} cores' worth of compute", flush=True)
     rows, notes = make_rows(cost, model, M)
@@ -275,7 +299,7 @@ def main(argv=None) -> int:
     print(f"running {len(rows)} rows in {args.rounds} interleaved rounds ...", flush=True)
     case = VirtualSpeedCase(model, M, args.rounds, CHUNKS, rows)
     per_rank = spawn(STAGES, "virtual_runs_bench:virtual_speed_worker", case, timeout=3600)
-    speed = result_rows(rows, per_rank, cost, model, M, capacity)
+    speed = result_rows(rows, per_rank, cost, model, M, capacity, cost_alone)
     goal = targets(speed, bubble_free_limit(cost, model, M, capacity))
     results = {"provenance": origin,
                "setup": {"stages": STAGES, "chunks": CHUNKS, "num_microbatches": M,

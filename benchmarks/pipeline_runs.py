@@ -233,9 +233,11 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
 
 
 def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
-                       cache: Optional[str], dtype: str = "float32"):
+                       cache: Optional[str], dtype: str = "float32", statistic: str = "min",
+                       repeats: int = 3):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
-    first stage's embedding and the last stage's output layer and loss measured too."""
+    first stage's embedding and the last stage's output layer and loss measured too; each
+    time the `statistic` (min or median) of `repeats` runs."""
     from megatron_terapipe.megatron.measure.layers import measure_layer_times
     from megatron_terapipe.megatron.measure.edges import edge_points_for, measure_edge_times
     from megatron_terapipe.planner import (EdgeTimeFit, LayerTimeFit, ModelDims, ProfiledCostModel,
@@ -245,7 +247,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)
-    measure = dict(dtype=dtype, device=device, repeats=3)
+    measure = dict(dtype=dtype, device=device, repeats=repeats, statistic=statistic)
 
     def edges_match(edges: Optional[EdgeTimeFit]) -> bool:
         return (edges is not None and edges.vocab_size == model.vocab_size

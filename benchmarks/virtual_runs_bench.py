@@ -20,6 +20,7 @@ the ring of chunks TeraPipe's sends must not wait, which the communicator's call
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -224,6 +225,24 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     del models
     release_model_parallel()
     return out
+
+
+def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granularity: int,
+                          layers_per_stage: int, paths: list, repeats: int) -> str:
+    """Every stage's process measures the same layer profile at once, pinned to its core in
+    CPU mode as the rows run, so each profile is measured with the other core busy, as the
+    pipeline's cells are; the median of `repeats` runs (the rows' times are medians too).
+    Returns this rank's profile file."""
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
+    from pipeline_runs import profile_cost_model
+
+    enable_cpu_mode()
+    pin_to_core(rank, world_size)
+    if os.path.exists(paths[rank]):
+        os.remove(paths[rank])  # measured now, never an older run's
+    profile_cost_model(model_cfg, granularity, layers_per_stage, "cpu", paths[rank],
+                       statistic="median", repeats=repeats)
+    return paths[rank]
 
 
 def loss_difference(losses: list, reference: list) -> float:

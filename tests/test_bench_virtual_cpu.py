@@ -43,7 +43,7 @@ def _per_rank() -> list[dict]:
 
 def test_ratios_pair_each_run_with_the_megatron_runs_of_its_round():
     per_rank = _per_rank()
-    rows = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0)
+    rows = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0, _cost())
     tera = next(r for r in rows if r["config"] == "terapipe_v2")
     slower = per_rank[1]  # every round's slower stage
     mega, inter = slower["megatron_1f1b"], slower["megatron_interleaved_v2"]
@@ -55,12 +55,17 @@ def test_ratios_pair_each_run_with_the_megatron_runs_of_its_round():
         i / t for i, t in zip(inter, tera["runs_s"]))
     assert tera["stage_busy_s"] == [statistics.median(p["busy:terapipe_v2"]) for p in per_rank]
     assert tera["predicted_over_measured"] == tera["predicted_s"] / tera["measured_s"]
+    alone = AnalyticCostModel(_cost().model, hardware_preset("a100"), 2, dtype_bytes=4)
+    beside = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0, alone)[2]
+    assert beside["predicted_s"] == tera["predicted_s"]  # the in-run profile's
+    assert beside["predicted_alone_profile_s"] == bench.predicted(alone, ROWS[2], MODEL, 4, 2.0)
+    assert beside["predicted_alone_profile_s"] != tera["predicted_s"]
     assert tera["loss_rel_diff_vs_megatron_1f1b"] == 0.0
     assert rows[0]["speedup_vs_megatron_1f1b"] == 1.0 and rows[0]["stage_busy_s"] is None
 
 
 def test_targets_are_read_off_the_rows():
-    rows = bench.result_rows(ROWS, _per_rank(), _cost(), MODEL, 4, 2.0)
+    rows = bench.result_rows(ROWS, _per_rank(), _cost(), MODEL, 4, 2.0, _cost())
     for r in rows:
         r["predicted_over_measured"] = 1.05
     goal = bench.targets(rows, 1.2)
