@@ -156,9 +156,9 @@ def plan_text(row: Row) -> str:
 
 
 def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: int,
-                capacity: float, cost_alone) -> list[dict]:
+                capacity: float, cost_alone=None) -> list[dict]:
     """Per row: the measured times (each round's slower stage), ratios per round, predictions
-    (from the profile measured in the run's conditions, and from one measured alone)."""
+    (from `cost`, and from `cost_alone`, a profile measured alone, when given)."""
     rounds = len(per_rank[0][rows[0].label])
     runs = {r.label: [max(p[r.label][i] for p in per_rank) for i in range(rounds)] for r in rows}
     losses = next(p for p in per_rank if p["last_stage"])
@@ -177,7 +177,8 @@ def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: 
                 i / t for i, t in zip(interleaved, times)),
             "predicted_s": sim, "predicted_over_measured": sim / measured,
             "predicted_dedicated_s": predicted(cost, row, model, M, float(STAGES)),
-            "predicted_alone_profile_s": predicted(cost_alone, row, model, M, capacity),
+            "predicted_alone_profile_s": (None if cost_alone is None else
+                                          predicted(cost_alone, row, model, M, capacity)),
             "stage_busy_s": ([statistics.median(p["busy:" + row.label]) for p in per_rank]
                              if row.schedule == TERAPIPE else None),
             "loss_rel_diff_vs_megatron_1f1b": loss_difference(
@@ -225,10 +226,14 @@ def print_table(rows: list[dict], capacity: float) -> None:
         print(f"{r['config']:<26} {r['chunks']:>2} {r['plan_text'][:34]:<34} "
               f"{r['measured_s']:>10.3f} {r['predicted_s']:>11.3f} "
               f"{r['predicted_over_measured']:>8.3f} "
-              f"{r['predicted_alone_profile_s'] / r['measured_s']:>10.3f} "
+              f"{_ratio(r['predicted_alone_profile_s'], r['measured_s']):>10} "
               f"{r['speedup_vs_megatron_1f1b']:>7.3f}x "
               f"{r['speedup_vs_megatron_interleaved']:>9.3f}x "
               f"{r['loss_rel_diff_vs_megatron_1f1b']:>9.1e}")
+
+
+def _ratio(predicted_s, measured_s) -> str:
+    return "-" if predicted_s is None else f"{predicted_s / measured_s:.3f}"
 
 
 def print_headline(goal: dict, M: int) -> None:
