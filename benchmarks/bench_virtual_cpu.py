@@ -147,6 +147,15 @@ def predicted(cost, row: Row, model: TinyGPT, M: int, cores: float) -> float:
     return predict(cost, row.plan, model, M, cores, STAGES)
 
 
+def simulated_busy(cost, row: Row, M: int) -> list[float]:
+    """Each stage's compute seconds in the simulator for a TeraPipe row's plan (beside the
+    measured `stage_busy_s`: how far the profile is from the cells as they ran)."""
+    from megatron_terapipe.planner import simulate
+    from megatron_terapipe.schedule import build_schedule
+
+    return list(simulate(build_schedule(row.plan, M, STAGES, 1), cost).busy)
+
+
 def plan_text(row: Row) -> str:
     if row.plan is None:
         return "whole sequences"
@@ -181,6 +190,8 @@ def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: 
                                           predicted(cost_alone, row, model, M, capacity)),
             "stage_busy_s": ([statistics.median(p["busy:" + row.label]) for p in per_rank]
                              if row.schedule == TERAPIPE else None),
+            "stage_busy_simulated_s": (simulated_busy(cost, row, M)
+                                       if row.schedule == TERAPIPE else None),
             "loss_rel_diff_vs_megatron_1f1b": loss_difference(
                 losses["losses:" + row.label], losses["losses:" + rows[0].label]),
         })

@@ -54,6 +54,9 @@ def test_ratios_pair_each_run_with_the_megatron_runs_of_its_round():
     assert tera["speedup_vs_megatron_interleaved"] == statistics.median(
         i / t for i, t in zip(inter, tera["runs_s"]))
     assert tera["stage_busy_s"] == [statistics.median(p["busy:terapipe_v2"]) for p in per_rank]
+    assert tera["stage_busy_simulated_s"] == bench.simulated_busy(_cost(), ROWS[2], 4)
+    assert len(tera["stage_busy_simulated_s"]) == 2 and min(tera["stage_busy_simulated_s"]) > 0
+    assert rows[0]["stage_busy_simulated_s"] is None
     assert tera["predicted_over_measured"] == tera["predicted_s"] / tera["measured_s"]
     alone = AnalyticCostModel(_cost().model, hardware_preset("a100"), 2, dtype_bytes=4)
     beside = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0, alone)[2]
