@@ -191,7 +191,7 @@ def test_megatron_schedules_keep_whole_microbatches():
 
 def test_a_memory_profile_must_match_the_runs_tp_layout(tmp_path, capsys):
     """Bytes measured at one TP size are not another's per rank: refused before planning,
-    naming the option, as is a run with sequence parallelism on a profile measured without."""
+    naming the option, as is a profile whose sequence parallelism differs from the run's."""
     from megatron_terapipe.planner.cli import main
     from megatron_terapipe.planner.inputs import stage_memory
 
@@ -207,6 +207,11 @@ def test_a_memory_profile_must_match_the_runs_tp_layout(tmp_path, capsys):
     assert stage_memory(model, 2, str(path), tensor_parallel=2) is not None
     with pytest.raises(ValueError, match="without sequence parallelism"):
         stage_memory(model, 2, str(path), tensor_parallel=2, sequence_parallel=True)
+    m.metadata["sequence_parallel"] = True  # fewer bytes per rank than a run without it keeps
+    sp_path = FittedMemory.fit(m, layers_per_stage=1).save(tmp_path / "m2_sp.json")
+    assert stage_memory(model, 2, str(sp_path), tensor_parallel=2, sequence_parallel=True) is not None
+    with pytest.raises(ValueError, match="measured with sequence parallelism, which the run does not use"):
+        stage_memory(model, 2, str(sp_path), tensor_parallel=2)
     with pytest.raises(SystemExit):
         main(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
               "--seq-length", "256", "--pipeline-stages", "2", "--tensor-parallel-size", "4",

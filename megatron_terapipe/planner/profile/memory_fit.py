@@ -202,16 +202,18 @@ class FittedMemory(StageMemory):
     def check_parallelism(self, tensor_parallel: int, sequence_parallel: bool,
                           where: object = "memory profile") -> None:
         """ValueError unless the profile's bytes are this run's per rank: measured at the same
-        TP size (older profiles without the key: 1), and with sequence parallelism when the run
-        splits its activations that way."""
+        TP size (older profiles without the key: 1), and, at TP > 1, with sequence parallelism
+        exactly when the run uses it (it splits a rank's activations along the sequence)."""
         measured_tp = int(self.metadata.get("tensor_parallel", 1))
         if measured_tp != int(tensor_parallel):
             raise ValueError(f"{where} was measured at tensor-parallel size {measured_tp}, but the "
                              f"run has {tensor_parallel}: its bytes per rank differ; leave the "
                              "memory profile out (the cost model's estimate) or measure at this TP size")
-        if sequence_parallel and tensor_parallel > 1 and not self.metadata.get("sequence_parallel"):
-            raise ValueError(f"{where} was measured without sequence parallelism, which the run "
-                             "uses: leave the memory profile out (the cost model's estimate)")
+        measured_sp = bool(self.metadata.get("sequence_parallel"))
+        if tensor_parallel > 1 and measured_sp != bool(sequence_parallel):
+            how, run = ("with", "does not use") if measured_sp else ("without", "uses")
+            raise ValueError(f"{where} was measured {how} sequence parallelism, which the run "
+                             f"{run}: leave the memory profile out (the cost model's estimate)")
 
     def check_matches(self, model: ModelDims, where: object = "memory profile") -> None:
         measured = self.metadata.get("model", {})
