@@ -80,6 +80,13 @@ CASES_4 = [
     VirtualCase("w_v2_tp2_pp2_sequence_parallel_one_slice_groups_of_3", plan([16], virtual_group=3),
                 tp=2, ddp=True, num_microbatches=5,
                 model=TinyGPT(num_layers=4, sequence_parallel=True)),
+    # scatter-gather messages, whole sequences in groups of 3 with no second warm-up term (the
+    # planner's 32-microbatch plan with --terapipe-scatter-gather-p2p: groups of 8, warm-up 0)
+    VirtualCase("w_v2_tp2_pp2_scatter_gather_one_slice_groups_of_3_warmup_0",
+                plan([16], virtual_group=3, virtual_warmup=0), tp=2, ddp=True, num_microbatches=5,
+                model=FOUR_LAYERS, scatter_gather=True),
+    VirtualCase("w_v2_tp2_pp2_scatter_gather_megatron_p2p", plan([8, 8]), tp=2,
+                num_microbatches=4, model=FOUR_LAYERS, transport="megatron", scatter_gather=True),
     VirtualCase("v2_tp2_pp2_sequence_parallel_ddp_gpipe", plan([6, 6, 4], order="gpipe",
                 defer=False), tp=2, ddp=True, model=TinyGPT(num_layers=4, sequence_parallel=True)),
     VirtualCase("v2_tp2_pp2_gpipe", plan([6, 6, 4], order="gpipe", defer=False), tp=2,
@@ -108,3 +115,17 @@ def test_two_processes(world2, case):
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
 def test_four_processes(world4, case):
     check_case(world4, case)
+
+
+def test_scatter_gather_carries_half_of_each_message(world4):
+    """On the ring of virtual stages each of the 2 TP ranks takes half of every message over
+    the pipeline link: whole sequences of 16 tokens x 2 x hidden 32, half of that per message,
+    through the torch transport (which counts its receives) and Megatron's communicator."""
+    half = 16 * 2 * FOUR_LAYERS.hidden_size // 2
+    for rank_result in world4:
+        torch_sends = rank_result["w_v2_tp2_pp2_scatter_gather_one_slice_groups_of_3_warmup_0"]
+        assert torch_sends["received_elements"] == torch_sends["receives"] * half > 0
+        megatron = rank_result["w_v2_tp2_pp2_scatter_gather_megatron_p2p"]
+        # two slices of 8 tokens, 4 microbatches, an input and a gradient per cell and chunk
+        # but the ring's ends: 3 of the 4 (chunk, direction) streams on every rank
+        assert megatron["received_elements"] == 4 * 2 * 3 * half // 2, megatron

@@ -49,7 +49,8 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
         install.install()
         return None
     provider = ArgsPlanProvider(run, measure=measure)
-    selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs)
+    selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs,
+                     scatter_gather=run.terapipe.scatter_gather)
     install.use_slice_attention_in_gpt_models(True)
     selection.set_schedule_wrapper(lm_cells.MegatronLMCells(
         trace=run.terapipe.trace, tensor_parallel=run.shape.tensor_parallel))

@@ -47,17 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=_positive_int,
                    help="vocabulary (presets: 50257); gives the first and last stage their "
                         "embedding and output-layer costs")
-    r = p.add_argument_group("run")
-    r.add_argument("--seq-length", type=_positive_int, required=True)
-    r.add_argument("--micro-batch-size", type=_positive_int, default=1)
-    r.add_argument("--num-microbatches", type=_positive_int, default=1,
-                   help="microbatches per iteration on each pipeline")
-    r.add_argument("--pipeline-stages", type=_positive_int, required=True)
-    r.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
-    r.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's: activations and P2P messages split over the TP ranks, "
-                        "token slices multiples of the TP size (nothing changes at TP 1)")
-    r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")
+    _add_run_args(p.add_argument_group("run"))
     c = p.add_argument_group("cost model")
     c.add_argument("--hardware", choices=sorted(HARDWARE_PRESETS), default="v100",
                    help="GPU node type (compute estimate and pipeline links; default v100)")
@@ -92,6 +82,24 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of the chosen plan")
     o.add_argument("--save-plan", metavar="PATH.json", help="write the chosen plan as JSON")
     return p
+
+
+def _add_run_args(r) -> None:
+    """The run's shape and parallelism."""
+    r.add_argument("--seq-length", type=_positive_int, required=True)
+    r.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    r.add_argument("--num-microbatches", type=_positive_int, default=1,
+                   help="microbatches per iteration on each pipeline")
+    r.add_argument("--pipeline-stages", type=_positive_int, required=True)
+    r.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    r.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's: activations and P2P messages split over the TP ranks, "
+                        "token slices multiples of the TP size (nothing changes at TP 1)")
+    r.add_argument("--scatter-gather-p2p", action="store_true",
+                   help="TeraPipe's messages in TP parts, all-gathered inside the node "
+                        "(Megatron-LM's --terapipe-scatter-gather-p2p; Megatron's own schedules "
+                        "are priced with whole messages); not with --sequence-parallel")
+    r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")
 
 
 def _report(args, inputs: PlannerInputs, result: SearchResult) -> list[str]:

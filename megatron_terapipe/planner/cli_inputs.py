@@ -71,6 +71,9 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
     except ValueError as exc:
         parser.error(f"--batch-sizes/--micro-batch-size: {exc}")
     hardware = HARDWARE_PRESETS[args.hardware]
+    if args.scatter_gather_p2p and args.sequence_parallel:
+        parser.error("--scatter-gather-p2p splits each stage-to-stage message over the TP ranks, "
+                     "which --sequence-parallel does already: drop --scatter-gather-p2p")
     cost = _cost_model(args, model, hardware, parser)
     try:
         memory = stage_memory(model, args.pipeline_stages, args.memory_profile,
@@ -185,7 +188,8 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
     try:
         return layer_cost_model(model, hardware, K, tensor_parallel=tp, dtype_bytes=2,
                                 cross_nodes=cross_nodes, profile_path=args.profile,
-                                sequence_parallel=args.sequence_parallel)
+                                sequence_parallel=args.sequence_parallel,
+                                scatter_gather=args.scatter_gather_p2p)
     except ValueError as exc:
         parser.error(f"--profile: {exc}")
     raise AssertionError  # unreachable: parser.error exits

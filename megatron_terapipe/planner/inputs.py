@@ -92,11 +92,24 @@ def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
                      tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
                      profile_path: Optional[str] = None, fit=None,
                      busiest_layers: Optional[int] = None,
-                     sequence_parallel: bool = False) -> CostModel:
+                     sequence_parallel: bool = False, scatter_gather: bool = False) -> CostModel:
     """The analytic model of `hardware`, or the profiled one from a layer fit (`fit`, or the
     file at `profile_path`); stage-to-stage links as `search.pipeline_link`; activations and
-    P2P messages split over the TP ranks under `sequence_parallel`. Raises ValueError on a
-    profile that does not fit the model (the adapters name their option)."""
+    P2P messages split over the TP ranks under `sequence_parallel`; `scatter_gather`: TeraPipe's
+    messages sent in TP parts and gathered over the node's link (Megatron's schedules are
+    priced with whole messages). Raises ValueError on a profile that does not fit the model
+    (the adapters name their option)."""
+    cost = _layer_cost_model(model, hardware, num_stages, tensor_parallel=tensor_parallel,
+                             dtype_bytes=dtype_bytes, cross_nodes=cross_nodes,
+                             profile_path=profile_path, fit=fit, busiest_layers=busiest_layers,
+                             sequence_parallel=sequence_parallel)
+    return cost.with_scatter_gather(hardware.intra_node) if scatter_gather else cost
+
+
+def _layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
+                      tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
+                      profile_path: Optional[str], fit, busiest_layers: Optional[int],
+                      sequence_parallel: bool):
     layers = priced_layers(model, num_stages, busiest_layers)
     if fit is None and profile_path is None:
         return AnalyticCostModel(model, hardware, layers, tensor_parallel=tensor_parallel,

@@ -119,7 +119,9 @@ def _megatron_options(cost_model: CostModel, space: SearchSpace, budget: MemoryB
         except ValueError as exc:  # Megatron's own conditions (e.g. microbatches per group)
             out.append(ScheduleOption(name, MEGATRON, "1f1b", chunks, note=f"cannot run: {exc}"))
             continue
-        result = simulate(schedule, cost_model, memory=space.memory, megatron=True)
+        # Megatron's own schedules send whole messages (scatter-gather is TeraPipe's)
+        result = simulate(schedule, cost_model.without_scatter_gather(), memory=space.memory,
+                          megatron=True)
         out.append(_option(name, MEGATRON, "1f1b", chunks, result, budget, None, ""))
     return out
 

@@ -137,6 +137,7 @@ class StageExecutor:
         record.deferred_wgrads = self.wgrad.deferred if self.wgrad is not None else 0
         record.receives = self.transport.receives
         record.receives_posted_early = self.transport.receives_posted_early
+        record.received_elements = self.transport.received_elements
         return self.loss.results
 
     def _named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -32,6 +32,7 @@ class RunRecord:
     deferred_wgrads: int = 0  # parameter gradients the backward cells left to W actions
     receives: int = 0  # activations and gradients this stage received (torch transport)
     receives_posted_early: int = 0  # of which the receive was posted before it was needed
+    received_elements: int = 0  # elements those receives carried over the pipeline link
     outputs_deallocated: int = 0  # sent outputs whose data was freed (deallocate_outputs)
 
 

@@ -35,6 +35,7 @@ class Transport:
     lowering = Lowering()
     receives = 0  # messages received (counted where the transport can tell)
     receives_posted_early = 0  # of which the receive was posted before it was needed
+    received_elements = 0  # elements those receives carried (counted where receives are)
     # Where receive buffers come from, when the transport allocates them (set by the executor,
     # which gives them back): at fixed addresses every iteration, as a CUDA graph needs.
     pool: Optional[BufferPool] = None
@@ -97,6 +98,7 @@ class TorchTransport(Transport):
         self.lowering = Lowering(post_receives_early=host_staged or dist.get_backend(pp_group) == "gloo")
         self.receives = 0
         self.receives_posted_early = 0
+        self.received_elements = 0
 
     def _source(self, direction: str) -> Optional[int]:
         return self.peer[opposite(direction)]
@@ -150,6 +152,7 @@ class TorchTransport(Transport):
                 raise RuntimeError(f"TeraPipe: a receive of shape {tuple(shape)} found the "
                                    f"posted receive of shape {tuple(buf.shape)}")
         work.wait()
+        self.received_elements += buf.numel()
         if not self.host_staged:
             return buf
         out = (self.pool.take(tuple(shape), self.dtype, self.device) if self.pool is not None

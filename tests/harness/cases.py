@@ -35,6 +35,7 @@ class Case:
     attn_mask_type: Optional[str] = None  # e.g. "no_mask": a non-causal spec (must be refused)
     bad_output: bool = False  # forward_step returns one token too few (must be refused)
     deallocate_outputs: bool = False  # config.deallocate_pipeline_outputs: free sent outputs
+    scatter_gather: bool = False  # config.terapipe.scatter_gather: messages in TP parts
     tolerance: Tolerance = FP32
 
 
@@ -162,6 +163,7 @@ def _run_record(case: Case, record) -> dict[str, Any]:
     result: dict[str, Any] = {"deferred_wgrads": record.deferred_wgrads,
                               "receives": record.receives,
                               "receives_posted_early": record.receives_posted_early,
+                              "received_elements": record.received_elements,
                               "outputs_deallocated": record.outputs_deallocated}
     # What the torch transport must have received: an input per cell (but on the first stage),
     # and an output gradient per cell (but on the last stage, and when forward-only).
@@ -193,6 +195,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     config, model = _terapipe_model(case, full_state)
     configure(config, case.plan)
     config.terapipe.transport = case.transport  # configure made config.terapipe
+    config.terapipe.scatter_gather = case.scatter_gather
     config.deallocate_pipeline_outputs = case.deallocate_outputs
     records: list = []
     # Megatron DDP averages over data-parallel ranks and each rank divides by its own

@@ -39,6 +39,7 @@ class VirtualCase:
     grad_sync_func: bool = False  # config.grad_sync_func per chunk, as Megatron-LM sets it
     transport: Optional[str] = None
     deallocate_outputs: bool = False
+    scatter_gather: bool = False  # config.terapipe.scatter_gather: messages in TP parts
     reference: str = "no_pipelining"
     tolerance: Tolerance = FP32
     # what harness.check_case reads of every case
@@ -145,6 +146,7 @@ def run_virtual_case(rank: int, world_size: int, case: VirtualCase) -> dict[str,
     config, chunks = build_chunks(case, full_state, ddp=case.ddp)
     configure(config, case.plan)
     config.terapipe.transport = case.transport
+    config.terapipe.scatter_gather = case.scatter_gather
     config.deallocate_pipeline_outputs = case.deallocate_outputs
     records: list = []
     losses = forward_backward_terapipe(
@@ -181,6 +183,7 @@ def _receives(case: VirtualCase, record) -> dict[str, Any]:
     gradients = cells * V - (cells if parallel_state.is_pipeline_last_stage() else 0)
     return {"deferred_wgrads": record.deferred_wgrads, "receives": record.receives,
             "receives_posted_early": record.receives_posted_early,
+            "received_elements": record.received_elements,
             "outputs_deallocated": record.outputs_deallocated,
             "cells": cells * V - (cells if parallel_state.is_pipeline_last_stage() else 0),
             "expected_receives": inputs + gradients}

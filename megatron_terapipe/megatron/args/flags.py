@@ -61,6 +61,12 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "action) as a CUDA graph at the second iteration and replay it "
                             "after, so a cell's host work does not grow with the slices (needs "
                             "CUDA; not with --overlap-grad-reduce)")
+    group.add_argument("--terapipe-scatter-gather-p2p", action="store_true",
+                       help="each TP rank sends 1/TP of every stage-to-stage message and the "
+                            "receiving stage's TP ranks all-gather it (Megatron-LM's old "
+                            "scatter/gather optimisation): TP times fewer bytes over the pipeline "
+                            "link for one all-gather in the TP group; not with --sequence-parallel, "
+                            "whose messages are split already")
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; needs --clip-grad 0.0; see megatron/platform/lm_cpu.py)")

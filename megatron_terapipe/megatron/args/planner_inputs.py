@@ -51,7 +51,8 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
                                 tensor_parallel=shape.tensor_parallel,
                                 dtype_bytes=shape.dtype_bytes, cross_nodes=crosses,
                                 profile_path=path, fit=fit, busiest_layers=layers,
-                                sequence_parallel=shape.sequence_parallel)
+                                sequence_parallel=shape.sequence_parallel,
+                                scatter_gather=flags.scatter_gather)
     with _named("--terapipe-memory-profile"):
         memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers,
                               shape.tensor_parallel, shape.sequence_parallel)

@@ -82,6 +82,7 @@ class TeraPipeSettings:
     cache_dir: Optional[str] = None
     profile_points: int = 4
     cuda_graphs: bool = False
+    scatter_gather: bool = False  # --terapipe-scatter-gather-p2p
     cpu: bool = False
     trace: Optional[str] = None
     memory_budget: Optional[float] = None  # bytes
@@ -105,6 +106,7 @@ class TeraPipeSettings:
             cache_dir=_flag(args, "terapipe_cache_dir", None),
             profile_points=int(_flag(args, "terapipe_profile_points", d.profile_points)),
             cuda_graphs=bool(getattr(args, "terapipe_cuda_graphs", False)),
+            scatter_gather=bool(getattr(args, "terapipe_scatter_gather_p2p", False)),
             cpu=bool(getattr(args, "terapipe_cpu", False)),
             trace=_flag(args, "terapipe_trace", None),
             memory_budget=_size(args, "terapipe_memory_budget"),
@@ -132,7 +134,8 @@ class TeraPipeSettings:
             ("--terapipe-slices", bool(self.slices)),
             ("--terapipe-num-slices", self.num_slices is not None),
             ("--terapipe-memory-budget", self.memory_budget is not None),
-            ("--terapipe-cuda-graphs", self.cuda_graphs)) if given]
+            ("--terapipe-cuda-graphs", self.cuda_graphs),
+            ("--terapipe-scatter-gather-p2p", self.scatter_gather)) if given]
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def forward_backward_terapipe(
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     transport, memory = _transport_and_memory(models, config, device, plan, num_microbatches,
-                                              pp, micro_batch_size, forward_only,
+                                              groups, micro_batch_size, forward_only,
                                               p2p_communicator)
     executor = StageExecutor(
         memory.schedule, pp.rank() if pp is not None else 0,
@@ -97,15 +97,18 @@ def forward_backward_terapipe(
 
 
 def _transport_and_memory(models: list, config, device: torch.device, plan: TeraPipePlan,
-                          num_microbatches: int, pp, micro_batch_size: int, forward_only: bool,
-                          p2p_communicator):
+                          num_microbatches: int, groups, micro_batch_size: int,
+                          forward_only: bool, p2p_communicator):
     """The stage's transport (a ring with virtual stages) and the plan's schedule and buffers,
     with each chunk's MoE loss counters started for the iteration."""
-    transport = make_transport(pp, config, device, p2p_communicator, ring=len(models) > 1)
+    pp = groups.pp
+    transport = make_transport(pp, config, device, p2p_communicator, ring=len(models) > 1,
+                               tp_group=groups.tp)
     memory = plan_memory(models[0], config, device, plan, num_microbatches,
                          pp.size() if pp is not None else 1, micro_batch_size, forward_only,
                          transport.lowering)
-    if getattr(transport, "ring", False):  # Megatron's communicator on virtual stages
+    carrier = getattr(transport, "inner", transport)  # under a ScatterGatherTransport
+    if getattr(carrier, "ring", False):  # Megatron's communicator on virtual stages
         check_shared_link(memory.schedule)
     for chunk in models:
         moe_losses.begin_iteration(chunk, config, memory.schedule.schedule, device)

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 
+from ...runtime.scatter_gather import ScatterGatherTransport
 from ...runtime.transport import TorchTransport, Transport
 from ...schedule import Lowering, LoweredSchedule
 from ...schedule.actions import peer_cell
@@ -102,10 +103,23 @@ def check_shared_link(lowered: LoweredSchedule) -> None:
 
 
 def make_transport(pp_group, config, device: torch.device, p2p_communicator=None,
-                   ring: bool = False) -> Transport:
+                   ring: bool = False, tp_group=None) -> Transport:
     """Megatron's communicator where it works (CUDA), the device-aware torch path elsewhere;
     no transport for a one-stage pipeline. `ring`: virtual stages, where the last stage sends
-    forward to the first (its next model chunk) and the first backward to the last."""
+    forward to the first (its next model chunk) and the first backward to the last. With
+    config.terapipe.scatter_gather and TP > 1, each message goes over it in TP parts, gathered
+    in `tp_group` (runtime/scatter_gather.py; the rules refuse it with sequence parallelism)."""
+    from .selection import run_config
+
+    transport = _stage_transport(pp_group, config, device, p2p_communicator, ring)
+    if (run_config(config).scatter_gather and tp_group is not None and tp_group.size() > 1
+            and pp_group is not None and pp_group.size() > 1):
+        return ScatterGatherTransport(transport, tp_group)
+    return transport
+
+
+def _stage_transport(pp_group, config, device: torch.device, p2p_communicator,
+                     ring: bool) -> Transport:
     if pp_group is None or pp_group.size() == 1:
         return Transport()
     rank, size = pp_group.rank(), pp_group.size()

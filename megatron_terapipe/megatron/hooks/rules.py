@@ -63,6 +63,8 @@ class RunView:
     dropout: tuple = ()  # dropout flags above 0, e.g. "--hidden-dropout 0.1"
     graph_safe_rng: bool = False  # Megatron's RNG tracker can be captured
     graphs_device: str = ""  # why no CUDA device captures the graphs ("" when one does)
+    scatter_gather: bool = False  # messages split over the TP ranks (--terapipe-scatter-gather-p2p)
+    sequence_parallel: bool = False
 
     @property
     def uneven_layers(self) -> str:
@@ -219,6 +221,10 @@ RULES = (
         f"{v.graphs_option} captures cells as CUDA graphs, but {v.graphs_device}: drop "
         f"{v.graphs_option} (on CPU, megatron_terapipe.runtime.graphs.graph_audit.audit_iterations "
         "checks that cells could be captured)")),
+    Rule(lambda v: v.scatter_gather and v.sequence_parallel, (
+        "--terapipe-scatter-gather-p2p splits each stage-to-stage message over the TP ranks, "
+        "which --sequence-parallel does already (each rank sends its own rows): drop "
+        "--terapipe-scatter-gather-p2p (config.terapipe.scatter_gather)")),
 )
 
 
@@ -283,7 +289,9 @@ def view_from_args(args) -> RunView:
         attention_backend=backend_name(flag("attention_backend")),
         cuda_graphs=graphs, dropout=dropout_values(args),
         graph_safe_rng=bool(flag("te_rng_tracker", False)) or flag("cuda_graph_impl", "none") != "none",
-        graphs_device=_args_graphs_device(args) if graphs else "")
+        graphs_device=_args_graphs_device(args) if graphs else "",
+        scatter_gather=bool(flag("terapipe_scatter_gather_p2p", False)),
+        sequence_parallel=bool(flag("sequence_parallel", False)))
 
 
 def _virtual_fields(args) -> dict:
@@ -337,7 +345,9 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
         defer_embedding_wgrad_compute=bool(getattr(config, "defer_embedding_wgrad_compute", False)),
         cuda_graphs=cuda_graphs, graphs_option=graphs_option,
         overlap_option="Megatron DDP's overlap_grad_reduce", dropout=dropout,
-        graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device)
+        graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device,
+        scatter_gather=bool(getattr(getattr(config, "terapipe", None), "scatter_gather", False)),
+        sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
 
 
 def graph_safe_rng_tracker() -> bool:

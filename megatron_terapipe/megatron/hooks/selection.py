@@ -26,6 +26,8 @@ class TeraPipeConfig:
     on_run: Optional[Callable[[RunRecord], None]] = None  # gets each call's RunRecord
     # "megatron", "torch" or "host" (torch's through host memory: stages sharing one GPU)
     transport: Optional[str] = None  # overrides p2p.py's choice
+    # each TP rank sends 1/TP of a message, the receivers all-gather (runtime/scatter_gather.py)
+    scatter_gather: Optional[bool] = None
 
     def over(self, default: "TeraPipeConfig") -> "TeraPipeConfig":
         """These settings, with `default`'s where these are None."""
@@ -48,13 +50,15 @@ class SelectionState:
 STATE = SelectionState()
 
 
-def select(source, cuda_graphs: bool = False) -> None:
+def select(source, cuda_graphs: bool = False, scatter_gather: bool = False) -> None:
     """Use `source` (a TeraPipePlan or a provider with plan_for) for every model whose config
     has none of its own, e.g. from flags; `cuda_graphs`: capture and replay every compute
-    action (--terapipe-cuda-graphs)."""
+    action (--terapipe-cuda-graphs); `scatter_gather`: split each message over the TP ranks
+    (--terapipe-scatter-gather-p2p)."""
     if not isinstance(source, TeraPipePlan) and not hasattr(source, "plan_for"):
         raise ValueError(f"select() takes a TeraPipePlan or a plan provider, got {type(source).__name__}")
-    STATE.default = TeraPipeConfig(plan=source, cuda_graphs=cuda_graphs)
+    STATE.default = TeraPipeConfig(plan=source, cuda_graphs=cuda_graphs,
+                                   scatter_gather=scatter_gather)
     STATE.selected = True
 
 
@@ -117,7 +121,8 @@ def config_view(config, model=None) -> RunView:
     if graphs and terapipe.graph_factory is None and model is not None:
         on = next((p.device.type for p in getattr(model, "parameters", list)()), "cuda")
         device = "" if on == "cuda" else f"the model is on {on}"
-    return view_from_config(config, graphs, option, device)
+    return replace(view_from_config(config, graphs, option, device),
+                   scatter_gather=bool(terapipe.scatter_gather))
 
 
 #: The loose TransformerConfig attributes config.terapipe replaced (TeraPipeConfig's fields):

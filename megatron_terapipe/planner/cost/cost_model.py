@@ -92,6 +92,11 @@ class CostModel(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def without_scatter_gather(self) -> "CostModel":
+        """This model with whole messages between stages, as Megatron's own schedules send
+        them (this one, unless it prices scatter-gather messages)."""
+        return self
+
 
 EDGE_PARTS = ("embedding", "output")  # first stage; last stage (final norm, output layer, loss)
 

@@ -4,7 +4,9 @@ model shape."""
 
 from __future__ import annotations
 
+import copy
 from abc import abstractmethod
+from typing import Optional
 
 import numpy as np
 
@@ -41,6 +43,23 @@ class LayerStackCostModel(CostModel):
         self.memory = LayerMemory(model, self.tensor_parallel, self.dtype_bytes, flash_attention,
                                   self.sequence_parallel)
         self.flash_attention = flash_attention
+        self.gather_link: Optional[Link] = None  # set by with_scatter_gather
+
+    def with_scatter_gather(self, gather_link: Link) -> "LayerStackCostModel":
+        """This model with scatter-gather messages (--terapipe-scatter-gather-p2p): each TP
+        rank sends 1/TP of a message over the pipeline link, and the receiving TP ranks
+        all-gather it over `gather_link` (inside a node). Without TP, or with sequence
+        parallelism (its messages are split already), messages stay as they are."""
+        out = copy.copy(self)
+        out.gather_link = gather_link if self.tensor_parallel > 1 and not self.sequence_parallel else None
+        return out
+
+    def without_scatter_gather(self) -> "LayerStackCostModel":
+        if self.gather_link is None:
+            return self
+        out = copy.copy(self)
+        out.gather_link = None
+        return out
 
     @property
     def sequence_split(self) -> int:
@@ -49,7 +68,8 @@ class LayerStackCostModel(CostModel):
 
     def parallelism_text(self) -> str:
         """TP size (and sequence parallelism) for describe()."""
-        return f"TP={self.tensor_parallel}" + (", sequence parallel" if self.sequence_parallel else "")
+        return f"TP={self.tensor_parallel}" + (", sequence parallel" if self.sequence_parallel else "") + (
+            ", scatter-gather messages" if self.gather_link is not None else "")
 
     @abstractmethod
     def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:
@@ -67,10 +87,15 @@ class LayerStackCostModel(CostModel):
 
     def transfer_time(self, batch, length):
         """One P2P message: each TP rank sends the stage's output, its own rows of it under
-        sequence parallelism (Megatron's P2P shape is then seq_length / TP)."""
+        sequence parallelism (Megatron's P2P shape is then seq_length / TP). With scatter-gather
+        messages each TP rank sends 1/TP of it, and the receivers' ring all-gather takes TP - 1
+        steps of that part over the gather link."""
         b, l = as_float_arrays(batch, length)
         nbytes = b * l * self.model.hidden_size * self.dtype_bytes / self.sequence_split
-        return scalar_or_array(self.link.time(nbytes))
+        if self.gather_link is None:
+            return scalar_or_array(self.link.time(nbytes))
+        t, part = self.tensor_parallel, nbytes / self.tensor_parallel
+        return scalar_or_array(self.link.time(part) + (t - 1) * self.gather_link.time(part))
 
     def activation_bytes(self, batch, length, context):
         return scalar_or_array(self.layers_per_stage * self.memory.activation_bytes(batch, length, context))

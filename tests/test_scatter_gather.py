@@ -1,0 +1,106 @@
+"""Scatter-gather messages between stages (--terapipe-scatter-gather-p2p, terapipe-plan's
+--scatter-gather-p2p): how the planner prices them (each TP rank sends 1/TP over the pipeline
+link, the receivers all-gather it inside the node; Megatron's own schedules keep whole
+messages), and the flags that ask for them. Every gradient with them equal to Megatron's own
+run, and the halved bytes over the link: test_equivalence.py and test_virtual_runs.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.settings import RunSettings
+from megatron_terapipe.planner.cli import build_parser, main
+from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
+from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from test_arguments import parse
+
+GPT13 = MODEL_PRESETS["gpt3-13b"]
+H100 = HARDWARE_PRESETS["h100"]
+QUESTION = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel-size 8 "
+            "--seq-length 8192 --micro-batch-size 1 --num-microbatches 8 "
+            "--virtual-stages 1").split()
+
+
+def analytic(tp: int, sp: bool = False) -> AnalyticCostModel:
+    return AnalyticCostModel(GPT13, H100, 5, tensor_parallel=tp, inter_node=True,
+                             sequence_parallel=sp)
+
+
+def test_a_message_crosses_the_link_in_tp_parts_and_is_gathered_in_the_node():
+    b, l = np.array([1.0, 2.0]), np.array([1024.0, 8192.0])
+    whole = analytic(8)
+    parts = whole.with_scatter_gather(H100.intra_node)
+    part_bytes = b * l * GPT13.hidden_size * 2 / 8
+    expected = H100.inter_node.time(part_bytes) + 7 * H100.intra_node.time(part_bytes)
+    assert np.allclose(parts.transfer_time(b, l), expected, rtol=1e-12)
+    ratio = whole.transfer_time(b, l) / parts.transfer_time(b, l)
+    assert ratio[0] > 1.5 and ratio[1] > 4  # 1.9x (the gather's 7 latencies), 4.1x
+    assert parts.without_scatter_gather().transfer_time(8, 1024) == whole.transfer_time(8, 1024)
+    assert "scatter-gather messages" in parts.describe()
+    assert "scatter-gather" not in whole.describe()
+    # nothing to split at TP 1; sequence parallelism splits the messages already
+    for plain in (analytic(1), analytic(8, sp=True)):
+        same = plain.with_scatter_gather(H100.intra_node)
+        assert np.array_equal(same.transfer_time(b, l), plain.transfer_time(b, l))
+        assert same.describe() == plain.describe()
+    # compute and memory are the same model's
+    assert np.array_equal(parts.forward_time(b, l, 0), whole.forward_time(b, l, 0))
+    assert np.array_equal(parts.activation_bytes(b, l, 0), whole.activation_bytes(b, l, 0))
+
+
+def _table(extra: list[str]):
+    parser = build_parser()
+    return inputs_from_options(parser.parse_args(QUESTION + extra), parser).schedule_table()
+
+
+def test_megatron_rows_keep_whole_messages_and_terapipe_rows_gain():
+    whole, parts = _table([]), _table(["--scatter-gather-p2p"])
+    times = {o.name: o.time for o in whole.options}
+    for option in parts.options:
+        if option.name.startswith("Megatron"):
+            assert option.time == times[option.name], option.name
+    faster = [o for o in parts.options if o.name.startswith("TeraPipe") and o.runnable]
+    assert faster and all(o.time < times[o.name] for o in faster)
+
+
+def test_planner_cli_refuses_it_with_sequence_parallel(capsys):
+    with pytest.raises(SystemExit):
+        main(QUESTION + ["--scatter-gather-p2p", "--sequence-parallel"])
+    err = capsys.readouterr().err
+    assert "--scatter-gather-p2p" in err and "--sequence-parallel does already" in err
+
+
+TERAPIPE = ["--pipeline-schedule", "terapipe"]
+
+
+def test_megatron_lm_flag_reaches_the_cost_model_and_the_run():
+    args = parse(TERAPIPE + ["--terapipe-scatter-gather-p2p"], tensor_model_parallel_size=2,
+                 pipeline_model_parallel_size=2, world_size=4)
+    run = validate_terapipe_args(args)
+    assert run.terapipe.scatter_gather
+    inputs = planner_inputs(RunSettings.from_args(args).for_batch(64, 2))
+    assert inputs.cost_model.gather_link is not None
+    assert "scatter-gather messages" in inputs.cost_model.describe()
+    plain = planner_inputs(RunSettings.from_args(parse(
+        TERAPIPE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+        world_size=4)).for_batch(64, 2))
+    assert plain.cost_model.gather_link is None
+
+
+def test_megatron_lm_flag_is_refused_with_sequence_parallel():
+    args = parse(TERAPIPE + ["--terapipe-scatter-gather-p2p"], tensor_model_parallel_size=2,
+                 pipeline_model_parallel_size=2, world_size=4, sequence_parallel=True)
+    with pytest.raises(TeraPipeArgumentError) as info:
+        validate_terapipe_args(args)
+    message = str(info.value)
+    assert "--terapipe-scatter-gather-p2p" in message and "--sequence-parallel" in message
+    assert "drop --terapipe-scatter-gather-p2p" in message
+
+
+def test_megatron_lm_flag_only_means_something_with_terapipe():
+    args = parse(["--terapipe-scatter-gather-p2p"])
+    assert "--terapipe-scatter-gather-p2p" in RunSettings.from_args(args).terapipe.given_flags()
