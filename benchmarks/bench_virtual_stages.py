@@ -16,7 +16,11 @@ busiest stage's compute; "recompute_one_layer" is the same limit once at least o
 stage is recomputed for every microbatch (recompute_ceiling). Everything is simulated: no GPU is involved. The JSON starts with
 its provenance (benchmarks/provenance.py). --sequence-parallel asks every table with
 terapipe-plan's --sequence-parallel (Megatron's: both sides' activations and messages split over
-the TP ranks) and writes virtual_stages_sequence_parallel.json by default.
+the TP ranks) and writes virtual_stages_sequence_parallel.json by default. --scatter-gather-p2p
+asks them with terapipe-plan's --scatter-gather-p2p (TeraPipe's messages in TP parts, gathered
+inside the node; Megatron's rows keep whole messages, as megatron-core sends them) and writes
+virtual_stages_scatter_gather.json; each case then also gives Megatron 1F1B as if it sent in
+parts too ("megatron_1f1b_in_parts_ms"), the stricter baseline.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from megatron_terapipe.planner.cli import build_parser  # noqa: E402
 from megatron_terapipe.planner.cli_inputs import inputs_from_options  # noqa: E402
 from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
+from megatron_terapipe.planner.evaluate.simulator import simulate  # noqa: E402
 from megatron_terapipe.planner.schedule_choice import ScheduleOption, ScheduleTable  # noqa: E402
+from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
+from megatron_terapipe.schedule import build_schedule  # noqa: E402
 from provenance import provenance, script_command  # noqa: E402
 
 MODEL = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel-size 8 "
@@ -88,6 +95,19 @@ def recompute_ceiling(microbatches: int, base: float, busiest: float) -> dict:
             "speedup_ceiling": round(base / (busiest + microbatches * layer_forward), 4)}
 
 
+def megatron_1f1b_in_parts(microbatches: int) -> dict:
+    """Megatron 1F1B simulated on the scatter-gather cost model (its whole sequences, its
+    order, but messages in TP parts as TeraPipe's): what TeraPipe's rows would be compared
+    with if Megatron sent in parts too."""
+    parser = build_parser()
+    args = parser.parse_args(MODEL + RUN_OPTIONS + ["--num-microbatches", str(microbatches)])
+    inputs = inputs_from_options(args, parser)
+    whole = TeraPipePlan([args.seq_length], order="1f1b", defer_wgrad=False)
+    schedule = build_schedule(whole, microbatches, args.pipeline_stages, args.micro_batch_size)
+    result = simulate(schedule, inputs.cost_model, memory=inputs.space.memory, megatron=True)
+    return {"iteration_ms": round(result.iteration_time * 1e3, 3)}
+
+
 def case(microbatches: int) -> dict:
     free, _ = table(microbatches, [])
     megatron = next(o for o in free.options if o.name == "Megatron 1F1B")
@@ -99,6 +119,12 @@ def case(microbatches: int) -> dict:
     chosen = best(rows, "TeraPipe")
     interleaved = best(rows, "Megatron interleaved")
     target = TARGETS.get(microbatches)
+    in_parts = {}
+    if "--scatter-gather-p2p" in RUN_OPTIONS:
+        parts_ms = megatron_1f1b_in_parts(microbatches)["iteration_ms"]
+        in_parts = {"megatron_1f1b_in_parts_ms": parts_ms,
+                    "speedup_vs_megatron_1f1b_in_parts": (
+                        round(parts_ms / chosen["iteration_ms"], 4) if chosen else None)}
     return {
         "microbatches": microbatches,
         "budget_gib": round(budget / GiB, 3),
@@ -111,6 +137,7 @@ def case(microbatches: int) -> dict:
         "target_met": bool(target and chosen and chosen["speedup"] >= target),
         "not_below_megatron_interleaved": (not interleaved
                                            or chosen["iteration_ms"] <= interleaved["iteration_ms"]),
+        **in_parts,
         "rows": rows,
         "before": [row(o, base) for o in before.options if o.family == "terapipe"],
         "no_budget": [row(o, base) for o in free.options if o.family == "terapipe"],
@@ -122,13 +149,21 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", default="1,8,32", help="comma list (default 1,8,32)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's --sequence-parallel on both sides")
+    p.add_argument("--scatter-gather-p2p", action="store_true",
+                   help="TeraPipe's messages in TP parts (terapipe-plan's --scatter-gather-p2p)")
     p.add_argument("--out", help="results file (default: benchmarks/results/virtual_stages.json, "
-                                 "or virtual_stages_sequence_parallel.json)")
+                                 "virtual_stages_sequence_parallel.json or "
+                                 "virtual_stages_scatter_gather.json)")
     args = p.parse_args(argv)
-    name = "virtual_stages_sequence_parallel" if args.sequence_parallel else "virtual_stages"
+    if args.sequence_parallel and args.scatter_gather_p2p:
+        p.error("--scatter-gather-p2p and --sequence-parallel: give one (sequence parallelism "
+                "splits the messages already)")
+    name = ("virtual_stages_sequence_parallel" if args.sequence_parallel else
+            "virtual_stages_scatter_gather" if args.scatter_gather_p2p else "virtual_stages")
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         f"{name}.json")
-    RUN_OPTIONS[:] = ["--sequence-parallel"] if args.sequence_parallel else []
+    RUN_OPTIONS[:] = (["--sequence-parallel"] if args.sequence_parallel else
+                      ["--scatter-gather-p2p"] if args.scatter_gather_p2p else [])
     origin = provenance(script_command(__file__, argv))
     cases = [case(int(m)) for m in args.microbatches.split(",")]
     for c in cases:
@@ -138,10 +173,13 @@ def main(argv=None) -> int:
               f"1F1B ({c['megatron_1f1b_ms']} ms; bubble-free limit {c['bubble_free_limit']}x; "
               f"target {c['target_speedup']}x {'met' if c['target_met'] else 'NOT met'}); "
               f"planned in {c['planning_seconds']} s")
+        if "megatron_1f1b_in_parts_ms" in c:
+            print(f"    over Megatron 1F1B sending in parts too ({c['megatron_1f1b_in_parts_ms']} ms): "
+                  f"{c['speedup_vs_megatron_1f1b_in_parts']}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"provenance": origin, "sequence_parallel": args.sequence_parallel,
-                   "cases": cases}, f, indent=1)
+                   "scatter_gather_p2p": args.scatter_gather_p2p, "cases": cases}, f, indent=1)
     print(f"results: {args.out}")
     return 0
 
