@@ -14,7 +14,11 @@ from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
 from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.planner.cli import build_parser, main
 from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
+from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
+from megatron_terapipe.planner.evaluate.simulator import simulate, simulate_plan
+from megatron_terapipe.schedule import build_schedule
 from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
 from test_arguments import parse
 
@@ -35,21 +39,48 @@ def test_a_message_crosses_the_link_in_tp_parts_and_is_gathered_in_the_node():
     whole = analytic(8)
     parts = whole.with_scatter_gather(H100.intra_node)
     part_bytes = b * l * GPT13.hidden_size * 2 / 8
-    expected = H100.inter_node.time(part_bytes) + 7 * H100.intra_node.time(part_bytes)
-    assert np.allclose(parts.transfer_time(b, l), expected, rtol=1e-12)
-    ratio = whole.transfer_time(b, l) / parts.transfer_time(b, l)
-    assert ratio[0] > 1.5 and ratio[1] > 4  # 1.9x (the gather's 7 latencies), 4.1x
+    assert np.allclose(parts.transfer_time(b, l), H100.inter_node.time(part_bytes), rtol=1e-12)
+    # the gather is the receiving stage's own time, a ring of 7 steps of a part over NVLink
+    assert np.allclose(parts.receive_time(b, l), 7 * H100.intra_node.time(part_bytes),
+                       rtol=1e-12)
+    assert np.array_equal(whole.receive_time(b, l), np.zeros(2))
     assert parts.without_scatter_gather().transfer_time(8, 1024) == whole.transfer_time(8, 1024)
+    assert parts.without_scatter_gather().receive_time(8, 1024) == 0
     assert "scatter-gather messages" in parts.describe()
     assert "scatter-gather" not in whole.describe()
     # nothing to split at TP 1; sequence parallelism splits the messages already
     for plain in (analytic(1), analytic(8, sp=True)):
         same = plain.with_scatter_gather(H100.intra_node)
         assert np.array_equal(same.transfer_time(b, l), plain.transfer_time(b, l))
+        assert np.array_equal(same.receive_time(b, l), np.zeros(2))
         assert same.describe() == plain.describe()
     # compute and memory are the same model's
     assert np.array_equal(parts.forward_time(b, l, 0), whole.forward_time(b, l, 0))
     assert np.array_equal(parts.activation_bytes(b, l, 0), whole.activation_bytes(b, l, 0))
+
+
+@pytest.mark.parametrize("V", [1, 5])
+def test_each_received_message_costs_its_stage_the_gather(V):
+    """A cell that takes a message (an input, but on the model's first virtual stage; a
+    gradient, but on its last) costs its stage receive_time more: 4 stages, 3 microbatches,
+    2 slices, on one chunk per stage and on 5."""
+    whole = analytic(8)
+    parts = whole.with_scatter_gather(H100.intra_node)
+    plan = TeraPipePlan([4096, 4096], virtual_stages=V)
+    K, M, cells = 4, 3, 3 * 2
+    plain, split = (simulate_plan(plan, cost, M, K, 1) for cost in (whole, parts))
+    gather = float(parts.receive_time(1, 4096))
+    for k in range(K):
+        received = cells * (2 * V - (k == 0) - (k == K - 1))
+        assert split.busy[k] == pytest.approx(plain.busy[k] + received * gather, rel=1e-9)
+    schedule = build_schedule(plan, M, K, 1)
+    assert estimate_lists(schedule, parts).busiest_compute == pytest.approx(max(split.busy),
+                                                                            rel=1e-9)
+    # messages in parts: over the link in an eighth of the whole message's time and more
+    assert float(parts.transfer_time(1, 4096)) < float(whole.transfer_time(1, 4096)) / 4
+    # what the Megatron rows are priced with: whole messages, no gather
+    megatron = simulate(schedule, parts.without_scatter_gather())
+    assert megatron.busy == simulate(schedule, whole).busy
 
 
 def _table(extra: list[str]):

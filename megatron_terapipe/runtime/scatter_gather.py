@@ -7,9 +7,10 @@ whole of it from each of them: TP times the bytes across the pipeline link. Mega
 sent 1/TP per rank and all-gathered inside the node (`--no-scatter-gather-tensors-in-pipeline`
 still parses; megatron-core no longer reads it). Where the pipeline link crosses nodes and
 the TP group lies inside one, that divides the inter-node bytes by TP for one all-gather over
-NVLink (`--terapipe-scatter-gather-p2p`; the planner prices it as `LayerStackCostModel.
-transfer_time` says). The gathered tensor is the sent one, bit for bit: the parts are slices
-of identical tensors.
+NVLink (`--terapipe-scatter-gather-p2p`). The gather runs where the cell takes its input (the
+RECV action), so the planner prices it as the receiving stage's time
+(`LayerStackCostModel.receive_time`), the part's transfer as the link's. The gathered tensor
+is the sent one, bit for bit: the parts are slices of identical tensors.
 """
 
 from __future__ import annotations

@@ -48,6 +48,12 @@ class CostModel(ABC):
         """Seconds to send one cell's activation [length, batch, hidden] to the next stage
         (the gradient going back has the same size and takes the same time)."""
 
+    def receive_time(self, batch: ArrayLike, length: ArrayLike):
+        """Seconds the receiving stage itself spends on a received message before the cell can
+        use it, on top of transfer_time (which runs while the stage computes): 0, or the
+        all-gather of scatter-gather messages (LayerStackCostModel)."""
+        return scalar_or_array(np.zeros(broadcast_shape(batch, length)))
+
     @abstractmethod
     def activation_bytes(self, batch: ArrayLike, length: ArrayLike, context: ArrayLike):
         """Bytes one stage keeps from a cell's forward until its backward (K/V excluded)."""

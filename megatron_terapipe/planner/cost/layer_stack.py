@@ -85,17 +85,26 @@ class LayerStackCostModel(CostModel):
     def backward_time(self, batch, length, context):
         return scalar_or_array(self.layers_per_stage * self.layer_backward_time(*as_float_arrays(batch, length, context)))
 
-    def transfer_time(self, batch, length):
-        """One P2P message: each TP rank sends the stage's output, its own rows of it under
-        sequence parallelism (Megatron's P2P shape is then seq_length / TP). With scatter-gather
-        messages each TP rank sends 1/TP of it, and the receivers' ring all-gather takes TP - 1
-        steps of that part over the gather link."""
+    def _message_bytes(self, batch, length) -> np.ndarray:
+        """What one TP rank sends per message: the stage's output, its own rows of it under
+        sequence parallelism (Megatron's P2P shape is then seq_length / TP), 1/TP of it with
+        scatter-gather messages."""
         b, l = as_float_arrays(batch, length)
-        nbytes = b * l * self.model.hidden_size * self.dtype_bytes / self.sequence_split
+        split = self.tensor_parallel if self.gather_link is not None else self.sequence_split
+        return b * l * self.model.hidden_size * self.dtype_bytes / split
+
+    def transfer_time(self, batch, length):
+        """One P2P message over the pipeline link (see _message_bytes)."""
+        return scalar_or_array(self.link.time(self._message_bytes(batch, length)))
+
+    def receive_time(self, batch, length):
+        """With scatter-gather messages, the receiving TP ranks' ring all-gather of the parts
+        (TP - 1 steps of a part over the gather link): the runtime runs it where the cell takes
+        its input (runtime/scatter_gather.py), so it is the stage's time, not the link's."""
         if self.gather_link is None:
-            return scalar_or_array(self.link.time(nbytes))
-        t, part = self.tensor_parallel, nbytes / self.tensor_parallel
-        return scalar_or_array(self.link.time(part) + (t - 1) * self.gather_link.time(part))
+            return super().receive_time(batch, length)
+        part = self._message_bytes(batch, length)
+        return scalar_or_array((self.tensor_parallel - 1) * self.gather_link.time(part))
 
     def activation_bytes(self, batch, length, context):
         return scalar_or_array(self.layers_per_stage * self.memory.activation_bytes(batch, length, context))

@@ -155,7 +155,14 @@ class CellCosts:
             saving = self._shared(("WS", c.rows, c.tokens, c.context),
                                   self.cost_model.deferred_backward_saving, first, last, share)
             layers = max(0.0, layers - saving)
-        return layers
+        return layers + self._received(action.kind, c, first, last)
+
+    def _received(self, kind: str, c, first: bool, last: bool) -> float:
+        """The stage's own time on the message the cell takes (an input, but on the model's
+        first virtual stage; a gradient, but on its last): the cost model's receive_time."""
+        if (kind == "F" and first) or (kind == "B" and last):
+            return 0.0
+        return self._get(("R", c.rows, c.tokens), self.cost_model.receive_time, c.rows, c.tokens)
 
     def _shared(self, key: tuple, fn, first: bool, last: bool, share: float) -> float:
         """fn(*key[1:], first, last) with its layers' part scaled by `share` (a chunk's) and
@@ -192,7 +199,7 @@ class CellCosts:
             edge_fn = m.edge_forward_time if kind == "F" else m.edge_backward_time
             layers += self._get(("E" + kind, c.rows, c.tokens, first, last), edge_fn,
                                 c.rows, c.tokens, first, last)
-        return layers
+        return layers + self._received(kind, c, first, last)
 
     def _sequence(self, cell: Cell) -> list[tuple[int, int]]:
         """(tokens, context) of every token slice of the cell's batch slice."""
