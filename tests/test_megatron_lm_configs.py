@@ -46,6 +46,7 @@ class Config:
     flags: tuple[str, ...]
     moe_logs: tuple[str, ...] = ()  # the MoE losses its iteration lines must carry
     log_has: tuple[str, ...] = ()  # what TeraPipe's start-up report must say besides
+    terapipe_flags: tuple[str, ...] = ()  # given to TeraPipe's run only
 
 
 EQUAL = [
@@ -68,6 +69,11 @@ EQUAL = [
     Config("TP=2", 4, ("--tensor-model-parallel-size", "2")),
     Config("TP=2 + sequence parallel", 4, ("--tensor-model-parallel-size", "2",
                                            "--sequence-parallel")),
+    Config("TP=2 + scatter-gather messages", 4, ("--tensor-model-parallel-size", "2"),
+           log_has=("> terapipe: stage-to-stage messages in 2 TP parts, all-gathered by the "
+                    "receiving stage (--terapipe-scatter-gather-p2p)",
+                    "TP=2, scatter-gather messages"),
+           terapipe_flags=("--terapipe-scatter-gather-p2p",)),
     Config("DP=2", 4, ()),
     Config("DP=2 + overlapped grad reduce", 4, ("--overlap-grad-reduce",)),
     Config("DP=2 + distributed optimizer", 4, ("--use-distributed-optimizer",)),
@@ -147,7 +153,8 @@ PLANNED = [
 
 @pytest.mark.parametrize("config", EQUAL, ids=[c.name for c in EQUAL])
 def test_terapipe_equals_1f1b(config):
-    ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE], free_port())
+    ours = pretrain(CHECKOUT, config.nproc, [*config.flags, *TERAPIPE, *config.terapipe_flags],
+                    free_port())
     assert ours.returncode == 0, ours.log[-4000:]
     assert "token slices (all rows) ... 16 16 16 16" in ours.log, ours.log[-4000:]  # TeraPipe ran
     for text in config.log_has:

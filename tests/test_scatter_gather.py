@@ -20,7 +20,7 @@ from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
 from megatron_terapipe.planner.evaluate.simulator import simulate, simulate_plan
 from megatron_terapipe.schedule import build_schedule
 from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from test_arguments import parse
+from test_arguments import parse, plan_and_report
 
 GPT13 = MODEL_PRESETS["gpt3-13b"]
 H100 = HARDWARE_PRESETS["h100"]
@@ -116,6 +116,13 @@ def test_megatron_lm_flag_reaches_the_cost_model_and_the_run():
     inputs = planner_inputs(RunSettings.from_args(args).for_batch(64, 2))
     assert inputs.cost_model.gather_link is not None
     assert "scatter-gather messages" in inputs.cost_model.describe()
+    # the report's baseline is Megatron's 1F1B as it runs, with whole messages
+    _, report = plan_and_report(args, 64, 2)
+    _, plain_report = plan_and_report(parse(
+        TERAPIPE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=4),
+        64, 2)
+    assert "scatter-gather messages" in report.cost_model
+    assert report.baseline_time == plain_report.baseline_time
     plain = planner_inputs(RunSettings.from_args(parse(
         TERAPIPE, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
         world_size=4)).for_batch(64, 2))
@@ -135,3 +142,23 @@ def test_megatron_lm_flag_is_refused_with_sequence_parallel():
 def test_megatron_lm_flag_only_means_something_with_terapipe():
     args = parse(["--terapipe-scatter-gather-p2p"])
     assert "--terapipe-scatter-gather-p2p" in RunSettings.from_args(args).terapipe.given_flags()
+
+
+def test_setup_from_args_selects_scatter_gather_and_says_so(capsys):
+    from megatron_terapipe.megatron.hooks import install, selection
+    from megatron_terapipe.megatron.wiring import setup_from_args
+
+    try:
+        setup_from_args(parse(TERAPIPE + ["--terapipe-num-slices", "2",
+                                          "--terapipe-scatter-gather-p2p"],
+                              tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                              world_size=4))
+        assert selection.STATE.default.scatter_gather is True
+        assert ("> terapipe: stage-to-stage messages in 2 TP parts, all-gathered by the "
+                "receiving stage (--terapipe-scatter-gather-p2p)") in capsys.readouterr().out
+        setup_from_args(parse(TERAPIPE + ["--terapipe-num-slices", "2"]))
+        assert not selection.STATE.default.scatter_gather
+        assert "TP parts" not in capsys.readouterr().out
+    finally:
+        selection.deselect()
+        install.use_slice_attention_in_gpt_models(False)

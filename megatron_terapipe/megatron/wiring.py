@@ -57,6 +57,9 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     install.install()
     _log_rank0(f"> terapipe: pipeline schedule terapipe (order {run.terapipe.order}; "
                f"slices: {_slices_text(run.terapipe)})")
+    if run.terapipe.scatter_gather and run.shape.tensor_parallel > 1:
+        _log_rank0(f"> terapipe: stage-to-stage messages in {run.shape.tensor_parallel} TP parts, "
+                   "all-gathered by the receiving stage (--terapipe-scatter-gather-p2p)")
     return provider
 
 

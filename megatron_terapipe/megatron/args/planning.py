@@ -106,7 +106,9 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     else:
         chosen = choose_deferral(model, space, [(source, plan)])[0]
         plan, result = chosen.plan, chosen.result
-    base = space.simulate(TeraPipePlan([space.seq_length], order="1f1b", defer_wgrad=False), model)
+    # Megatron's 1F1B as it runs: whole messages (scatter-gather is TeraPipe's)
+    base = space.simulate(TeraPipePlan([space.seq_length], order="1f1b", defer_wgrad=False),
+                          model.without_scatter_gather())
     report.iteration_time, report.bubble = result.iteration_time, result.bubble_fraction
     report.baseline_time, report.baseline_bubble = base.iteration_time, base.bubble_fraction
     report.peak_bytes = budget.totals(result.peak_memory_bytes)
