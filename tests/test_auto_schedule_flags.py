@@ -180,21 +180,27 @@ FULL_TEXT = "--recompute-granularity full --recompute-method uniform --recompute
 
 
 def test_recomputation_is_named_as_not_modelled():
-    """The planner prices no recomputation: a run that recomputes is told so in its report
-    (a warning naming its flags), and a budget error says the bytes are an upper bound."""
+    """The planner prices full recomputation's time but none of its bytes, and selective
+    recomputation not at all: a run that recomputes is told so in its report (a warning
+    naming its flags), and a budget error says the bytes are an upper bound."""
     terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
     plan, report = plan_and_report(parse(terapipe, **SHAPE, **FULL_RECOMPUTE), 2048, 1)
     warnings = [line for line in report.lines(plan) if "recomputation" in line]
     assert len(warnings) == 1 and warnings[0].startswith("> terapipe: WARNING: ")
-    assert f"({FULL_TEXT}) is not modelled" in warnings[0]
+    assert (f"({FULL_TEXT}): predicted times include the recomputed forwards, but what it "
+            "saves in memory is not modelled") in warnings[0]
     _, plain = plan_and_report(parse(terapipe, **SHAPE), 2048, 1)
     assert not any("recomputation" in note for note in plain.notes)
+    assert report.iteration_time > plain.iteration_time  # the rerun forwards, priced
     selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
     inputs = planner_inputs(run_settings(parse(terapipe, **SHAPE, **selective), 2048, 1))
-    assert "(--recompute-granularity selective --recompute-modules core_attn mlp)" in inputs.notes[0]
+    assert ("(--recompute-granularity selective --recompute-modules core_attn mlp) is not "
+            "modelled") in inputs.notes[0]
+    assert inputs.cost_model.recomputed_share() == 0
 
     tight = ["--terapipe-memory-budget", "1GiB"]
-    upper_bound = rf"This run recomputes activations \({FULL_TEXT}\), which the planner does not model"
+    upper_bound = (rf"This run recomputes activations \({FULL_TEXT}\), whose memory saving the "
+                   "planner does not model")
     with pytest.raises(TeraPipeArgumentError,
                        match=r"^--terapipe-memory-budget: no pipeline schedule fits.*" + upper_bound):
         resolve_auto_schedule(RunSettings.from_args(parse(AUTO + tight, **SHAPE, **FULL_RECOMPUTE)),

@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sequence
 from ..schedule.orders import ORDERS
 from .cli_inputs import add_memory_args, inputs_from_options
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from .cost.recompute import METHODS as RECOMPUTE_METHODS
 from .cost.stage_memory import MemoryBudgetError
 from .inputs import PlannerInputs
 from .report import auto_text, comparison_lines, schedule_table_lines, slices_text
@@ -99,6 +100,13 @@ def _add_run_args(r) -> None:
                    help="TeraPipe's messages in TP parts, all-gathered inside the node "
                         "(Megatron-LM's --terapipe-scatter-gather-p2p; Megatron's own schedules "
                         "are priced with whole messages); not with --sequence-parallel")
+    r.add_argument("--recompute-method", choices=RECOMPUTE_METHODS,
+                   help="Megatron's full activation recomputation (--recompute-granularity full) "
+                        "by this method: each backward reruns the forward of every layer "
+                        "(uniform) or of the first --recompute-num-layers of each model chunk "
+                        "(block); priced for every schedule, the bytes it saves not counted")
+    r.add_argument("--recompute-num-layers", type=_positive_int, default=1,
+                   help="with --recompute-method (default 1)")
     r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")
 
 

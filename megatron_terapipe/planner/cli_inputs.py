@@ -13,6 +13,7 @@ from ..plan import SliceGrid, SliceNames
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from .cost.recompute import FullRecompute
 from .cost.stage_memory import MemoryBudget, ModelStateConfig, parse_bytes
 from .inputs import PlannerInputs, layer_cost_model, memory_budget, stage_memory
 from .search import SearchSpace, stages_cross_nodes
@@ -189,7 +190,10 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
         return layer_cost_model(model, hardware, K, tensor_parallel=tp, dtype_bytes=2,
                                 cross_nodes=cross_nodes, profile_path=args.profile,
                                 sequence_parallel=args.sequence_parallel,
-                                scatter_gather=args.scatter_gather_p2p)
+                                scatter_gather=args.scatter_gather_p2p,
+                                recompute=(FullRecompute(args.recompute_method,
+                                                         args.recompute_num_layers)
+                                           if args.recompute_method else None))
     except ValueError as exc:
         parser.error(f"--profile: {exc}")
     raise AssertionError  # unreachable: parser.error exits

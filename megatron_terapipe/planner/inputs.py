@@ -14,6 +14,7 @@ from ..plan import TeraPipePlan
 from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
+from .cost.recompute import FullRecompute
 from .cost.stage_memory import (MemoryBudget, MemoryBudgetError, ModelStateConfig, StageMemory,
                                 model_state_bytes)
 from .memory_search import search_within_budget
@@ -92,17 +93,20 @@ def layer_cost_model(model: ModelDims, hardware: Hardware, num_stages: int, *,
                      tensor_parallel: int, dtype_bytes: int, cross_nodes: bool,
                      profile_path: Optional[str] = None, fit=None,
                      busiest_layers: Optional[int] = None,
-                     sequence_parallel: bool = False, scatter_gather: bool = False) -> CostModel:
+                     sequence_parallel: bool = False, scatter_gather: bool = False,
+                     recompute: Optional[FullRecompute] = None) -> CostModel:
     """The analytic model of `hardware`, or the profiled one from a layer fit (`fit`, or the
     file at `profile_path`); stage-to-stage links as `search.pipeline_link`; activations and
     P2P messages split over the TP ranks under `sequence_parallel`; `scatter_gather`: TeraPipe's
     messages sent in TP parts and gathered over the node's link (Megatron's schedules are
-    priced with whole messages). Raises ValueError on a profile that does not fit the model
-    (the adapters name their option)."""
+    priced with whole messages); `recompute`: Megatron's full recomputation, whose rerun
+    forwards every backward pays (on both sides). Raises ValueError on a profile that does not
+    fit the model (the adapters name their option)."""
     cost = _layer_cost_model(model, hardware, num_stages, tensor_parallel=tensor_parallel,
                              dtype_bytes=dtype_bytes, cross_nodes=cross_nodes,
                              profile_path=profile_path, fit=fit, busiest_layers=busiest_layers,
                              sequence_parallel=sequence_parallel)
+    cost = cost.with_recompute(recompute) if recompute is not None else cost
     return cost.with_scatter_gather(hardware.intra_node) if scatter_gather else cost
 
 

@@ -52,7 +52,8 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
                                 dtype_bytes=shape.dtype_bytes, cross_nodes=crosses,
                                 profile_path=path, fit=fit, busiest_layers=layers,
                                 sequence_parallel=shape.sequence_parallel,
-                                scatter_gather=flags.scatter_gather)
+                                scatter_gather=flags.scatter_gather,
+                                recompute=shape.full_recompute)
     with _named("--terapipe-memory-profile"):
         memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers,
                               shape.tensor_parallel, shape.sequence_parallel)
@@ -71,7 +72,13 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
 
 
 def recompute_warning(shape: RunShape) -> str:
-    """The planner prices no recomputation: what that means for this run's predictions."""
+    """What the planner leaves out of this run's recomputation: its bytes always; its time
+    unless it is full recomputation (whose rerun forwards it prices)."""
+    if shape.full_recompute is not None:
+        return (f"{WARNING}activation recomputation ({shape.recompute}): predicted times "
+                "include the recomputed forwards, but what it saves in memory is not modelled: "
+                "activations are counted as if none were recomputed (an upper bound: a plan "
+                "within --terapipe-memory-budget fits, some refused would fit too)")
     return (f"{WARNING}activation recomputation ({shape.recompute}) is not modelled: predicted "
             "times leave out the recomputed forwards, and activations are counted as if none "
             "were recomputed (an upper bound: a plan within --terapipe-memory-budget fits, "
@@ -83,8 +90,8 @@ def budget_error(exc: object, shape: RunShape) -> TeraPipeArgumentError:
     raises; under recomputation the bytes are an upper bound, and the error says so."""
     text = f"--terapipe-memory-budget: {exc}"
     if shape.recompute:
-        text += (f". This run recomputes activations ({shape.recompute}), which the planner "
-                 "does not model: the bytes above count every activation, so raise "
+        text += (f". This run recomputes activations ({shape.recompute}), whose memory saving "
+                 "the planner does not model: the bytes above count every activation, so raise "
                  "--terapipe-memory-budget or leave it out")
     return TeraPipeArgumentError(text)
 

@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 
 from ...plan import SliceGrid, SliceNames
 from ...planner.cost.dims import ModelDims
+from ...planner.cost.recompute import FullRecompute
 from ...planner.cost.stage_memory import ModelStateConfig, parse_bytes
 from ...planner.schedule_choice import TERAPIPE, AutoChoice
 from ..hooks.rules import RunView, view_from_args
@@ -160,6 +161,7 @@ class RunShape:
     global_batch_size: Optional[int] = None  # set when num_microbatches follows it
     rampup: bool = False  # --rampup-batch-size: the microbatch count changes while training
     recompute: str = ""  # Megatron's recomputation flags as given ("" when none)
+    full_recompute: Optional[FullRecompute] = None  # what the planner prices of them
 
     @classmethod
     def from_args(cls, args) -> "RunShape":
@@ -176,7 +178,8 @@ class RunShape:
                     cp, int(getattr(args, "expert_model_parallel_size", 1) or 1),
                     bool(getattr(args, "sequence_parallel", False)), dtype, world,
                     int(os.environ.get("LOCAL_WORLD_SIZE", world)), gbs,
-                    bool(getattr(args, "rampup_batch_size", None)), recompute_flags(args))
+                    bool(getattr(args, "rampup_batch_size", None)), recompute_flags(args),
+                    full_recompute_of(args))
         return shape.for_batch(shape.seq_length, shape.micro_batch_size)
 
     def for_batch(self, seq_length: Optional[int], micro_batch_size: int) -> "RunShape":
@@ -199,7 +202,8 @@ class RunShape:
 
 def recompute_flags(args) -> str:
     """Megatron's activation recomputation as flags ("" without): the planner does not model
-    it, and its notes and errors say so by these names."""
+    what it saves (nor selective recomputation's time), and its notes and errors say so by
+    these names."""
     granularity = getattr(args, "recompute_granularity", None)
     if not granularity:
         return ""
@@ -212,6 +216,15 @@ def recompute_flags(args) -> str:
     if granularity == "selective" and modules:
         text += " --recompute-modules " + " ".join(map(str, modules))
     return text
+
+
+def full_recompute_of(args) -> Optional[FullRecompute]:
+    """Megatron's full recomputation as the planner prices it (None: none, or selective)."""
+    if getattr(args, "recompute_granularity", None) != "full":
+        return None
+    method, layers = getattr(args, "recompute_method", None), getattr(args, "recompute_num_layers", None)
+    with as_flag_error():
+        return FullRecompute(str(method), int(layers if layers is not None else 1))
 
 
 #: Megatron-LM's flags without which the planner has no model to price.

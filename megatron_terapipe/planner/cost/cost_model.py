@@ -98,6 +98,11 @@ class CostModel(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def recomputed_share(self, share: float = 1.0) -> float:
+        """What share of a chunk's layer forward (a chunk of `share` of the stage's layers)
+        each of its backwards reruns under activation recomputation (0: none)."""
+        return 0.0
+
     def without_scatter_gather(self) -> "CostModel":
         """This model with whole messages between stages, as Megatron's own schedules send
         them (this one, unless it prices scatter-gather messages)."""

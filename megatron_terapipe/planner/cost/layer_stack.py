@@ -13,6 +13,7 @@ import numpy as np
 from .arrays import as_float_arrays, broadcast_shape, scalar_or_array
 from .cost_model import CostModel, combine_edges
 from .dims import LayerMemory, Link, ModelDims
+from .recompute import FullRecompute
 
 
 class LayerStackCostModel(CostModel):
@@ -44,6 +45,19 @@ class LayerStackCostModel(CostModel):
                                   self.sequence_parallel)
         self.flash_attention = flash_attention
         self.gather_link: Optional[Link] = None  # set by with_scatter_gather
+        self.recompute: Optional[FullRecompute] = None  # set by with_recompute
+
+    def with_recompute(self, recompute: Optional[FullRecompute]) -> "LayerStackCostModel":
+        """This model with Megatron's full recomputation (recompute.py): each backward reruns
+        the forward of the recomputed layers of its chunk."""
+        out = copy.copy(self)
+        out.recompute = recompute
+        return out
+
+    def recomputed_share(self, share: float = 1.0) -> float:
+        if self.recompute is None:
+            return 0.0
+        return self.recompute.fraction(max(1, round(self.layers_per_stage * share)))
 
     def with_scatter_gather(self, gather_link: Link) -> "LayerStackCostModel":
         """This model with scatter-gather messages (--terapipe-scatter-gather-p2p): each TP
@@ -69,7 +83,8 @@ class LayerStackCostModel(CostModel):
     def parallelism_text(self) -> str:
         """TP size (and sequence parallelism) for describe()."""
         return f"TP={self.tensor_parallel}" + (", sequence parallel" if self.sequence_parallel else "") + (
-            ", scatter-gather messages" if self.gather_link is not None else "")
+            ", scatter-gather messages" if self.gather_link is not None else "") + (
+            f", {self.recompute.text()}" if self.recompute is not None else "")
 
     @abstractmethod
     def layer_forward_time(self, batch: np.ndarray, length: np.ndarray, context: np.ndarray) -> np.ndarray:

@@ -140,12 +140,13 @@ class CellCosts:
             shapes = self._sequence(c)
             tokens = sum(shapes[t][0] for t in self.w_slices().get((stage, c), ()))
             return self.w_time(stage, c, tokens)
+        forward = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
+                            c.rows, c.tokens, c.context)
         if action.kind == "F":
-            layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
-                               c.rows, c.tokens, c.context)
-        else:
+            layers = forward
+        else:  # and the forward of the layers Megatron's recomputation reruns
             layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
-                               c.rows, c.tokens, c.context)
+                               c.rows, c.tokens, c.context) + forward * m.recomputed_share(share)
         layers *= share
         if first or last:
             edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
@@ -191,8 +192,11 @@ class CellCosts:
     def _chunk(self, stage: int, action: Action) -> float:
         """A model chunk's share of the stage's layers, and the edges where they run."""
         c, m, kind = action.cell, self.cost_model, action.kind
-        fn = m.forward_time if kind == "F" else m.backward_time
-        layers = self._get((kind, c.rows, c.tokens, 0), fn, c.rows, c.tokens, 0) / c.num_chunks
+        layers = self._get(("F", c.rows, c.tokens, 0), m.forward_time, c.rows, c.tokens, 0)
+        if kind == "B":
+            layers = (layers * m.recomputed_share(1.0 / c.num_chunks)
+                      + self._get(("B", c.rows, c.tokens, 0), m.backward_time, c.rows, c.tokens, 0))
+        layers /= c.num_chunks
         first = stage == 0 and c.chunk == 0
         last = stage == self.num_stages - 1 and c.chunk == c.num_chunks - 1
         if first or last:
