@@ -100,6 +100,9 @@ def test_terapipe_plan_prices_it(capsys):
         return float(line.split()[2])
 
     assert megatron_1f1b_ms(priced) > megatron_1f1b_ms(plain)
+    with pytest.raises(SystemExit):
+        main(argv + ["--recompute-num-layers", "2"])
+    assert "--recompute-num-layers needs --recompute-method" in capsys.readouterr().err
 
 
 def test_megatron_lm_flags_give_the_recomputation():

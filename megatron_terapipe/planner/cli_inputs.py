@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from typing import Optional
 
 from ..plan import SliceGrid, SliceNames
 from .cost.cost_model import CostModel
@@ -181,6 +182,15 @@ def _check_shape(args, model: ModelDims, parser) -> None:
         parser.error(str(exc))
 
 
+def _recompute(args, parser) -> Optional[FullRecompute]:
+    """--recompute-method and --recompute-num-layers (Megatron's full recomputation)."""
+    if args.recompute_method is None:
+        if args.recompute_num_layers is not None:
+            parser.error("--recompute-num-layers needs --recompute-method uniform or block")
+        return None
+    return FullRecompute(args.recompute_method, args.recompute_num_layers or 1)
+
+
 def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel:
     """The analytic model of `hardware`, or the --profile; links as `search.pipeline_link`
     (Megatron's rank order: a stage's TP and DP ranks lie between neighbouring stages)."""
@@ -191,9 +201,7 @@ def _cost_model(args, model: ModelDims, hardware: Hardware, parser) -> CostModel
                                 cross_nodes=cross_nodes, profile_path=args.profile,
                                 sequence_parallel=args.sequence_parallel,
                                 scatter_gather=args.scatter_gather_p2p,
-                                recompute=(FullRecompute(args.recompute_method,
-                                                         args.recompute_num_layers)
-                                           if args.recompute_method else None))
+                                recompute=_recompute(args, parser))
     except ValueError as exc:
         parser.error(f"--profile: {exc}")
     raise AssertionError  # unreachable: parser.error exits
