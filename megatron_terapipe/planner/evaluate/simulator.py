@@ -140,13 +140,12 @@ class CellCosts:
             shapes = self._sequence(c)
             tokens = sum(shapes[t][0] for t in self.w_slices().get((stage, c), ()))
             return self.w_time(stage, c, tokens)
-        forward = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
-                            c.rows, c.tokens, c.context)
         if action.kind == "F":
-            layers = forward
-        else:  # and the forward of the layers Megatron's recomputation reruns
+            layers = self._get(("F", c.rows, c.tokens, c.context), m.forward_time,
+                               c.rows, c.tokens, c.context)
+        else:
             layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
-                               c.rows, c.tokens, c.context) + forward * m.recomputed_share(share)
+                               c.rows, c.tokens, c.context) + self._rerun(c, c.context, share)
         layers *= share
         if first or last:
             edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
@@ -157,6 +156,15 @@ class CellCosts:
                                   self.cost_model.deferred_backward_saving, first, last, share)
             layers = max(0.0, layers - saving)
         return layers + self._received(action.kind, c, first, last)
+
+    def _rerun(self, c, context: int, share: float) -> float:
+        """The layer forward a backward of `c` reruns under Megatron's full recomputation, on a
+        chunk of `share` of the stage's layers, before scaling by it (0 without)."""
+        rerun = self.cost_model.recomputed_share(share)
+        if not rerun:
+            return 0.0
+        return rerun * self._get(("F", c.rows, c.tokens, context), self.cost_model.forward_time,
+                                 c.rows, c.tokens, context)
 
     def _received(self, kind: str, c, first: bool, last: bool) -> float:
         """The stage's own time on the message the cell takes (an input, but on the model's
@@ -192,10 +200,10 @@ class CellCosts:
     def _chunk(self, stage: int, action: Action) -> float:
         """A model chunk's share of the stage's layers, and the edges where they run."""
         c, m, kind = action.cell, self.cost_model, action.kind
-        layers = self._get(("F", c.rows, c.tokens, 0), m.forward_time, c.rows, c.tokens, 0)
+        fn = m.forward_time if kind == "F" else m.backward_time
+        layers = self._get((kind, c.rows, c.tokens, 0), fn, c.rows, c.tokens, 0)
         if kind == "B":
-            layers = (layers * m.recomputed_share(1.0 / c.num_chunks)
-                      + self._get(("B", c.rows, c.tokens, 0), m.backward_time, c.rows, c.tokens, 0))
+            layers += self._rerun(c, 0, 1.0 / c.num_chunks)
         layers /= c.num_chunks
         first = stage == 0 and c.chunk == 0
         last = stage == self.num_stages - 1 and c.chunk == c.num_chunks - 1
