@@ -1,7 +1,6 @@
 """Megatron's full activation recomputation in the planner: every backward cell reruns the
 forward of its chunk's recomputed layers (uniform: all of them; block: the first N of each
-chunk), for TeraPipe's schedules and Megatron's alike; its bytes are not modelled (the
-warning and budget errors: test_auto_schedule_flags.py). Both schedules with recomputation
+chunk), for TeraPipe's schedules and Megatron's alike. Its bytes: test_recompute_memory.py. Both schedules with recomputation
 train exactly as Megatron's own run: test_equivalence.py's recompute cases and the Megatron-LM
 matrix's recompute rows."""
 
@@ -68,7 +67,8 @@ def test_each_backward_pays_its_rerun_forward(V, recompute):
             plain.busy[k] + _rerun_forwards(schedule, k, recompute), rel=1e-9)
     assert estimate_lists(schedule, priced).busiest_compute == pytest.approx(max(with_it.busy),
                                                                              rel=1e-9)
-    assert with_it.peak_memory_bytes == plain.peak_memory_bytes  # its bytes: not modelled
+    # its bytes (test_recompute_memory.py): every stage keeps less
+    assert all(w < p for w, p in zip(with_it.peak_memory_bytes, plain.peak_memory_bytes))
 
 
 def test_megatron_schedules_pay_it_too():

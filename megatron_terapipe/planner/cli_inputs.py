@@ -80,7 +80,9 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
     try:
         memory = stage_memory(model, args.pipeline_stages, args.memory_profile,
                               tensor_parallel=args.tensor_parallel_size,
-                              sequence_parallel=args.sequence_parallel)
+                              sequence_parallel=args.sequence_parallel,
+                              recompute=getattr(cost, "recompute", None),
+                              dtype_bytes=int(getattr(cost, "dtype_bytes", 2)))
     except ValueError as exc:
         parser.error(f"--memory-profile: {exc}")
     space = SearchSpace(args.seq_length, args.micro_batch_size, args.pipeline_stages,

@@ -15,6 +15,7 @@ from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
 from .cost.recompute import FullRecompute
+from .cost.recompute_memory import with_recompute
 from .cost.stage_memory import (MemoryBudget, MemoryBudgetError, ModelStateConfig, StageMemory,
                                 model_state_bytes)
 from .memory_search import search_within_budget
@@ -145,13 +146,17 @@ def memory_budget(model: ModelDims, num_stages: int, budget_bytes: Optional[floa
 
 def stage_memory(model: ModelDims, num_stages: int, profile_path: Optional[str],
                  busiest_layers: Optional[int] = None, tensor_parallel: int = 1,
-                 sequence_parallel: bool = False) -> Optional[StageMemory]:
-    """The measured memory profile at `profile_path`, or None (the cost model's estimate).
-    Raises ValueError on a profile that does not fit the model or the run's TP layout."""
+                 sequence_parallel: bool = False, recompute: Optional[FullRecompute] = None,
+                 dtype_bytes: int = 2) -> Optional[StageMemory]:
+    """The measured memory profile at `profile_path` (measured without recomputation; with
+    `recompute`, as a run with it keeps: recompute_memory.py), or None (the cost model's
+    estimate, which knows its own recomputation). Raises ValueError on a profile that does not
+    fit the model or the run's TP layout."""
     if not profile_path:
         return None
     from .profile.memory_fit import FittedMemory
 
     fitted = FittedMemory.load(profile_path, priced_layers(model, num_stages, busiest_layers), model)
     fitted.check_parallelism(tensor_parallel, sequence_parallel, profile_path)
-    return fitted
+    split = tensor_parallel if sequence_parallel else 1
+    return with_recompute(fitted, recompute, model.hidden_size, dtype_bytes, split)

@@ -31,7 +31,8 @@ from ..schedule.placement import message_peer
 from ..schedule.lower import message_ends
 from ..schedule.wgrad_places import default_places
 from .cost.cost_model import CostModel
-from .cost.stage_memory import CostModelMemory, MemoryBudget, StageMemory
+from .cost.recompute_memory import memory_of
+from .cost.stage_memory import MemoryBudget, StageMemory
 from .evaluate.memory_walk import MemoryWalk
 from .evaluate.simulator import CellCosts, plan_time
 
@@ -242,7 +243,7 @@ class WgradPlacer:
             raise ValueError("W placement needs a plan that defers weight gradients "
                              "(defer_wgrad=True)")
         self.schedule = schedule
-        self.memory = memory if memory is not None else CostModelMemory(cost_model)
+        self.memory = memory_of(cost_model, memory)
         self.costs = CellCosts(cost_model, schedule, cache)
         keys: dict = {"value": {}}
         self.producer: dict = {}  # arrival key -> (stage, op) of its sender

@@ -1,6 +1,6 @@
 """Counting, besides autograd's saved tensors, the buffers the runtime keeps itself: the K/V
-gradient buffers of the slice attention (kv_cache.py) and the pieces deferred weight gradients
-wait with (wgrad/store.py). Together they are what a stage holds for backward, as the planner's
+buffers of the slice attention and their gradients (kv_cache.py) and the pieces deferred
+weight gradients wait with (wgrad/store.py). Together they are what a stage holds for backward, as the planner's
 memory model (planner/cost/stage_memory.py) predicts it.
 
     with RuntimeMemoryMeter(exclude=params) as meter, meter.counting_runtime_buffers():
@@ -41,14 +41,20 @@ class RuntimeMemoryMeter(SavedTensorMeter):
 
     @contextlib.contextmanager
     def counting_runtime_buffers(self) -> Iterator["RuntimeMemoryMeter"]:
-        """While active (in this process), K/V gradient buffers count from their allocation
-        until they are freed, and deferred weight-gradient pieces from the backward that
-        leaves them until their sequence's W action."""
+        """While active (in this process), K/V buffers and their gradients count from their
+        allocation until they are freed (the K/V even where no autograd node saved them, as in
+        the no-grad forward of a recomputed layer), and deferred weight-gradient pieces from
+        the backward that leaves them until their sequence's W action."""
+        original_init = KVBuffer.__init__
         original_grad, original_add = KVBuffer.grad, WeightGradStore.add
         original_flush, original_release = WeightGradStore.flush, KVBuffer.release
         held: dict[tuple[int, int], list[int]] = {}
-        held_kv: dict[int, list[int]] = {}  # id(KVBuffer) -> its gradient buffers' keys
+        held_kv: dict[int, list[int]] = {}  # id(KVBuffer) -> the keys of its K/V and their gradients
         meter = self
+
+        def init(buf: KVBuffer, *args, **kwargs) -> None:
+            original_init(buf, *args, **kwargs)
+            held_kv.setdefault(id(buf), []).extend(meter.hold(t) for t in (buf.key, buf.value))
 
         def grad(buf: KVBuffer, which: str, like: torch.Tensor) -> torch.Tensor:
             fresh = getattr(buf, "grad_" + which) is None
@@ -74,10 +80,11 @@ class RuntimeMemoryMeter(SavedTensorMeter):
                 meter.release(key)
 
         KVBuffer.grad, WeightGradStore.add, WeightGradStore.flush = grad, add, flush
-        KVBuffer.release = release
+        KVBuffer.__init__, KVBuffer.release = init, release
         try:
             yield self
         finally:
+            KVBuffer.__init__ = original_init
             KVBuffer.grad, WeightGradStore.add = original_grad, original_add
             WeightGradStore.flush, KVBuffer.release = original_flush, original_release
 

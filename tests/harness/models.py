@@ -26,6 +26,8 @@ class TinyGPT:
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
     recompute_modules: Optional[tuple[str, ...]] = None
+    recompute_method: str = "uniform"  # with recompute_granularity "full"
+    recompute_num_layers: int = 1
     calculate_per_token_loss: bool = False
     normalization: str = "LayerNorm"
     num_experts: Optional[int] = None  # MoE: dropless top-2 routing, alltoall dispatcher
@@ -43,7 +45,8 @@ class TinyGPT:
         if self.recompute_granularity is not None:
             extra["recompute_granularity"] = self.recompute_granularity
             if self.recompute_granularity == "full":
-                extra.update(recompute_method="uniform", recompute_num_layers=1)
+                extra.update(recompute_method=self.recompute_method,
+                             recompute_num_layers=self.recompute_num_layers)
             if self.recompute_modules is not None:
                 extra["recompute_modules"] = list(self.recompute_modules)
         if self.num_experts:

@@ -56,7 +56,8 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
                                 recompute=shape.full_recompute)
     with _named("--terapipe-memory-profile"):
         memory = stage_memory(model, shape.pipeline_parallel, flags.memory_profile, layers,
-                              shape.tensor_parallel, shape.sequence_parallel)
+                              shape.tensor_parallel, shape.sequence_parallel,
+                              shape.full_recompute, shape.dtype_bytes)
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,
                         shape.num_microbatches, order=flags.order, granularity=flags.granularity,
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,

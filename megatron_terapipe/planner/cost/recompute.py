@@ -4,8 +4,8 @@
 (a TransformerBlock: a stage's layers, or one virtual stage's) and reruns their forward in the
 backward: `--recompute-method uniform` every layer (groups of `--recompute-num-layers`), `block`
 the first `--recompute-num-layers` layers of the chunk. A TeraPipe cell runs the chunk's block,
-so each backward cell reruns its own forward on those layers. The bytes a checkpoint saves are
-not modelled (activations count as if none were recomputed: an upper bound).
+so each backward cell reruns its own forward on those layers. What that saves in memory:
+recompute_memory.py.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ class FullRecompute:
         if self.method == "uniform":
             return 1.0
         return min(int(self.num_layers), chunk_layers) / chunk_layers
+
+    def groups(self, chunk_layers: int) -> tuple[tuple[int, int], ...]:
+        """The checkpointed groups of a chunk of `chunk_layers` layers, as (first, end) layer
+        indices (TransformerBlock._checkpointed_forward): uniform, consecutive groups of
+        `num_layers` from layer 0 (the last one cut at the chunk's end); block, each of the
+        first `num_layers` layers alone."""
+        if self.method == "uniform":
+            n = int(self.num_layers)
+            return tuple((i, min(i + n, chunk_layers)) for i in range(0, chunk_layers, n))
+        return tuple((i, i + 1) for i in range(min(int(self.num_layers), chunk_layers)))
 
     def text(self) -> str:
         return f"full recompute ({self.method}, {self.num_layers} layer{'s' if self.num_layers != 1 else ''})"

@@ -85,15 +85,20 @@ class StageMemory(ABC):
     freed_before_kv_grad_deferred: float = 0.3
     layers_per_stage: int = 1
 
-    def kv_grad_rise(self, rows: int, tokens: int, context: int, seq_length: int, first: bool,
-                     last: bool, deferred: bool = False, layers: Optional[float] = None) -> float:
-        """How far a sequence's first backward (its last slice's) lifts the stage's live bytes
-        above where they were before it: from the top, each layer frees a share f of its
-        activations a (less what it keeps for the W action), allocates its K/V gradients g,
-        then frees the rest, keeping h for the W action; the output layer and loss free theirs
-        first (o, less what they keep). The highest point is after layer 1 or layer L:
-        max(g - f a, L g - (L - 1)(a - h) - f a) - o, or no rise at all. `layers`: L, when the
-        cell runs on fewer than the stage's layers (a model chunk)."""
+    def backward_rise(self, rows: int, tokens: int, context: int, seq_length: int, first: bool,
+                      last: bool, deferred: bool = False, layers: Optional[float] = None,
+                      kv_grads: bool = True) -> float:
+        """How far a backward lifts the stage's live bytes above where they were before it.
+        Without recomputation only a sequence's first backward (its last slice's,
+        `kv_grads`) lifts them, allocating the K/V gradients: from the top, each layer frees
+        a share f of its activations a (less what it keeps for the W action), allocates its
+        K/V gradients g, then frees the rest, keeping h for the W action; the output layer
+        and loss free theirs first (o, less what they keep). The highest point is after
+        layer 1 or layer L: max(g - f a, L g - (L - 1)(a - h) - f a) - o, or no rise at all.
+        `layers`: L, when the cell runs on fewer than the stage's layers (a model chunk).
+        recompute_memory.py walks the same layers with checkpointed groups."""
+        if not kv_grads:
+            return 0.0
         L = self.layers_per_stage if layers is None else layers
         no_layers = self.cell_bytes(rows, tokens, context, False, False, 0)
         a = (self.cell_bytes(rows, tokens, context, False, False, L) - no_layers) / L
@@ -107,6 +112,12 @@ class StageMemory(ABC):
             out -= (self.wgrad_hold_bytes(rows, tokens, False, last, 0)
                     - self.wgrad_hold_bytes(rows, tokens, False, False, 0))
         return max(0.0, max(g - f * a, L * g - (L - 1) * (a - h) - f * a) - out)
+
+    def microbatch_backward_rise(self, rows: int, seq_length: int, first: bool, last: bool,
+                                 layers: Optional[float] = None) -> float:
+        """How far a backward of Megatron's schedules lifts the live bytes above where they
+        were: without recomputation it only frees."""
+        return 0.0
 
     def microbatch_bytes(self, rows: int, seq_length: int, first: bool, last: bool,
                          layers: Optional[float] = None) -> float:

@@ -21,7 +21,8 @@ import numpy as np
 
 from ...schedule import Action, ChunkCell, Schedule, TimedAction, VirtualCell
 from ..cost.cost_model import CostModel
-from ..cost.stage_memory import CostModelMemory, StageMemory
+from ..cost.recompute_memory import memory_of
+from ..cost.stage_memory import StageMemory
 from .memory_walk import MemoryWalk, walk_stage
 from .simulator import CellCosts
 
@@ -138,7 +139,7 @@ def _per_shape(walk: MemoryWalk, costs: CellCosts, stage: int, known: _Actions,
         row = cache.get(key)
         if row is None:
             row = cache[key] = (*(walk.cell_value(what, c) for what in _BYTES[:4]),
-                                walk.cell_value("rise", c) if last else 0.0)
+                                walk.cell_value("rise" if last else "slice_rise", c))
         rows.append(row)
         if with_times:
             seconds = cache.get(("time",) + key)
@@ -202,13 +203,15 @@ def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
         freed = np.zeros(n)
         freed[bw] = w_freed
     compute = float(np.cumsum(times)[-1]) if with_times else None
-    drop = v["kv_grad"] - v["rise"]
+    # a backward's highest point: its rise above the bytes before it, the K/V gradients of a
+    # last slice's backward counted on the K/V side
+    drop = np.where(last, v["kv_grad"], 0.0) - v["rise"]
     act = np.zeros((n, 4))  # the walk's changes to the activation bytes, in its order
     kv = np.zeros((n, 2))  # and to the K/V bytes
-    act[:, 0] = np.where(is_f, v["cell"], np.where(is_b & last, -drop, 0.0))
+    act[:, 0] = np.where(is_f, v["cell"], np.where(is_b, -drop, 0.0))
     if schedule.defer_wgrad and freed is not None:
         act[:, 0] -= freed
-    act[:, 1] = np.where(is_b & last, drop, 0.0)
+    act[:, 1] = np.where(is_b, drop, 0.0)
     act[:, 2] = np.where(is_b, -v["cell"], 0.0)
     if schedule.defer_wgrad:
         act[:, 3] = np.where(is_b, v["hold"], 0.0)
@@ -216,7 +219,7 @@ def _stage(schedule: Schedule, stage: int, known: _Actions, values: dict,
     kv[:, 1] = np.where(is_b & first, -(v["kv"] + v["kv_grad"]), 0.0)
     act_after = np.cumsum(act.ravel()).reshape(n, 4)
     kv_after = np.cumsum(kv.ravel()).reshape(n, 2)
-    # recorded: after a forward or a W, before a last slice's backward ends, after a backward
+    # recorded: after a forward or a W, at a backward's highest point, after a backward
     totals = np.concatenate([act_after[:, 0] + kv_after[:, 0], act_after[:, 3] + kv_after[:, 1]])
     return compute, max(0.0, float(totals.max()))
 
@@ -229,7 +232,7 @@ def estimate_lists(schedule: Schedule, cost_model: CostModel,
     alone (busiest_compute None), without most of the cost model's calls."""
     caches = caches if caches is not None else ListCaches()
     costs = CellCosts(cost_model, schedule, caches.costs)
-    memory = memory if memory is not None else CostModelMemory(cost_model)
+    memory = memory_of(cost_model, memory)
     if schedule.forward_only or any(isinstance(a.cell, ChunkCell)
                                     for actions in schedule.stages for a in actions[:1]):
         walked = _walked(schedule, costs, memory)

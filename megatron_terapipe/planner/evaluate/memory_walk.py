@@ -6,12 +6,14 @@ TeraPipe cells:
   sequence's K/V buffers (the whole sequence, every layer of the stage). Forward-only: the
   activations go at the end of the forward, the K/V after the sequence's last slice.
 - B: the sequence's first backward (its last slice's) allocates the K/V gradient buffers, layer
-  by layer while it frees the cell's activations (StageMemory.kv_grad_rise); the cell's
+  by layer while it frees the cell's activations (StageMemory.backward_rise, which also brings
+  back a recomputed group's activations in any backward: recompute_memory.py); the cell's
   activations go (with deferred weight gradients, what the W action needs stays); the
   backward of the first slice frees the sequence's K/V and their gradients.
 - W: frees what the sequence's backwards left for it.
 Megatron's own schedules (`megatron=True`, and every ChunkCell of the interleaved schedule):
-a whole microbatch keeps `microbatch_bytes` from its forward until its backward.
+a whole microbatch keeps `microbatch_bytes` from its forward until its backward (and, with
+recomputation, its backward first rises by `microbatch_backward_rise`).
 TeraPipe's virtual stages (VirtualCell) are walked as TeraPipe cells on 1/V of the stage's
 layers: activations, K/V, their gradients and what waits for the W action per (sequence,
 chunk); the output layer's bytes only on the model's last virtual stage.
@@ -52,6 +54,8 @@ _KEYS = {
     "hold": lambda r, t, c, s, f, l, n, d: ("hold", r, t, f, l, n),
     "whole": lambda r, t, c, s, f, l, n, d: ("whole", r, t, f, l, n),
     "rise": lambda r, t, c, s, f, l, n, d: ("rise", r, t, c, s, f, l, d, n),
+    "slice_rise": lambda r, t, c, s, f, l, n, d: ("slice_rise", r, t, c, f, l, d, n),
+    "whole_rise": lambda r, t, c, s, f, l, n, d: ("whole_rise", r, t, f, l, n),
 }
 
 
@@ -89,7 +93,9 @@ class MemoryWalk:
         return self.stage == 0, self.stage == K - 1, None
 
     def cell_value(self, what: str, cell: Cell) -> float:
-        """`what` (cell, kv, kv_grad, hold, whole, rise) of `cell` on this stage, cached."""
+        """`what` (cell, kv, kv_grad, hold, whole, rise, slice_rise, whole_rise) of `cell` on
+        this stage, cached. rise: a backward that allocates the sequence's K/V gradients (its
+        last slice's); slice_rise: any other backward."""
         first, last, layers = (self._stage_where if type(cell) is Cell else self._where(cell))
         seq = self.seq_lengths[cell.batch_slice]
         key = _KEYS[what](cell.rows, cell.tokens, cell.context, seq, first, last, layers,
@@ -103,9 +109,13 @@ class MemoryWalk:
                 "kv_grad": lambda: m.kv_grad_bytes(cell.rows, seq, layers),
                 "hold": lambda: m.wgrad_hold_bytes(cell.rows, cell.tokens, first, last, layers),
                 "whole": lambda: m.microbatch_bytes(cell.rows, cell.tokens, first, last, layers),
-                "rise": lambda: m.kv_grad_rise(cell.rows, cell.tokens, cell.context, seq, first,
-                                               last, self.schedule.defer_wgrad,
-                                               **({} if layers is None else {"layers": layers})),
+                "rise": lambda: m.backward_rise(cell.rows, cell.tokens, cell.context, seq, first,
+                                                last, self.schedule.defer_wgrad, layers),
+                "slice_rise": lambda: m.backward_rise(cell.rows, cell.tokens, cell.context, seq,
+                                                      first, last, self.schedule.defer_wgrad,
+                                                      layers, kv_grads=False),
+                "whole_rise": lambda: m.microbatch_backward_rise(cell.rows, cell.tokens, first,
+                                                                 last, layers),
             }[what]()
             if not value >= 0:
                 raise ValueError(f"memory model {m.describe()} gave {value} bytes for {what} of "
@@ -139,6 +149,11 @@ class MemoryWalk:
                 self.act -= size
                 self.record(ta.end)
         elif ta.action.kind == "B":
+            rise = self.cell_value("whole_rise", ta.action.cell)
+            if rise:  # a recomputed group's activations, back for its backward
+                self.act += rise
+                self.record(ta.start)
+                self.act -= rise
             self.act -= size
             self.record(ta.end)
 
@@ -167,6 +182,12 @@ class MemoryWalk:
                 self.act -= grads - rise
                 self.record(ta.start)
                 self.act += grads - rise
+            else:
+                rise = self.cell_value("slice_rise", c)
+                if rise:  # a recomputed group's activations, back for its backward
+                    self.act += rise
+                    self.record(ta.start)
+                    self.act -= rise
             self.act -= self.cell_value("cell", c)
             if self.schedule.defer_wgrad:
                 hold = self.cell_value("hold", c)

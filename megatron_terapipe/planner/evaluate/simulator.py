@@ -11,7 +11,8 @@ activations from its forward to its backward, a sequence's K/V buffers (the whol
 from its first slice's forward to that slice's backward, their gradients from the sequence's
 first backward, what deferred weight gradients keep until the W action; Megatron's schedules
 (`megatron=True`, the interleaved schedule) keep a whole microbatch from forward to backward.
-The default StageMemory is the cost model's (`CostModelMemory`); a measured one
+The default StageMemory is the cost model's (`CostModelMemory`, with its recomputation:
+`memory_of`); a measured one
 (`FittedMemory`) predicts the runtime's bytes.
 
 Megatron's interleaved schedule (schedule/interleaved.py) runs ChunkCells: each takes its
@@ -33,7 +34,8 @@ from ...schedule import (Action, Cell, ChunkCell, Schedule, TimedAction, Virtual
                         build_schedule, timeline)
 from ...schedule.actions import first_virtual_stage, last_virtual_stage
 from ..cost.cost_model import CostModel
-from ..cost.stage_memory import CostModelMemory, StageMemory
+from ..cost.recompute_memory import memory_of
+from ..cost.stage_memory import StageMemory
 from .memory_walk import MemoryPoint, walk_stage
 
 __all__ = ["MemoryPoint", "SimulationResult", "plan_time", "simulate", "simulate_plan"]
@@ -268,7 +270,7 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     """
     if timed is None:
         timed = _timed(schedule, CellCosts(cost_model, schedule), cores)
-    memory = memory if memory is not None else CostModelMemory(cost_model)
+    memory = memory_of(cost_model, memory)
     K = schedule.num_stages
     per_stage: list[list[TimedAction]] = [[] for _ in range(K)]
     for ta in timed:
