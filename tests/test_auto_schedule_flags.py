@@ -10,6 +10,7 @@ import pytest
 
 from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule, schedule_table
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.megatron.args.plan_report import WARNING
 from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
 from megatron_terapipe.megatron.args.settings import RunSettings, apply_choice
 from megatron_terapipe.megatron.wiring import setup_from_args
@@ -179,35 +180,38 @@ FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",
 FULL_TEXT = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
-def test_recomputation_is_named_as_not_modelled():
-    """The planner prices full recomputation's time but none of its bytes, and selective
-    recomputation not at all: a run that recomputes is told so in its report (a warning
-    naming its flags), and a budget error says the bytes are an upper bound."""
+def test_recomputation_is_named_in_the_report():
+    """The planner prices full recomputation (its rerun forwards and what its checkpointed
+    groups keep: a note naming the flags) and selective recomputation not at all (a warning;
+    a budget error says its bytes are an upper bound)."""
     terapipe = ["--pipeline-schedule", "terapipe", "--terapipe-hardware", "a100"]
     plan, report = plan_and_report(parse(terapipe, **SHAPE, **FULL_RECOMPUTE), 2048, 1)
-    warnings = [line for line in report.lines(plan) if "recomputation" in line]
-    assert len(warnings) == 1 and warnings[0].startswith("> terapipe: WARNING: ")
-    assert (f"({FULL_TEXT}): predicted times include the recomputed forwards, but what it "
-            "saves in memory is not modelled") in warnings[0]
+    notes = [line for line in report.lines(plan) if "recomputation" in line]
+    assert len(notes) == 1 and notes[0].startswith(">   note: "), notes
+    assert (f"({FULL_TEXT}): predicted times include the recomputed forwards and memory counts "
+            "what it keeps") in notes[0]
     _, plain = plan_and_report(parse(terapipe, **SHAPE), 2048, 1)
     assert not any("recomputation" in note for note in plain.notes)
     assert report.iteration_time > plain.iteration_time  # the rerun forwards, priced
+    assert max(report.peak_bytes) < max(plain.peak_bytes)  # the bytes it saves, counted
     selective = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
     inputs = planner_inputs(run_settings(parse(terapipe, **SHAPE, **selective), 2048, 1))
-    assert ("(--recompute-granularity selective --recompute-modules core_attn mlp) is not "
-            "modelled") in inputs.notes[0]
+    assert inputs.notes[0].startswith(WARNING) and (
+        "(--recompute-granularity selective --recompute-modules core_attn mlp) is not "
+        "modelled") in inputs.notes[0]
     assert inputs.cost_model.recomputed_share() == 0
 
     tight = ["--terapipe-memory-budget", "1GiB"]
-    upper_bound = (rf"This run recomputes activations \({FULL_TEXT}\), whose memory saving the "
-                   "planner does not model")
+    upper_bound = (r"This run recomputes activations \(--recompute-granularity selective\), whose "
+                   "memory saving the planner does not model")
     with pytest.raises(TeraPipeArgumentError,
                        match=r"^--terapipe-memory-budget: no pipeline schedule fits.*" + upper_bound):
-        resolve_auto_schedule(RunSettings.from_args(parse(AUTO + tight, **SHAPE, **FULL_RECOMPUTE)),
-                              log=lambda line: None)
+        resolve_auto_schedule(RunSettings.from_args(parse(
+            AUTO + tight, **SHAPE, recompute_granularity="selective")), log=lambda line: None)
     for argv in (terapipe + tight, terapipe + tight + ["--terapipe-num-slices", "2"]):
         with pytest.raises(TeraPipeArgumentError, match=upper_bound):
-            plan_and_report(parse(argv, **SHAPE, **FULL_RECOMPUTE), 2048, 1)
-        with pytest.raises(TeraPipeArgumentError) as plain_error:
-            plan_and_report(parse(argv, **SHAPE), 2048, 1)
-        assert "recomputes" not in str(plain_error.value)
+            plan_and_report(parse(argv, **SHAPE, recompute_granularity="selective"), 2048, 1)
+        for counted in (FULL_RECOMPUTE, {}):  # full recomputation's bytes are counted
+            with pytest.raises(TeraPipeArgumentError) as error:
+                plan_and_report(parse(argv, **SHAPE, **counted), 2048, 1)
+            assert "recomputes" not in str(error.value)

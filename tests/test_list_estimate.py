@@ -2,7 +2,8 @@
 stage's peak of activations + K/V equal to `simulate`'s (the memory walk's) to the last bit,
 and the busiest stage's compute equal to the walk's own sum, on random plans: both orders,
 deferred weight gradients on and off, early W actions, batch slices with their own token
-slices, 1 to 4 stages, and a memory model with fractional bytes and W holds."""
+slices, 1 to 4 stages, and a memory model with fractional bytes and W holds, also with
+Megatron's full recomputation (where every backward may rise, not only a last slice's)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
+from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_memory import RecomputedMemory
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory, StageMemory
 from megatron_terapipe.planner.evaluate.list_estimate import ListEstimate, _walked, estimate_lists
 from megatron_terapipe.planner.evaluate.simulator import CellCosts
@@ -57,7 +60,10 @@ def random_plan(rng: random.Random, stages: int, mbs: int, seq: int) -> TeraPipe
                         defer_wgrad=defer, wgrad_points=points)
 
 
-@pytest.mark.parametrize("memory", [None, OddBytes()], ids=["cost model", "odd bytes"])
+@pytest.mark.parametrize("memory", [
+    None, OddBytes(), RecomputedMemory(OddBytes(), FullRecompute("uniform", 1), 0.93),
+    RecomputedMemory(OddBytes(), FullRecompute("block", 1), 0.93)],
+    ids=["cost model", "odd bytes", "odd bytes, uniform recompute", "odd bytes, block recompute"])
 def test_estimates_equal_the_walk_and_the_simulators_peaks(memory: Optional[StageMemory]):
     rng, checked = random.Random(7), 0
     while checked < 150:

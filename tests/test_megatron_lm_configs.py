@@ -58,12 +58,12 @@ EQUAL = [
             "RMSNorm", "--untie-embeddings-and-output-weights")),
     Config("packed sequences", 2, ("--reset-position-ids", "--reset-attention-mask",
                                    "--eod-mask-loss")),
-    # the planner does not model what recomputation saves: the report's warning names the flags
+    # the report names the recomputation: full is priced (a note), selective is not (a warning)
     Config("full recompute", 2, ("--recompute-granularity", "full", "--recompute-method",
                                  "uniform", "--recompute-num-layers", "1"),
-           log_has=("> terapipe: WARNING: activation recomputation (--recompute-granularity "
-                    "full --recompute-method uniform --recompute-num-layers 1): predicted times "
-                    "include the recomputed forwards",)),
+           log_has=(">   note: activation recomputation (--recompute-granularity full "
+                    "--recompute-method uniform --recompute-num-layers 1): predicted times "
+                    "include the recomputed forwards and memory counts what it keeps",)),
     Config("selective recompute", 2, ("--recompute-granularity", "selective"),
            log_has=("> terapipe: WARNING: activation recomputation (--recompute-granularity "
                     "selective", "is not modelled")),

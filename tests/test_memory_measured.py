@@ -2,8 +2,10 @@
 stages: a memory profile of the model is measured (megatron/measure/memory.py), the simulator
 predicts each plan's peak per stage with it, and real runs measure the peak of what each stage
 keeps for backward (saved tensors, K/V gradient buffers, deferred pieces). Every stage of every
-case must be within 10%. Then a budget that the best unconstrained plan exceeds: the plan the
-search returns within it must measure at most the budget on every stage."""
+case must be within 10%, also with Megatron's full recomputation (the profile measured
+without it, as the planner's RecomputedMemory takes it). Then a budget that the best
+unconstrained plan exceeds: the plan the search returns within it must measure at most the
+budget on every stage."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from harness import TinyGPT, spawn
 from harness.memory_runs import MemoryRun
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
+from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_memory import with_recompute
 from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
 from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 from megatron_terapipe.planner.memory_search import search_within_budget
@@ -87,6 +91,41 @@ def test_predicted_peaks_within_10_percent(stages, profile):
     assert not errors, "\n".join(errors)
 
 
+#: uniform groups of 1 and of the stage's 2 layers, and block (the first layer of each stage)
+RECOMPUTE = [FullRecompute("uniform", 1),
+             pytest.param(FullRecompute("uniform", 2), marks=pytest.mark.slow),
+             FullRecompute("block", 1)]
+
+
+def recompute_grid() -> list[MemoryRun]:
+    return [MemoryRun("megatron_1f1b M4", None, 4, 1),
+            MemoryRun("1f1b n4 M4 W0", plan(4, "1f1b", False), 4, 1),
+            MemoryRun("gpipe n4 M4 W0", plan(4, "gpipe", False), 4, 1),
+            MemoryRun("1f1b n8 M8 W1", plan(8, "1f1b", True), 8, 1),
+            MemoryRun("gpipe n16 M2 W1", plan(16, "gpipe", True), 2, 1)]
+
+
+@pytest.mark.parametrize("recompute", RECOMPUTE, ids=lambda r: f"{r.method}{r.num_layers}")
+def test_recomputed_peaks_within_10_percent(recompute, profile):
+    """Megatron's full recomputation on 2 stages of 2 layers: each checkpointed group keeps
+    its input, its backward brings its activations back; TeraPipe keeps its K/V buffers."""
+    stages, runs = 2, recompute_grid()
+    cfg = replace(model(stages), recompute_granularity="full", recompute_method=recompute.method,
+                  recompute_num_layers=recompute.num_layers)
+    memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
+    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", cfg, runs, timeout=1200)
+    errors = []
+    for run in runs:
+        guess, without = predicted(run, stages, memory), predicted(run, stages, profile)
+        for k in range(stages):
+            actual = measured[k][run.name]
+            assert guess[k] < without[k], f"{run.name} stage {k}: recomputation saves nothing"
+            if abs(guess[k] / actual - 1.0) > TOLERANCE:
+                errors.append(f"{run.name} stage {k}: predicted {guess[k]:.0f} B, measured "
+                              f"{actual:.0f} B ({100 * (guess[k] / actual - 1.0):+.1f}%)")
+    assert not errors, "\n".join(errors)
+
+
 @pytest.mark.parametrize("stages", STAGES)
 def test_interleaved_peaks_within_10_percent(stages, profile):
     """Megatron's interleaved 1F1B, 2 chunks of one layer per stage, 4 microbatches."""
@@ -96,6 +135,20 @@ def test_interleaved_peaks_within_10_percent(stages, profile):
                      timeout=1200)
     schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
     for k, guess in enumerate(simulate(schedule, time_model(), memory=profile).peak_memory_bytes):
+        assert guess == pytest.approx(measured[k], rel=TOLERANCE), f"stage {k}"
+
+
+def test_interleaved_recomputed_peaks_within_10_percent(profile):
+    """Megatron's interleaved 1F1B with full recomputation: each one-layer chunk is a group."""
+    from megatron_terapipe.schedule import build_interleaved_schedule
+
+    stages, recompute = 2, FullRecompute("uniform", 1)
+    cfg = replace(model(stages), recompute_granularity="full")
+    measured = spawn(stages, "harness.memory_runs:measure_interleaved_peak", cfg, 2, 4,
+                     timeout=1200)
+    memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
+    schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
+    for k, guess in enumerate(simulate(schedule, time_model(), memory=memory).peak_memory_bytes):
         assert guess == pytest.approx(measured[k], rel=TOLERANCE), f"stage {k}"
 
 

@@ -216,4 +216,5 @@ def no_fit_message(space: SearchSpace, budget: MemoryBudget, leanest: Candidate)
             f"stage {stage} ({format_size(leanest.result.peak_memory_bytes[stage])} of "
             f"activations and K/V, {format_size(budget.state(stage))} of weights, gradients and "
             f"optimizer state); give {fixes}, or recompute activations (Megatron's "
-            "--recompute-granularity; the planner does not count what that saves)")
+            "--recompute-granularity full with --recompute-method uniform keeps the least; "
+            "the planner counts what it saves)")

@@ -63,7 +63,7 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,
                         memory=memory, place_wgrad=flags.wgrad_placement and not shape.rampup)
     if shape.recompute:
-        notes.insert(0, recompute_warning(shape))
+        notes.insert(0, recompute_note(shape))
     if flags.wgrad_placement and shape.rampup:
         notes.append("W actions in their default places: --rampup-batch-size changes the "
                      "microbatch count the places are planned for")
@@ -72,14 +72,14 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
     return PlannerInputs(model, cost, space, budget, notes, layers)
 
 
-def recompute_warning(shape: RunShape) -> str:
-    """What the planner leaves out of this run's recomputation: its bytes always; its time
-    unless it is full recomputation (whose rerun forwards it prices)."""
+def recompute_note(shape: RunShape) -> str:
+    """What the planner makes of this run's recomputation: full recomputation is priced (each
+    backward's rerun forward, and what the checkpointed groups keep: a note); selective
+    recomputation is not (a warning: its times and bytes are left out)."""
     if shape.full_recompute is not None:
-        return (f"{WARNING}activation recomputation ({shape.recompute}): predicted times "
-                "include the recomputed forwards, but what it saves in memory is not modelled: "
-                "activations are counted as if none were recomputed (an upper bound: a plan "
-                "within --terapipe-memory-budget fits, some refused would fit too)")
+        return (f"activation recomputation ({shape.recompute}): predicted times include the "
+                "recomputed forwards and memory counts what it keeps (each checkpointed "
+                "group's input; a group's activations again during its backward)")
     return (f"{WARNING}activation recomputation ({shape.recompute}) is not modelled: predicted "
             "times leave out the recomputed forwards, and activations are counted as if none "
             "were recomputed (an upper bound: a plan within --terapipe-memory-budget fits, "
@@ -88,9 +88,9 @@ def recompute_warning(shape: RunShape) -> str:
 
 def budget_error(exc: object, shape: RunShape) -> TeraPipeArgumentError:
     """A plan that does not fit --terapipe-memory-budget, as the error Megatron-LM's run
-    raises; under recomputation the bytes are an upper bound, and the error says so."""
+    raises; under selective recomputation the bytes are an upper bound, and the error says so."""
     text = f"--terapipe-memory-budget: {exc}"
-    if shape.recompute:
+    if shape.recompute and shape.full_recompute is None:
         text += (f". This run recomputes activations ({shape.recompute}), whose memory saving "
                  "the planner does not model: the bytes above count every activation, so raise "
                  "--terapipe-memory-budget or leave it out")
