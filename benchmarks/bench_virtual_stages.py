@@ -1,6 +1,7 @@
 """TeraPipe on virtual stages with planned W places against Megatron's schedules, simulated.
 
     python benchmarks/bench_virtual_stages.py [--microbatches 1,8,32] [--sequence-parallel]
+        [--recompute-method uniform|block [--recompute-num-layers N]]
         [--out benchmarks/results/virtual_stages.json]
 
 gpt3-13b on the H100 preset, 8 pipeline stages x TP 8 (inter-node pipeline links), sequences
@@ -23,7 +24,11 @@ virtual_stages_scatter_gather.json; each case then also gives Megatron 1F1B as i
 parts too ("megatron_1f1b_in_parts_ms"), the stricter baseline, and what TeraPipe would reach
 if the gather overlapped the stage's compute ("if_gather_overlapped": the gather priced as link
 time, not the stage's; the runtime gathers where the cell takes its input, so this is a
-what-if, not a prediction of the runtime as it is).
+what-if, not a prediction of the runtime as it is). --recompute-method (and
+--recompute-num-layers) asks them with Megatron's full recomputation on both sides (its rerun
+forwards and what its checkpointed groups keep) and writes virtual_stages_recompute_<method><N>.json;
+each case then also gives Megatron 1F1B without recomputation ("megatron_1f1b_plain_ms") and
+the chosen plan's speed-up over it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ MODEL = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel
          "--seq-length 8192 --micro-batch-size 1").split()
 TARGETS = {1: 3.12, 8: 1.55, 32: 1.15}  # speed-up over Megatron 1F1B to reach
 BEFORE = ["--virtual-stages", "1", "--wgrad-placement", "off"]
-RUN_OPTIONS: list[str] = []  # ["--sequence-parallel"] under --sequence-parallel
+RUN_OPTIONS: list[str] = []  # ["--sequence-parallel"] under --sequence-parallel; RECOMPUTE last
+RECOMPUTE: list[str] = []  # ["--recompute-method", "uniform", ...] under --recompute-method
 
 
 def table(microbatches: int, extra: list[str],
@@ -128,6 +134,17 @@ def megatron_1f1b_in_parts(microbatches: int) -> dict:
     return {"iteration_ms": round(result.iteration_time * 1e3, 3)}
 
 
+def megatron_1f1b_plain(microbatches: int) -> float:
+    """Megatron 1F1B's predicted seconds without recomputation (RUN_OPTIONS less it)."""
+    parser = build_parser()
+    options = RUN_OPTIONS[:len(RUN_OPTIONS) - len(RECOMPUTE)]
+    args = parser.parse_args(MODEL + options + ["--num-microbatches", str(microbatches)])
+    inputs = inputs_from_options(args, parser)
+    whole = TeraPipePlan([args.seq_length], order="1f1b", defer_wgrad=False)
+    schedule = build_schedule(whole, microbatches, args.pipeline_stages, args.micro_batch_size)
+    return simulate(schedule, inputs.cost_model.without_scatter_gather(), megatron=True).iteration_time
+
+
 def case(microbatches: int) -> dict:
     free, _ = table(microbatches, [])
     megatron = next(o for o in free.options if o.name == "Megatron 1F1B")
@@ -148,6 +165,11 @@ def case(microbatches: int) -> dict:
                     "speedup_vs_megatron_1f1b_in_parts": (
                         round(parts_ms / chosen["iteration_ms"], 4) if chosen else None),
                     "if_gather_overlapped": what_if}
+    if RECOMPUTE:
+        plain = megatron_1f1b_plain(microbatches)
+        in_parts = {"megatron_1f1b_plain_ms": round(plain * 1e3, 3),
+                    "speedup_vs_megatron_1f1b_plain": (
+                        round(plain * 1e3 / chosen["iteration_ms"], 4) if chosen else None)}
     return {
         "microbatches": microbatches,
         "budget_gib": round(budget / GiB, 3),
@@ -177,16 +199,25 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="results file (default: benchmarks/results/virtual_stages.json, "
                                  "virtual_stages_sequence_parallel.json or "
                                  "virtual_stages_scatter_gather.json)")
+    p.add_argument("--recompute-method", choices=("uniform", "block"),
+                   help="Megatron's full recomputation on both sides")
+    p.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="with --recompute-method (default 1)")
     args = p.parse_args(argv)
     if args.sequence_parallel and args.scatter_gather_p2p:
         p.error("--scatter-gather-p2p and --sequence-parallel: give one (sequence parallelism "
                 "splits the messages already)")
     name = ("virtual_stages_sequence_parallel" if args.sequence_parallel else
             "virtual_stages_scatter_gather" if args.scatter_gather_p2p else "virtual_stages")
+    recompute = RECOMPUTE[:] = ([] if args.recompute_method is None else
+                                ["--recompute-method", args.recompute_method,
+                                 "--recompute-num-layers", str(args.recompute_num_layers)])
+    if recompute:
+        name = f"virtual_stages_recompute_{args.recompute_method}{args.recompute_num_layers}"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         f"{name}.json")
     RUN_OPTIONS[:] = (["--sequence-parallel"] if args.sequence_parallel else
-                      ["--scatter-gather-p2p"] if args.scatter_gather_p2p else [])
+                      ["--scatter-gather-p2p"] if args.scatter_gather_p2p else []) + recompute
     origin = provenance(script_command(__file__, argv))
     cases = [case(int(m)) for m in args.microbatches.split(",")]
     for c in cases:
@@ -201,10 +232,14 @@ def main(argv=None) -> int:
             print(f"    over Megatron 1F1B sending in parts too ({c['megatron_1f1b_in_parts_ms']} ms): "
                   f"{c['speedup_vs_megatron_1f1b_in_parts']}x; if the gather overlapped the "
                   f"stage's compute: {w.get('iteration_ms')} ms, {w.get('speedup')}x")
+        if "megatron_1f1b_plain_ms" in c:
+            print(f"    over Megatron 1F1B without recomputation ({c['megatron_1f1b_plain_ms']} "
+                  f"ms): {c['speedup_vs_megatron_1f1b_plain']}x")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"provenance": origin, "sequence_parallel": args.sequence_parallel,
-                   "scatter_gather_p2p": args.scatter_gather_p2p, "cases": cases}, f, indent=1)
+                   "scatter_gather_p2p": args.scatter_gather_p2p,
+                   "recompute": " ".join(recompute) or None, "cases": cases}, f, indent=1)
     print(f"results: {args.out}")
     return 0
 
