@@ -2,8 +2,9 @@
 stages: a memory profile of the model is measured (megatron/measure/memory.py), the simulator
 predicts each plan's peak per stage with it, and real runs measure the peak of what each stage
 keeps for backward (saved tensors, K/V gradient buffers, deferred pieces). Every stage of every
-case must be within 10%, also with Megatron's full recomputation (the profile measured
-without it, as the planner's RecomputedMemory takes it). Then a budget that the best
+case must be within 10%, on one chunk per stage and on virtual stages, also with Megatron's
+full recomputation (the profile measured without it, as the planner's RecomputedMemory takes
+it). Then a budget that the best
 unconstrained plan exceeds: the plan the search returns within it must measure at most the
 budget on every stage."""
 
@@ -150,6 +151,44 @@ def test_interleaved_recomputed_peaks_within_10_percent(profile):
     schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
     for k, guess in enumerate(simulate(schedule, time_model(), memory=memory).peak_memory_bytes):
         assert guess == pytest.approx(measured[k], rel=TOLERANCE), f"stage {k}"
+
+
+def virtual_grid() -> list[MemoryRun]:
+    """TeraPipe on 2 one-layer chunks per stage: slices, both orders, W actions, batch
+    slices, whole sequences in groups (the 32-microbatch plans' shape, with and without
+    Megatron's second warm-up term)."""
+    def vplan(n: int, order: str = "1f1b", defer: bool = True, **kwargs) -> TeraPipePlan:
+        return replace(plan(n, order, defer), virtual_stages=2, **kwargs)
+
+    return [MemoryRun("v2 1f1b n4 M4 W0", vplan(4, defer=False), 4, 1),
+            MemoryRun("v2 1f1b n4 M4 W1", vplan(4), 4, 1),
+            MemoryRun("v2 gpipe n4 M2 W1", vplan(4, "gpipe"), 2, 1),
+            MemoryRun("v2 1f1b n1 M5 groups of 3 W1", vplan(1, virtual_group=3), 5, 1),
+            MemoryRun("v2 1f1b n1 M4 groups of 2 warm-up 0 W1",
+                      vplan(1, virtual_group=2, virtual_warmup=0), 4, 1),
+            MemoryRun("v2 1f1b n2 M4 b2 W1", vplan(2), 4, 2)]
+
+
+@pytest.mark.parametrize("recompute", [None, FullRecompute("uniform", 1)],
+                         ids=["plain", "uniform1"])
+def test_virtual_peaks_within_10_percent(recompute, profile):
+    """TeraPipe on virtual stages (VirtualCells: 1/V of the stage's layers, K/V per chunk,
+    W holds per chunk), also with Megatron's full recomputation."""
+    stages, runs = 2, virtual_grid()
+    cfg = model(stages)
+    if recompute is not None:
+        cfg = replace(cfg, recompute_granularity="full")
+    memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
+    measured = spawn(stages, "harness.memory_runs:measure_virtual_peaks", cfg, 2, runs,
+                     timeout=1200)
+    errors = []
+    for run in runs:
+        for k, guess in enumerate(predicted(run, stages, memory)):
+            actual = measured[k][run.name]
+            if abs(guess / actual - 1.0) > TOLERANCE:
+                errors.append(f"{run.name} stage {k}: predicted {guess:.0f} B, measured "
+                              f"{actual:.0f} B ({100 * (guess / actual - 1.0):+.1f}%)")
+    assert not errors, "\n".join(errors)
 
 
 def test_the_plan_within_a_budget_measures_within_it(profile):

@@ -95,3 +95,24 @@ def test_terapipe_plan_counts_what_it_saves(capsys):
     w = CostModelMemory(COST).microbatch_bytes(1, 8192, False, False) / 5
     saved = 39 * (w - X) / 2 ** 30
     assert plain - megatron_1f1b_first_stage_gib(text) == pytest.approx(saved, abs=0.02)
+
+
+def test_a_measured_profile_takes_the_runs_recomputation(tmp_path):
+    """A memory profile is measured without recomputation; planning a run with it counts what
+    the run's groups keep (the group input in the run's dtype, split by sequence parallelism)."""
+    from megatron_terapipe.planner.cost.dims import ModelDims
+    from megatron_terapipe.planner.inputs import stage_memory
+    from megatron_terapipe.planner.profile.memory_fit import FittedMemory
+    from test_memory_model import synthetic_measurements
+
+    m = synthetic_measurements()
+    m.metadata = {"model": {"hidden_size": 64}, "tensor_parallel": 2, "sequence_parallel": True}
+    path = str(FittedMemory.fit(m, layers_per_stage=1).save(tmp_path / "m.json"))
+    model = ModelDims(num_layers=6, hidden_size=64, num_attention_heads=4)
+    plain = stage_memory(model, 2, path, tensor_parallel=2, sequence_parallel=True)
+    rerun = stage_memory(model, 2, path, tensor_parallel=2, sequence_parallel=True,
+                         recompute=FullRecompute("uniform", 3), dtype_bytes=2)
+    assert isinstance(rerun, RecomputedMemory) and rerun.inner.describe() == plain.describe()
+    assert rerun.input_bytes_per_token == 64 * 2 / 2
+    edges = plain.cell_bytes(1, 32, 0, True, False, 0) - plain.cell_bytes(1, 32, 0, False, False, 0)
+    assert rerun.cell_bytes(1, 32, 0, True, False) == pytest.approx(edges + 32 * 64.0)

@@ -104,7 +104,8 @@ def _add_run_args(r) -> None:
                    help="Megatron's full activation recomputation (--recompute-granularity full) "
                         "by this method: each backward reruns the forward of every layer "
                         "(uniform) or of the first --recompute-num-layers of each model chunk "
-                        "(block); priced for every schedule, the bytes it saves not counted")
+                        "(block); priced for every schedule, in time and in the bytes each "
+                        "checkpointed group keeps")
     r.add_argument("--recompute-num-layers", type=_positive_int,
                    help="with --recompute-method (default 1)")
     r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")

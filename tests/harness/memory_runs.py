@@ -97,3 +97,38 @@ def measure_memory_profile(rank: int, world_size: int, model_cfg: TinyGPT, granu
                               dtype="float32", device="cpu",
                               position_embedding_type=model_cfg.position_embedding_type)
     return FittedMemory.fit(measured).to_dict()
+
+
+def measure_virtual_peaks(rank: int, world_size: int, model_cfg: TinyGPT, chunks: int,
+                          runs: list[MemoryRun]) -> dict[str, int]:
+    """This stage's peak bytes in each TeraPipe run on `chunks` model chunks per rank (the
+    chunks as Megatron builds them for its interleaved schedule; every run's plan has
+    virtual_stages = chunks)."""
+    import gc
+
+    from megatron_terapipe import configure
+    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
+    from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
+
+    from .schedule_runs import interleaved_model
+
+    enable_cpu_mode()
+    config, model = interleaved_model(model_cfg, world_size, chunks)
+    params = tuple(p for m in model for p in m.parameters())
+    peaks: dict[str, int] = {}
+    for run in runs:
+        batches = make_batches(run.num_microbatches, run.micro_batch_size, model_cfg.seq_length,
+                               model_cfg.vocab_size, seed=3)
+        configure(config, run.plan)
+        gc.collect()
+        with RuntimeMemoryMeter(exclude=params) as meter, meter.counting_runtime_buffers():
+            forward_backward_terapipe(
+                forward_step_func=forward_step, data_iterator=[iter(batches) for _ in model],
+                model=model, num_microbatches=run.num_microbatches,
+                seq_length=model_cfg.seq_length, micro_batch_size=run.micro_batch_size)
+        peaks[run.name] = meter.peak_bytes
+        for m in model:
+            m.zero_grad(set_to_none=True)
+    release_model_parallel()
+    return peaks

@@ -201,9 +201,8 @@ class RunShape:
 
 
 def recompute_flags(args) -> str:
-    """Megatron's activation recomputation as flags ("" without): the planner does not model
-    what it saves (nor selective recomputation's time), and its notes and errors say so by
-    these names."""
+    """Megatron's activation recomputation as flags ("" without): the start-up report names
+    them (full recomputation priced, selective not), as do budget errors under selective."""
     granularity = getattr(args, "recompute_granularity", None)
     if not granularity:
         return ""

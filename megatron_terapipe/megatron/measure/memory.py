@@ -121,7 +121,11 @@ def _slice_bytes(stage: _Stage, meter, r: int, t: int, c: int) -> float:
 def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dict[str, float]:
     """A sequence of one slice, forward and backward (weight gradients deferred or not): its
     K/V buffer bytes per row, token and layer, the share of its activations the backward freed
-    before the first K/V gradient buffer, and what it left for the W action."""
+    before the first K/V gradient buffer, and what it left for the W action. The share is the
+    smaller of what was gone when the first K/V gradient buffer came and what the backward's
+    highest point leaves for the planner's walk, which puts the peak right after the K/V
+    gradients (the input-gradient GEMMs' outputs and the pieces kept for the W action can
+    top it later in the layer)."""
     from ...runtime.context import running_cell
     from ...runtime.kv_cache import KVCache
     from ...runtime.wgrad.store import WeightGradStore
@@ -134,15 +138,19 @@ def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dic
     buffers = cache.live_bytes()
     activations = meter.live_bytes - start - buffers
     before, at_first_grad = meter.live_bytes, []
+    meter.peak_bytes = before
     with running_cell(cell, cache, "backward", wgrad=store), \
             _on_first_kv_grad(lambda: at_first_grad.append(meter.live_bytes)):
         root.backward(grad)
+    # the K/V gradient buffers are as large as the K/V buffers
+    at_peak = (before + buffers - meter.peak_bytes) / activations
     cache.release_slice(cell)
     held = meter.live_bytes - start
     if store is not None:
         store.flush(cell.sequence_key)
+    freed = (before - at_first_grad[0]) / activations if at_first_grad else 0.0
     return {"kv_per_token": buffers / (stage.layers * r * t), "held": float(held),
-            "freed": (before - at_first_grad[0]) / activations if at_first_grad else 0.0}
+            "freed": min(freed, at_peak)}
 
 
 def _measure_kind(stage: _Stage, cells, meter, wholes, freed: dict[str, list[float]]
