@@ -110,19 +110,13 @@ class RecomputedMemory(StageMemory):
     def backward_rise(self, rows, tokens, context, seq_length, first, last, deferred=False,
                       layers=None, kv_grads=True):
         L, n, groups, recomputed = self._chunk(layers)
-        inner = self.inner
-        edges = inner.cell_bytes(rows, tokens, context, False, False, 0)  # shared by the layers
-        a = (inner.cell_bytes(rows, tokens, context, False, False, L) - edges) / n
-        out = inner.cell_bytes(rows, tokens, context, False, last, 0) - edges
-        g = inner.kv_grad_bytes(rows, seq_length, L) / n if kv_grads else 0.0
-        f, h = self.freed_before_kv_grad, 0.0
-        if deferred:
-            f = self.freed_before_kv_grad_deferred
-            hold_edges = inner.wgrad_hold_bytes(rows, tokens, False, False, 0)
-            h = (inner.wgrad_hold_bytes(rows, tokens, False, False, L) - hold_edges) / n
-            out -= inner.wgrad_hold_bytes(rows, tokens, False, last, 0) - hold_edges
+        a, g, h, out, f = self.inner.backward_terms(rows, tokens, context, seq_length, last,
+                                                    deferred, L, kv_grads)
+        scale = L / n  # per whole layer of the chunk
+        shared = self._shared(recomputed, n, self.inner.cell_bytes(rows, tokens, context, False,
+                                                                   False, 0))
         x = rows * tokens * self.input_bytes_per_token
-        return backward_walk(n, groups, a, x, g, f, h, out, self._shared(recomputed, n, edges))
+        return backward_walk(n, groups, a * scale, x, g * scale, f, h * scale, out, shared)
 
     def microbatch_backward_rise(self, rows, seq_length, first, last, layers=None):
         L, n, groups, recomputed = self._chunk(layers)

@@ -100,10 +100,20 @@ class StageMemory(ABC):
         if not kv_grads:
             return 0.0
         L = self.layers_per_stage if layers is None else layers
+        a, g, h, out, f = self.backward_terms(rows, tokens, context, seq_length, last, deferred, L)
+        return max(0.0, max(g - f * a, L * g - (L - 1) * (a - h) - f * a) - out)
+
+    def backward_terms(self, rows: int, tokens: int, context: int, seq_length: int, last: bool,
+                       deferred: bool, layers: float, kv_grads: bool = True
+                       ) -> tuple[float, float, float, float, float]:
+        """What a backward over `layers` layers frees and allocates, per layer: (activations
+        a, K/V gradients g (0 without `kv_grads`), what it keeps for the W action h, what the
+        output layer and loss free first o, the share f of a freed before g)."""
+        L = layers
         no_layers = self.cell_bytes(rows, tokens, context, False, False, 0)
         a = (self.cell_bytes(rows, tokens, context, False, False, L) - no_layers) / L
         out = self.cell_bytes(rows, tokens, context, False, last, 0) - no_layers
-        g = self.kv_grad_bytes(rows, seq_length, L) / L
+        g = self.kv_grad_bytes(rows, seq_length, L) / L if kv_grads else 0.0
         f, h = self.freed_before_kv_grad, 0.0
         if deferred:
             f = self.freed_before_kv_grad_deferred
@@ -111,7 +121,7 @@ class StageMemory(ABC):
                  - self.wgrad_hold_bytes(rows, tokens, False, False, 0)) / L
             out -= (self.wgrad_hold_bytes(rows, tokens, False, last, 0)
                     - self.wgrad_hold_bytes(rows, tokens, False, False, 0))
-        return max(0.0, max(g - f * a, L * g - (L - 1) * (a - h) - f * a) - out)
+        return a, g, h, out, f
 
     def microbatch_backward_rise(self, rows: int, seq_length: int, first: bool, last: bool,
                                  layers: Optional[float] = None) -> float:
