@@ -1,7 +1,7 @@
 """Counting, besides autograd's saved tensors, the buffers the runtime keeps itself: the K/V
 buffers of the slice attention and their gradients (kv_cache.py) and the pieces deferred
-weight gradients wait with (wgrad/store.py). Together they are what a stage holds for backward, as the planner's
-memory model (planner/cost/stage_memory.py) predicts it.
+weight gradients wait with (wgrad/store.py). Together they are what a stage holds for
+backward, as the planner's memory model (planner/cost/stage_memory.py) predicts it.
 
     with RuntimeMemoryMeter(exclude=params) as meter, meter.counting_runtime_buffers():
         ... run the stage ...
@@ -49,7 +49,7 @@ class RuntimeMemoryMeter(SavedTensorMeter):
         original_grad, original_add = KVBuffer.grad, WeightGradStore.add
         original_flush, original_release = WeightGradStore.flush, KVBuffer.release
         held: dict[tuple[int, int], list[int]] = {}
-        held_kv: dict[int, list[int]] = {}  # id(KVBuffer) -> the keys of its K/V and their gradients
+        held_kv: dict[int, list[int]] = {}  # id(KVBuffer) -> keys of its K/V and their gradients
         meter = self
 
         def init(buf: KVBuffer, *args, **kwargs) -> None:
