@@ -29,7 +29,8 @@
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
-#   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each
+#   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
+#                                               # and a bf16 memory profile
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
 #       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
 #       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
@@ -81,6 +82,17 @@ m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split
     python3 -m megatron_terapipe.planner.cli "${model[@]}" --num-layers 32 --pipeline-stages 8 \
       --hardware h100 --profile "$profile" 2>&1 | tee -a "$OUT/measure.log"
   done
+  # what a stage keeps for backward, bf16: among it the share of a layer's activations its
+  # backward frees before the K/V gradients, which the analytic model only estimates (0.6
+  # plain, 0.3 with deferred W; CPU profiles of the tests' tiny model give about 0.13 / -0.3)
+  profile="$OUT/${gpu}_memory_profile.json"
+  local command=(python3 -m megatron_terapipe.megatron.measure memory "${model[@]}" --dtype bfloat16
+    --out "$profile")
+  "${command[@]}" 2>&1 | tee -a "$OUT/measure.log"
+  python3 benchmarks/provenance.py --stamp "$profile" -- "${command[@]}"
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('freed before K/V gradients:',
+    'plain', round(d['freed_before_kv_grad'], 3), 'deferred', round(d['freed_before_kv_grad_deferred'], 3))" \
+    "$profile" 2>&1 | tee -a "$OUT/measure.log"
 }
 
 pipeline_graphs() {
