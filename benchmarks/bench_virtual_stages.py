@@ -225,9 +225,9 @@ def main(argv=None) -> int:
         b = c["best_terapipe"]
         print(f"{c['microbatches']:>3} microbatches, budget {c['budget_gib']:.2f} GiB: "
               f"{b.get('name')} {b.get('iteration_ms')} ms, {b.get('speedup')}x over Megatron "
-              f"1F1B ({c['megatron_1f1b_ms']} ms; bubble-free limit {c['bubble_free_limit']}x; "
-              f"target {c['target_speedup']}x {'met' if c['target_met'] else 'NOT met'}); "
-              f"planned in {c['planning_seconds']} s")
+              f"1F1B ({c['megatron_1f1b_ms']} ms; bubble-free limit {c['bubble_free_limit']}x"
+              + (f"; target {c['target_speedup']}x {'met' if c['target_met'] else 'NOT met'}"
+                 if c['target_speedup'] else "") + f"); planned in {c['planning_seconds']} s")
         if "megatron_1f1b_in_parts_ms" in c:
             w = c["if_gather_overlapped"]
             print(f"    over Megatron 1F1B sending in parts too ({c['megatron_1f1b_in_parts_ms']} ms): "
