@@ -157,20 +157,20 @@ def case(microbatches: int) -> dict:
     interleaved = best(rows, "Megatron interleaved")
     # the issue's targets are for the question without recomputation
     target = None if RECOMPUTE else TARGETS.get(microbatches)
-    in_parts = {}
+    extra = {}  # the scatter-gather or recomputation runs' own fields
     if "--scatter-gather-p2p" in RUN_OPTIONS:
         parts_ms = megatron_1f1b_in_parts(microbatches)["iteration_ms"]
         overlapped, _ = table(microbatches, ["--memory-budget", str(budget)], True)
         what_if = best([row(o, base) for o in overlapped.options], "TeraPipe")
-        in_parts = {"megatron_1f1b_in_parts_ms": parts_ms,
-                    "speedup_vs_megatron_1f1b_in_parts": (
-                        round(parts_ms / chosen["iteration_ms"], 4) if chosen else None),
-                    "if_gather_overlapped": what_if}
+        extra = {"megatron_1f1b_in_parts_ms": parts_ms,
+                 "speedup_vs_megatron_1f1b_in_parts": (
+                     round(parts_ms / chosen["iteration_ms"], 4) if chosen else None),
+                 "if_gather_overlapped": what_if}
     if RECOMPUTE:
         plain = megatron_1f1b_plain(microbatches)
-        in_parts = {"megatron_1f1b_plain_ms": round(plain * 1e3, 3),
-                    "speedup_vs_megatron_1f1b_plain": (
-                        round(plain * 1e3 / chosen["iteration_ms"], 4) if chosen else None)}
+        extra.update(megatron_1f1b_plain_ms=round(plain * 1e3, 3),
+                     speedup_vs_megatron_1f1b_plain=(
+                         round(plain * 1e3 / chosen["iteration_ms"], 4) if chosen else None))
     return {
         "microbatches": microbatches,
         "budget_gib": round(budget / GiB, 3),
@@ -183,7 +183,7 @@ def case(microbatches: int) -> dict:
         "target_met": bool(target and chosen and chosen["speedup"] >= target),
         "not_below_megatron_interleaved": (not interleaved
                                            or chosen["iteration_ms"] <= interleaved["iteration_ms"]),
-        **in_parts,
+        **extra,
         "rows": rows,
         "before": [row(o, base) for o in before.options if o.family == "terapipe"],
         "no_budget": [row(o, base) for o in free.options if o.family == "terapipe"],
@@ -210,9 +210,10 @@ def main(argv=None) -> int:
                 "splits the messages already)")
     name = ("virtual_stages_sequence_parallel" if args.sequence_parallel else
             "virtual_stages_scatter_gather" if args.scatter_gather_p2p else "virtual_stages")
-    recompute = RECOMPUTE[:] = ([] if args.recompute_method is None else
-                                ["--recompute-method", args.recompute_method,
-                                 "--recompute-num-layers", str(args.recompute_num_layers)])
+    RECOMPUTE[:] = ([] if args.recompute_method is None else
+                    ["--recompute-method", args.recompute_method,
+                     "--recompute-num-layers", str(args.recompute_num_layers)])
+    recompute = RECOMPUTE
     if recompute:
         name = f"virtual_stages_recompute_{args.recompute_method}{args.recompute_num_layers}"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
