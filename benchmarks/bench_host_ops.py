@@ -108,7 +108,13 @@ def graph_counts(model, plan, batch, args) -> tuple[int, int]:
     try:
         run()  # eager warm-up
         run()  # capture
-        replayed_ops = count_ops(run)
+        # The benchmark's own zeroing of the gradients (in place, one op per parameter) is
+        # done before the count: what is counted is the schedule's replayed iteration.
+        model.zero_grad(set_to_none=False)
+        replayed_ops = count_ops(lambda: mt.forward_backward_terapipe(
+            forward_step_func=bench_stage.forward_step, data_iterator=iter([batch]),
+            model=[model], num_microbatches=1, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, plan=plan))
     finally:
         config.terapipe = own
         model.__dict__.pop("_terapipe_pools", None)

@@ -124,6 +124,10 @@ class WeightGradStore:
             for param, pieces in groups.values():
                 pieces = sorted(pieces, key=lambda p: p.position)  # token order, as unsliced
                 results += type(pieces[0]).gradients(param, pieces)
+        # A gradient a piece holds as it is (one slice's bias gradient) reaches autograd with
+        # no other reference only once the pieces are gone: then .grad takes it, not a copy.
+        groups.clear()
+        del pieces
         deliver(results)
 
 
