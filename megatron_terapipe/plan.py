@@ -296,10 +296,13 @@ class TeraPipePlan:
         if self.wgrad_points:
             wgrad += f" ({self.early_w_text()})"
         wgrad += " (W placed)" if self.wgrad_after else ""
-        chunks = f"; {self.virtual_stages} chunks per stage" if self.virtual_stages > 1 else ""
-        chunks += " in a V" if self.virtual_placement == "v" else ""
-        chunks += f" of {'+'.join(map(str, self.chunk_layers))} layers" if self.chunk_layers else ""
-        return f"order={self.order}{chunks}; wgrad={wgrad}; " + "; ".join(parts)
+        return f"order={self.order}{self.chunks_text()}; wgrad={wgrad}; " + "; ".join(parts)
+
+    def chunks_text(self) -> str:
+        """'; V chunks per stage' (in a V, of their layers) on virtual stages, else ''."""
+        layers = f" of {'+'.join(map(str, self.chunk_layers))} layers" if self.chunk_layers else ""
+        shape = " in a V" if self.virtual_placement == "v" else ""
+        return f"; {self.virtual_stages} chunks per stage{shape}{layers}" if self.virtual_stages > 1 else ""
 
 
 @dataclass(frozen=True)

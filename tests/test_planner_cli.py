@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli import build_parser, main
+from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.planner.schedule_choice import TERAPIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model", "gpt3-1b", "--pipeline-stages", "4", "--seq-length", "1024",
@@ -20,7 +22,7 @@ BASE = ["--model", "gpt3-1b", "--pipeline-stages", "4", "--seq-length", "1024",
 def test_prints_plan_and_comparison(capsys):
     assert main(BASE + ["--micro-batch-size", "2", "--num-microbatches", "2"]) == 0
     out = capsys.readouterr().out
-    for text in ("chosen plan", "TeraPipe DP", "uniform x", "no token slicing", "speedup",
+    for text in ("TeraPipe 1f1b on one model chunk (", "TeraPipe DP", "uniform x", "no token slicing", "speedup",
                  "peak GiB per stage", "capped DPs"):
         assert text in out
     rows = {line.split()[0]: line for line in out.splitlines()
@@ -29,15 +31,50 @@ def test_prints_plan_and_comparison(capsys):
 
 
 def test_writes_trace_png_and_plan(tmp_path, capsys):
+    """The files show auto's choice (here TeraPipe on virtual stages, whatever --order asks),
+    and each file's line says which schedule it holds."""
     pytest.importorskip("matplotlib")
     trace, png, plan_path = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "plan.json"
-    assert main(BASE + ["--trace", str(trace), "--png", str(png), "--save-plan", str(plan_path),
-                        "--order", "gpipe"]) == 0
+    argv = BASE + ["--trace", str(trace), "--png", str(png), "--save-plan", str(plan_path),
+                   "--order", "gpipe"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    parser = build_parser()
+    choice = inputs_from_options(parser.parse_args(argv), parser).schedule_table().auto().chosen
+    assert choice.plan is not None and choice.plan.virtual_stages > 1  # not the --order plan
+    for line in (f"trace: {trace} ({choice.name}: auto's choice)",
+                 f"timeline: {png} ({choice.name}: auto's choice)",
+                 f"plan: {plan_path} ({choice.name}: auto's choice)"):
+        assert line in out.splitlines()
     events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e["ph"] == "X" and e["name"] == "F(m0b0t0)" for e in events)
+    assert sum(e["ph"] == "X" for e in events) == len(choice.result.timeline)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plan = TeraPipePlan.from_dict(json.loads(plan_path.read_text()))
-    assert plan.seq_length == 1024 and plan.order == "gpipe" and plan.predicted_time > 0
+    assert plan == choice.plan and plan.predicted_time > 0
+
+
+def test_saves_the_fastest_terapipe_plan_when_auto_runs_megatron(tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    argv = BASE + ["--num-microbatches", "64", "--save-plan", str(plan_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    parser = build_parser()
+    table = inputs_from_options(parser.parse_args(argv), parser).schedule_table()
+    auto, best = table.auto().chosen, table.best(TERAPIPE)
+    assert auto.family != TERAPIPE  # Megatron's interleaved schedule, within 3% of TeraPipe
+    assert (f"plan: {plan_path} ({best.name}: the fastest TeraPipe schedule that fits; auto "
+            f"runs {auto.name})") in out.splitlines()
+    assert TeraPipePlan.from_dict(json.loads(plan_path.read_text())) == best.plan
+
+
+def test_writes_nothing_when_nothing_fits(tmp_path, capsys):
+    png, plan_path = tmp_path / "t.png", tmp_path / "plan.json"
+    assert main(BASE + ["--memory-budget", "1GiB", "--png", str(png),
+                        "--save-plan", str(plan_path)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert f"--png {png}: not written, no schedule fits the memory budget" in out
+    assert f"--save-plan {plan_path}: not written, no TeraPipe schedule fits the memory budget" in out
+    assert not png.exists() and not plan_path.exists()
 
 
 def test_custom_model_dimensions(capsys):

@@ -16,9 +16,13 @@ from .cli_inputs import add_memory_args, inputs_from_options
 from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
 from .cost.recompute import METHODS as RECOMPUTE_METHODS
 from .cost.stage_memory import MemoryBudgetError
+from ..plan import TeraPipePlan
+from .evaluate.simulator import SimulationResult
 from .inputs import PlannerInputs
 from .report import auto_text, comparison_lines, schedule_table_lines, slices_text
+from .schedule_choice import TERAPIPE, AutoChoice, ScheduleTable
 from .search import SearchResult
+from .timeline import short_plan_text
 
 GiB = 1024 ** 3
 
@@ -79,9 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per batch slice: divisors (default), all, none, or a list like 1,2,4")
     add_memory_args(p)
     o = p.add_argument_group("output")
-    o.add_argument("--trace", metavar="PATH.json", help="write a Chrome trace of the chosen plan")
-    o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of the chosen plan")
-    o.add_argument("--save-plan", metavar="PATH.json", help="write the chosen plan as JSON")
+    o.add_argument("--trace", metavar="PATH.json",
+                   help="write a Chrome trace of auto's choice (what --pipeline-schedule auto runs)")
+    o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of auto's choice")
+    o.add_argument("--save-plan", metavar="PATH.json",
+                   help="write auto's choice as JSON (when auto runs a Megatron schedule: the "
+                        "fastest TeraPipe plan that fits)")
     return p
 
 
@@ -126,8 +133,8 @@ def _report(args, inputs: PlannerInputs, result: SearchResult) -> list[str]:
         f"microbatch(es), order {args.order}, granularity {args.granularity}",
         f"cost model: {cost.describe()}",
         f"memory: {budget.describe()}",
-        f"chosen plan ({chosen.label}; the fastest simulated{' that fits' if budget.budget_bytes else ''}"
-        ", or fewer cells within 0.5% of it):",
+        f"TeraPipe {args.order} on one model chunk ({chosen.label}; the fastest simulated"
+        f"{' that fits' if budget.budget_bytes else ''}, or fewer cells within 0.5% of it):",
         *slices_text(chosen.plan),
         f"  weight gradients: {wgrad}",
         *comparison_lines(result, budget),
@@ -141,32 +148,61 @@ def _report(args, inputs: PlannerInputs, result: SearchResult) -> list[str]:
     return lines
 
 
-def _write_outputs(args, result: SearchResult) -> Iterator[str]:
-    """--trace, --png and --save-plan: a line naming each file, once written."""
-    if args.trace:
+def _drawn(choice: Optional[AutoChoice]) -> tuple[Optional[SimulationResult], str, str]:
+    """The schedule --trace and --png show (auto's choice), its label and its picture's title."""
+    if choice is None:
+        return None, "", ""
+    option = choice.chosen
+    plan = f": {short_plan_text(option.plan)}" if option.plan is not None else ""
+    return option.result, f"{option.name}: auto's choice", option.name + plan
+
+
+def _saved(table: ScheduleTable,
+           choice: Optional[AutoChoice]) -> tuple[Optional[TeraPipePlan], str]:
+    """The plan --save-plan writes, and its label: auto's choice when it is TeraPipe's, else
+    the fastest TeraPipe row that fits."""
+    if choice is not None and choice.chosen.plan is not None:
+        return choice.chosen.plan, f"{choice.chosen.name}: auto's choice"
+    best = table.best(TERAPIPE)
+    if choice is None or best is None or best.plan is None:
+        return None, ""
+    return best.plan, (f"{best.name}: the fastest TeraPipe schedule that fits; auto runs "
+                       f"{choice.chosen.name}")
+
+
+def _write_outputs(args, table: ScheduleTable, choice: Optional[AutoChoice]) -> Iterator[str]:
+    """--trace, --png and --save-plan: a line naming each file and what it shows, once written."""
+    drawn, label, title = _drawn(choice)
+    plan, plan_label = _saved(table, choice)
+    for flag, path, what, kind in (("--trace", args.trace, drawn, ""),
+                                   ("--png", args.png, drawn, ""),
+                                   ("--save-plan", args.save_plan, plan, "TeraPipe ")):
+        if path and what is None:
+            yield f"{flag} {path}: not written, no {kind}schedule fits the memory budget"
+    if args.trace and drawn is not None:
         from .timeline import write_chrome_trace
 
-        yield f"trace: {write_chrome_trace(result.chosen.result, args.trace)}"
-    if args.png:
+        yield f"trace: {write_chrome_trace(drawn, args.trace)} ({label})"
+    if args.png and drawn is not None:
         from .timeline import write_png
 
-        yield f"timeline: {write_png(result.chosen.result, args.png)}"
-    if args.save_plan:
+        yield f"timeline: {write_png(drawn, args.png, title=title)} ({label})"
+    if args.save_plan and plan is not None:
         with open(args.save_plan, "w") as fh:
-            fh.write(result.plan.to_json() + "\n")
-        yield f"plan: {args.save_plan}"
+            fh.write(plan.to_json() + "\n")
+        yield f"plan: {args.save_plan} ({plan_label})"
 
 
-def schedule_lines(inputs: PlannerInputs) -> tuple[list[str], bool]:
-    """The schedule table and the auto choice as lines; False when no schedule fits."""
-    table = inputs.schedule_table()
+def schedule_lines(table: ScheduleTable) -> tuple[list[str], Optional[AutoChoice]]:
+    """The schedule table and the auto choice as lines, and the choice (None: nothing fits)."""
     lines = schedule_table_lines(table)
     try:
-        lines.append(auto_text(table.auto()))
+        choice = table.auto()
     except MemoryBudgetError:
         lines.append("auto: no schedule fits the memory budget")
-        return lines, False
-    return lines, True
+        return lines, None
+    lines.append(auto_text(choice))
+    return lines, choice
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -181,13 +217,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if result is not None:
         for line in _report(args, inputs, result):
             print(line)
-    lines, any_fits = schedule_lines(inputs)
+    table = inputs.schedule_table()
+    lines, choice = schedule_lines(table)
     for line in lines:
         print(line)
-    if result is not None:
-        for line in _write_outputs(args, result):
-            print(line)
-    return 0 if any_fits else 1
+    for line in _write_outputs(args, table, choice):
+        print(line)
+    return 0 if choice is not None else 1
 
 
 if __name__ == "__main__":  # python -m megatron_terapipe.planner.cli

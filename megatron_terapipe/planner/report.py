@@ -52,7 +52,7 @@ def memory_text(peaks: Sequence[float]) -> str:
 
 def comparison_lines(result: SearchResult, budget: Optional[MemoryBudget] = None) -> list[str]:
     """The table of the plans the search timed: iteration, bubble, peak memory, speedup over
-    the baseline (no token slicing), then the chosen plan's peak memory per stage. With a
+    the baseline (no token slicing), then the one-chunk plan's peak memory per stage. With a
     budget, peaks count its model state too (as the schedule table does: the numbers the
     budget is checked against), and plans over it say so."""
     baseline = result.baseline.time
@@ -66,7 +66,7 @@ def comparison_lines(result: SearchResult, budget: Optional[MemoryBudget] = None
                      f"{100 * r.bubble_fraction:>6.1f}% {peak:>15.2f} "
                      f"{baseline / r.iteration_time:>7.2f}x" + ("  does not fit" if over else ""))
     counted = "activations + K/V" + (" + model state" if budget is not None else "")
-    lines.append(f"peak GiB per stage ({counted}), chosen plan: "
+    lines.append(f"peak GiB per stage ({counted}), the one-chunk plan: "
                  + memory_text(totals(result.chosen.result.peak_memory_bytes)))
     return lines
 
