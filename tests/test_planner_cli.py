@@ -155,3 +155,51 @@ def test_terapipe_plan_starts_without_torch_or_megatron():
             "mt.get_gpt_layer_spec; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"], out.stdout + out.stderr
+
+
+def _flags_line(out: str) -> list[str]:
+    line = next(l for l in out.splitlines() if l.startswith("Megatron-LM flags for it"))
+    return line.split(": ", 1)[1].split()
+
+
+def test_the_flags_line_runs_autos_choice(capsys, monkeypatch):
+    """The printed flags, in a Megatron-LM script with the question's model and parallel
+    flags, make the start-up planner plan the very plan terapipe-plan's auto chose (TeraPipe
+    on 3 model chunks here), and name the schedule of a Megatron choice."""
+    from megatron_terapipe.megatron.args.planning import plan_run
+    from megatron_terapipe.megatron.args.settings import RunSettings
+    from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
+    from test_arguments import parse
+
+    argv = BASE + ["--memory-budget", "40GiB", "--granularity", "128"]
+    assert main(argv) == 0
+    flags = _flags_line(capsys.readouterr().out)
+    parser = build_parser()
+    choice = inputs_from_options(parser.parse_args(argv), parser).schedule_table().auto().chosen
+    assert choice.family == TERAPIPE and choice.num_chunks > 1
+    at = flags.index("--num-virtual-stages-per-pipeline-rank")  # Megatron's own flag
+    chunks = int(flags[at + 1])
+    assert chunks == choice.num_chunks
+    assert flags[:2] == ["--pipeline-schedule", "terapipe"]
+    assert "--terapipe-memory-budget" in flags and "--terapipe-granularity" in flags
+    model = MODEL_PRESETS["gpt3-1b"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the presets' GPUs per node
+
+    def planned(terapipe_flags):
+        args = parse(terapipe_flags, num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size,
+                     seq_length=1024, bf16=True, pipeline_model_parallel_size=4, world_size=4,
+                     micro_batch_size=1, global_batch_size=1,
+                     virtual_pipeline_model_parallel_size=chunks,
+                     num_virtual_stages_per_pipeline_rank=chunks)
+        return plan_run(RunSettings.from_args(args).for_batch(1024, 1)).plan.to_dict()
+
+    terapipe_flags = flags[:at] + flags[at + 2:]
+    assert planned(terapipe_flags) == choice.plan.to_dict()  # predicted time included
+    other = [("a100" if f == "v100" else f) for f in terapipe_flags]  # can differ
+    assert planned(other) != choice.plan.to_dict()
+
+    assert main(BASE + ["--num-microbatches", "64"]) == 0
+    flags = _flags_line(capsys.readouterr().out)
+    assert flags[:2] == ["--pipeline-schedule", "1f1b"]  # Megatron's interleaved 1F1B
+    assert not any(f.startswith("--terapipe") for f in flags)

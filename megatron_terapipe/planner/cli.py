@@ -193,6 +193,47 @@ def _write_outputs(args, table: ScheduleTable, choice: Optional[AutoChoice]) -> 
         yield f"plan: {args.save_plan} ({plan_label})"
 
 
+def _size_text(nbytes: float) -> str:
+    """A size as the flags take it back: whole GiB or MiB, else bytes."""
+    for unit, size in (("GiB", GiB), ("MiB", 2 ** 20)):
+        if nbytes >= size and nbytes % size == 0:
+            return f"{int(nbytes // size)}{unit}"
+    return str(int(nbytes))
+
+
+def megatron_flags(args, choice: AutoChoice) -> str:
+    """The flags that run auto's choice in a Megatron-LM script with this question's model and
+    parallel flags: the schedule (and its model chunks), and for TeraPipe the --terapipe-*
+    flags that give the start-up planner terapipe-plan's cost model, budget and options, so
+    that it plans what the table shows (tests/test_planner_cli.py checks that it does)."""
+    chosen = choice.chosen
+    flags = ["--pipeline-schedule", "terapipe" if chosen.family == TERAPIPE else "1f1b"]
+    if chosen.num_chunks > 1:
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(chosen.num_chunks)]
+    lead = "Megatron-LM flags for it (with this question's model and parallel flags): "
+    if chosen.family != TERAPIPE:
+        return lead + " ".join(flags)
+    flags += ["--terapipe-order", chosen.order]
+    flags += (["--terapipe-cost-model", args.profile] if args.profile
+              else ["--terapipe-hardware", args.hardware])
+    options = (("--terapipe-granularity", args.granularity != 8, str(args.granularity)),
+               ("--terapipe-defer-wgrad", args.defer_wgrad != "on", args.defer_wgrad),
+               ("--terapipe-wgrad-placement", args.wgrad_placement != "auto", args.wgrad_placement),
+               ("--terapipe-scatter-gather-p2p", args.scatter_gather_p2p, None),
+               ("--terapipe-memory-budget", args.memory_budget is not None,
+                args.memory_budget and _size_text(args.memory_budget)),
+               ("--terapipe-model-state-memory", args.model_state_memory is not None,
+                args.model_state_memory and _size_text(args.model_state_memory)),
+               ("--terapipe-memory-profile", args.memory_profile is not None, args.memory_profile))
+    for flag, given, value in options:
+        flags += [flag] + ([value] if value is not None else []) if given else []
+    unmatched = [o for o, given in (("--no-refine", args.no_refine),
+                                    ("--batch-sizes", args.batch_sizes != "divisors")) if given]
+    return lead + " ".join(flags) + (
+        f" (the flags have no {' or '.join(unmatched)}: the plan at start-up may differ)"
+        if unmatched else "")
+
+
 def schedule_lines(table: ScheduleTable) -> tuple[list[str], Optional[AutoChoice]]:
     """The schedule table and the auto choice as lines, and the choice (None: nothing fits)."""
     lines = schedule_table_lines(table)
@@ -221,6 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines, choice = schedule_lines(table)
     for line in lines:
         print(line)
+    if choice is not None:
+        print(megatron_flags(args, choice))
     for line in _write_outputs(args, table, choice):
         print(line)
     return 0 if choice is not None else 1
