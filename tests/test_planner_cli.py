@@ -203,3 +203,17 @@ def test_the_flags_line_runs_autos_choice(capsys, monkeypatch):
     flags = _flags_line(capsys.readouterr().out)
     assert flags[:2] == ["--pipeline-schedule", "1f1b"]  # Megatron's interleaved 1F1B
     assert not any(f.startswith("--terapipe") for f in flags)
+
+
+def test_the_flags_line_leaves_out_only_what_both_sides_default_to():
+    """The flags line gives --terapipe-granularity, --terapipe-defer-wgrad and
+    --terapipe-wgrad-placement only where terapipe-plan was given other than its default,
+    which must then be the Megatron-LM flags' default too."""
+    from test_arguments import parse
+
+    options = build_parser().parse_args(["--model", "gpt3-1b", "--pipeline-stages", "4",
+                                         "--seq-length", "1024"])  # every default
+    flags = parse([])
+    assert flags.terapipe_granularity == options.granularity
+    assert flags.terapipe_defer_wgrad == options.defer_wgrad
+    assert flags.terapipe_wgrad_placement == options.wgrad_placement

@@ -25,6 +25,7 @@ from .search import SearchResult
 from .timeline import short_plan_text
 
 GiB = 1024 ** 3
+DEFAULT_GRANULARITY = 8  # the Megatron-LM flags' default too (tests/test_planner_cli.py)
 
 
 def _positive_int(text: str) -> int:
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--profile", metavar="PATH",
                    help="layer profile JSON (ProfiledCostModel) to use instead of the analytic model")
     s = p.add_argument_group("slicer")
-    s.add_argument("--granularity", type=_positive_int, default=8,
+    s.add_argument("--granularity", type=_positive_int, default=DEFAULT_GRANULARITY,
                    help="token slices are multiples of this many tokens (default 8)")
     s.add_argument("--defer-wgrad", choices=("auto", "on", "off"), default="on",
                    help="compute parameter gradients in one W action per sequence after its "
@@ -202,21 +203,24 @@ def _size_text(nbytes: float) -> str:
 
 
 def megatron_flags(args, choice: AutoChoice) -> str:
-    """The flags that run auto's choice in a Megatron-LM script with this question's model and
-    parallel flags: the schedule (and its model chunks), and for TeraPipe the --terapipe-*
+    """The flags that run auto's choice in a Megatron-LM script beside the question's own
+    flags (model, parallelism, batch, recomputation): the schedule (and its model chunks), and
+    for TeraPipe the --terapipe-*
     flags that give the start-up planner terapipe-plan's cost model, budget and options, so
     that it plans what the table shows (tests/test_planner_cli.py checks that it does)."""
     chosen = choice.chosen
     flags = ["--pipeline-schedule", "terapipe" if chosen.family == TERAPIPE else "1f1b"]
     if chosen.num_chunks > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(chosen.num_chunks)]
-    lead = "Megatron-LM flags for it (with this question's model and parallel flags): "
+    lead = ("Megatron-LM flags for it (beside the question's own model, parallelism, batch and "
+            "recomputation flags): ")
     if chosen.family != TERAPIPE:
         return lead + " ".join(flags)
     flags += ["--terapipe-order", chosen.order]
     flags += (["--terapipe-cost-model", args.profile] if args.profile
               else ["--terapipe-hardware", args.hardware])
-    options = (("--terapipe-granularity", args.granularity != 8, str(args.granularity)),
+    options = (("--terapipe-granularity", args.granularity != DEFAULT_GRANULARITY,
+                str(args.granularity)),
                ("--terapipe-defer-wgrad", args.defer_wgrad != "on", args.defer_wgrad),
                ("--terapipe-wgrad-placement", args.wgrad_placement != "auto", args.wgrad_placement),
                ("--terapipe-scatter-gather-p2p", args.scatter_gather_p2p, None),
