@@ -21,7 +21,14 @@ BASE = ["--model", "gpt3-1b", "--pipeline-stages", "4", "--seq-length", "1024",
 
 def test_prints_plan_and_comparison(capsys):
     assert main(BASE + ["--micro-batch-size", "2", "--num-microbatches", "2"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # progress on stderr, each TeraPipe row of the table counted (gpt3-1b on 4 stages: 6
+    # layers per stage, so 1, 2, 3 and 6 chunks in each of the two orders)
+    progress = [line.split("s  ", 1)[1] for line in err.splitlines()
+                if line.startswith("terapipe-plan:")]
+    assert progress[0] == "planning TeraPipe 1f1b on one model chunk" and progress[-1] == "done"
+    assert "planning TeraPipe 1f1b (1 of 8)" in progress
+    assert "planning TeraPipe gpipe, 6 chunks (8 of 8)" in progress
     for text in ("TeraPipe 1f1b on one model chunk (", "TeraPipe DP", "uniform x", "no token slicing", "speedup",
                  "peak GiB per stage", "capped DPs"):
         assert text in out

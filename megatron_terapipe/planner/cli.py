@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Iterator, Optional, Sequence
+import time
+from typing import Callable, Iterator, Optional, Sequence
 
 from ..schedule.orders import ORDERS
 from .cli_inputs import add_memory_args, inputs_from_options
@@ -250,10 +251,23 @@ def schedule_lines(table: ScheduleTable) -> tuple[list[str], Optional[AutoChoice
     return lines, choice
 
 
+def _progress() -> Callable[[str], None]:
+    """Progress lines on stderr (the answer stays alone on stdout), with seconds since start:
+    a large question plans for a minute or more."""
+    start = time.perf_counter()
+
+    def say(what: str) -> None:
+        print(f"terapipe-plan: {time.perf_counter() - start:6.1f} s  {what}", file=sys.stderr,
+              flush=True)
+    return say
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     inputs = inputs_from_options(args, parser)
+    say = _progress()
+    say(f"planning TeraPipe {args.order} on one model chunk")
     try:
         result = inputs.search()
     except MemoryBudgetError as exc:
@@ -262,7 +276,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if result is not None:
         for line in _report(args, inputs, result):
             print(line)
-    table = inputs.schedule_table()
+    say("timing Megatron's schedules")
+    table = inputs.schedule_table(progress=lambda row: say(f"planning {row}"))
+    say("done")
     lines, choice = schedule_lines(table)
     for line in lines:
         print(line)

@@ -75,13 +75,15 @@ class PlannerInputs:
             raise found
         return found
 
-    def schedule_table(self, interleaved: bool = True) -> ScheduleTable:
+    def schedule_table(self, interleaved: bool = True,
+                       progress: Optional[Callable[[str], None]] = None) -> ScheduleTable:
         """Megatron's schedules and TeraPipe's, timed and held against the budget;
         interleaved: whether Megatron's interleaved 1F1B is open to the run (TeraPipe on
-        virtual stages is open where the space's virtual_stages says)."""
+        virtual stages is open where the space's virtual_stages says); progress: told each
+        TeraPipe row before its search (compare_schedules)."""
         return compare_schedules(self.cost_model, self.space, self.budget,
                                  self.layers_per_stage if interleaved else 1, search=self.search,
-                                 virtual=self.search_virtual)
+                                 virtual=self.search_virtual, progress=progress)
 
 
 def priced_layers(model: ModelDims, num_stages: int, busiest_layers: Optional[int] = None) -> int:

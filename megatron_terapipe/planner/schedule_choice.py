@@ -202,14 +202,16 @@ def virtual_chunk_counts(space: SearchSpace, layers_per_stage: int) -> list[int]
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                       layers_per_stage: int, orders: Optional[Sequence[str]] = None,
                       search: Optional[OrderSearch] = None,
-                      virtual: Optional[VirtualSearch] = None) -> ScheduleTable:
+                      virtual: Optional[VirtualSearch] = None,
+                      progress: Optional[Callable[[str], None]] = None) -> ScheduleTable:
     """Every candidate schedule for the run `space` describes, timed and held against
     `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
     those that cannot run. `orders`: TeraPipe's orders to try (default: every registered
     one, schedule/orders.py). `search`: TeraPipe's plan search per order (default:
     search_within_budget; PlannerInputs passes the searches it already made); `virtual`:
     its search per order on V chunks per stage, for V in `virtual_chunk_counts` (default:
-    search_virtual, started from the order's one-chunk plan)."""
+    search_virtual, started from the order's one-chunk plan). `progress`: called with each
+    TeraPipe row's name and count ("TeraPipe 1f1b, 5 chunks (2 of 4)") before its search."""
     if search is None:
         def search(order: str) -> SearchResult:
             return search_within_budget(cost_model, replace(space, order=order), budget)
@@ -221,10 +223,14 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
                 hint = None
             return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    for order in order_names() if orders is None else orders:
-        options.append(_terapipe_option(order, 1, lambda o=order: search(o), budget))
-        options += [_terapipe_option(order, v, lambda o=order, v=v: virtual(o, v), budget)
-                    for v in virtual_chunk_counts(space, layers_per_stage)]
+    rows = [(order, v) for order in (order_names() if orders is None else orders)
+            for v in (1, *virtual_chunk_counts(space, layers_per_stage))]
+    for i, (order, v) in enumerate(rows):
+        if progress is not None:
+            progress(f"TeraPipe {order}" + (f", {v} chunks" if v > 1 else "")
+                     + f" ({i + 1} of {len(rows)})")
+        run = (lambda o=order: search(o)) if v == 1 else (lambda o=order, v=v: virtual(o, v))
+        options.append(_terapipe_option(order, v, run, budget))
     options = merge_same_schedules(options)
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,
