@@ -28,12 +28,11 @@ import contextlib
 import json
 import os
 import sys
-from dataclasses import replace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_virtual_limits import inputs, plan_of  # noqa: E402
+from bench_virtual_limits import plan_of, question  # noqa: E402
 from megatron_terapipe.planner.cost.recompute import FullRecompute  # noqa: E402
 from megatron_terapipe.planner.cost.recompute_memory import memory_of  # noqa: E402
 from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
@@ -124,10 +123,7 @@ def main(argv=None) -> int:
                                                  "results", "stage_recompute.json"))
     args = p.parse_args(argv)
     origin = provenance(script_command(__file__, argv))
-    free = inputs(args.microbatches)
-    megatron = next(o for o in free.schedule_table().options if o.name == "Megatron 1F1B")
-    base, budget = megatron.time, max(20 * GiB, max(megatron.totals))
-    run = inputs(args.microbatches, budget)
+    free, run, base, budget = question(args.microbatches)
     rows = [greedy_row(run, free, base, args.microbatches, g, w) for g in GROUPS for w in WARMUPS]
     for r in rows:
         print(f"groups of {r['group']}, warm-up {r['warmup']}: without {r['plain_speedup']}x "

@@ -55,6 +55,15 @@ def inputs(microbatches: int, budget_bytes=None):
         MODEL + ["--num-microbatches", str(microbatches), *extra]), parser)
 
 
+def question(microbatches: int):
+    """(inputs without a budget, inputs within it, Megatron 1F1B's seconds, the budget): the
+    budget is 20 GiB or Megatron 1F1B's own predicted peak, whichever is larger."""
+    free = inputs(microbatches)
+    megatron = next(o for o in free.schedule_table().options if o.name == "Megatron 1F1B")
+    budget = max(20 * GiB, max(megatron.totals))
+    return free, inputs(microbatches, budget), megatron.time, budget
+
+
 def plan_of(slices: int, **fields) -> TeraPipePlan:
     return replace(TeraPipePlan.uniform(8192, slices, "1f1b", 8), virtual_stages=CHUNKS,
                    defer_wgrad=True, **fields)
@@ -127,10 +136,7 @@ def main(argv=None) -> int:
                                                  "results", "virtual_limits.json"))
     args = p.parse_args(argv)
     origin = provenance(script_command(__file__, argv))
-    free = inputs(args.microbatches)
-    megatron = next(o for o in free.schedule_table().options if o.name == "Megatron 1F1B")
-    base, budget = megatron.time, max(20 * GiB, max(megatron.totals))
-    run = inputs(args.microbatches, budget)
+    free, run, base, budget = question(args.microbatches)
     result = {"microbatches": args.microbatches, "budget_gib": round(budget / GiB, 3),
               "megatron_1f1b_ms": round(base * 1e3, 3),
               "ceilings": ceilings(run, base, args.microbatches),
