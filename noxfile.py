@@ -41,7 +41,8 @@ LINES = {
 #: The smaller 0.19 run: equivalence against Megatron's own schedule, the launcher and patch
 #: on Megatron-LM's argument parser, and the compatibility checks.
 EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py", "tests/test_moe_losses.py",
-                     "tests/test_virtual_runs.py", "tests/test_compat.py",
+                     "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
+                     "tests/test_compat.py",
                      "tests/test_compat_megatron_lm.py", "tests/test_stage_layers.py")
 
 

@@ -1,0 +1,139 @@
+"""Random plans on virtual stages, with W actions anywhere after their backwards.
+
+The planner's W places and the hand-picked cases of test_virtual_runs.py are a few points of a
+large space: any slicing, order, chunk count, group size, second warm-up term, early W points
+and any non-decreasing W places at or after each W's backward (`TeraPipePlan.wgrad_after`)
+make a plan the builder accepts. Here such plans are drawn at random (a seeded
+`random.Random`, so every run draws the same):
+- each one's schedule passes `validate` (deadlock-free) and the simulator times it;
+- some run on 2 processes (PP=2, V up to 4, DDP, deallocated outputs) and on 4 (PP=4 x V=2
+  with either transport, or TP=2 x PP=2 with and without sequence parallelism), with every
+  parameter gradient and every reported loss equal to Megatron's no-pipelining run on the
+  full model at the equivalence suite's fp32 tolerances (harness.compare.FP32), as
+  test_virtual_runs.py checks its cases.
+TERAPIPE_RANDOM_SEED and TERAPIPE_RANDOM_RUNS draw other or more runs (docs/tests.md).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+
+import pytest
+
+from harness import TinyGPT, check_case, spawn
+from harness.virtual_runs import VirtualCase
+from megatron_terapipe import TeraPipePlan, build_schedule, validate
+from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
+from megatron_terapipe.schedule.build import allowed_group
+from megatron_terapipe.schedule.wgrad_places import default_places
+
+SEED = int(os.environ.get("TERAPIPE_RANDOM_SEED", "2026"))
+RUNS = int(os.environ.get("TERAPIPE_RANDOM_RUNS", "12"))
+SEQ = TinyGPT().seq_length
+
+
+def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
+    cuts = sorted(rng.sample(range(1, total), parts - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def _w_places(rng: random.Random, plan: TeraPipePlan, M: int, K: int, rows: int) -> list[list[int]]:
+    """Per stage, non-decreasing places at or after each W's default (its backward), half of
+    them moved to a random later place."""
+    out = []
+    for actions in build_schedule(plan, M, K, rows).stages:
+        compute = sum(a.kind != "W" for a in actions)
+        places, last = [], 0
+        for least in default_places(actions):
+            last = max(last, rng.randint(least, compute) if rng.random() < 0.5 else least)
+            places.append(last)
+        out.append(places)
+    return out
+
+
+def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1) -> tuple[TeraPipePlan, int, int]:
+    """(plan, microbatches, micro batch size): a random plan on K stages x V chunks."""
+    order = rng.choice(["1f1b", "gpipe"])
+    defer = rng.random() < 0.85
+    units = _composition(rng, SEQ // tp_multiple, rng.randint(1, 4))
+    M, rows = rng.randint(1, 7), rng.choice([1, 2])
+    batch = [1, 1] if rows == 2 and rng.random() < 0.3 else None
+    plan = TeraPipePlan([u * tp_multiple for u in units], batch_slices=batch, order=order,
+                        defer_wgrad=defer, virtual_stages=V)
+    groups = [g for g in range(1, M + 1) if allowed_group(g, M, K, plan.num_cells)]
+    points = ()
+    if defer and len(units) > 1 and rng.random() < 0.3:
+        points = tuple(tuple(sorted(rng.sample(range(1, len(units)), rng.randint(0, len(units) - 1))))
+                       for _ in range(K))
+    plan = replace(plan, virtual_group=rng.choice(groups + [None]), wgrad_points=points,
+                   virtual_warmup=rng.choice([None, None, 0, 1]) if order == "1f1b" else None)
+    if defer and rng.random() < 0.8:
+        plan = replace(plan, wgrad_after=_w_places(rng, plan, M, K, rows))
+    return plan, M, rows
+
+
+def _case(rng: random.Random, name: str, world: int) -> VirtualCase:
+    if world == 2:
+        shape = dict(pp=2, model=TinyGPT(num_layers=rng.choice([4, 6, 8])),
+                     ddp=rng.random() < 0.3, deallocate_outputs=rng.random() < 0.3)
+    elif rng.random() < 0.5:
+        shape = dict(pp=4, model=TinyGPT(num_layers=8), ddp=rng.random() < 0.3,
+                     transport=rng.choice([None, "megatron"]))
+    else:
+        parallel = rng.random() < 0.5
+        shape = dict(pp=2, tp=2, model=TinyGPT(num_layers=4, sequence_parallel=parallel),
+                     ddp=parallel or rng.random() < 0.3)
+    layers = shape["model"].num_layers // shape["pp"]
+    V = rng.choice([v for v in (2, 3, 4) if layers % v == 0])
+    tp_multiple = 2 if shape["model"].sequence_parallel else 1
+    plan, M, rows = draw_plan(rng, shape["pp"], V, tp_multiple)
+    if shape.get("transport") == "megatron" and plan.batch_slices:
+        shape["transport"] = None  # Megatron's communicator: one message shape per channel
+    return VirtualCase(name, plan, num_microbatches=M, micro_batch_size=rows, **shape)
+
+
+def random_cases(world: int, count: int, seed: int) -> list[VirtualCase]:
+    rng = random.Random(seed * 10 + world)
+    return [_case(rng, f"random_v_{world}_{seed}_{i}", world) for i in range(count)]
+
+
+CASES_2 = random_cases(2, RUNS, SEED)
+CASES_4 = random_cases(4, max(1, RUNS * 2 // 3), SEED)
+COST = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"), layers_per_stage=4,
+                         tensor_parallel=2)
+
+
+def test_random_plans_validate_and_simulate():
+    """Many more draws than run: every schedule is deadlock-free and the simulator (which
+    replays the same action lists) finishes it with every action timed."""
+    rng = random.Random(SEED)
+    for _ in range(300):
+        K = rng.choice([2, 3, 4])
+        plan, M, rows = draw_plan(rng, K, rng.choice([2, 4]))
+        schedule = build_schedule(plan, M, K, rows)
+        validate(schedule)
+        result = simulate(schedule, COST)
+        assert result.iteration_time > 0
+        assert len(result.timeline) == sum(map(len, schedule.stages)), plan
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(2, "harness.virtual_runs:run_virtual_cases", CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(4, "harness.virtual_runs:run_virtual_cases", CASES_4, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_random_plans_on_two_processes(world2, case):
+    check_case(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_random_plans_on_four_processes(world4, case):
+    check_case(world4, case)
