@@ -4,6 +4,7 @@ within the budget at the first iteration, and fixed slices held against the budg
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,7 @@ from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule,
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.args.plan_report import WARNING
 from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.planning import plan_run
 from megatron_terapipe.megatron.args.settings import RunSettings, apply_choice
 from megatron_terapipe.megatron.wiring import setup_from_args
 from megatron_terapipe.planner.cost.stage_memory import GiB
@@ -93,10 +95,13 @@ def test_apply_choice_sets_what_each_schedule_needs():
                                   None, None, ""))
     assert args.pipeline_schedule == "1f1b"
     assert args.virtual_pipeline_model_parallel_size == 4 == args.num_virtual_stages_per_pipeline_rank
+    assert args.microbatch_group_size_per_vp_stage == 2  # Megatron's default group: PP
     args = parse(AUTO, **SHAPE)
     apply_choice(args, AutoChoice(option("TeraPipe 1f1b, 2 chunks", "terapipe", chunks=2),
                                   None, None, ""))
     assert (args.pipeline_schedule, args.virtual_pipeline_model_parallel_size) == ("terapipe", 2)
+    # TeraPipe's plan keeps the groups its search chose: Megatron's group flag stays unset
+    assert getattr(args, "microbatch_group_size_per_vp_stage", None) is None
     args = parse(AUTO, **SHAPE)
     apply_choice(args, AutoChoice(option("Megatron 1F1B", "megatron"), None, None, ""))
     assert args.pipeline_schedule == "1f1b" and args.virtual_pipeline_model_parallel_size is None
@@ -173,6 +178,11 @@ def test_auto_chooses_terapipe_on_5_chunks_for_gpt3_13b_with_sequence_parallelis
     assert choice.chosen.time < choice.runner_up.time / 1.03
     apply_choice(args, choice)
     assert args.pipeline_schedule == "terapipe" and args.virtual_pipeline_model_parallel_size == 5
+    # the run then plans from the flags auto wrote: auto's very plan (its groups included)
+    run = RunSettings.from_args(args)
+    planned = plan_run(run.for_batch(8192, 1)).plan
+    assert planned == replace(choice.chosen.plan, predicted_time=planned.predicted_time)
+    assert planned.predicted_time == pytest.approx(choice.chosen.time, rel=1e-9)
 
 
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform",

@@ -90,6 +90,13 @@ EQUAL = [
     Config("virtual pipeline (PP=4 x V=2)", 4, ("--num-layers", "8", "--pipeline-model-parallel-"
                                                 "size", "4", "--num-virtual-stages-per-pipeline-"
                                                 "rank", "2")),
+    # Megatron's microbatch groups: 8 microbatches in 2 groups of 4 on both schedules
+    Config("virtual pipeline, microbatch groups of 4", 2, (
+        "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "8", "--microbatch-group-size-per-virtual-pipeline-stage", "4"),
+           log_has=(">   virtual stages ............ 2 model chunks per stage, microbatches in "
+                    "groups of 4", ">   note: microbatch groups of 4 from "
+                    "--microbatch-group-size-per-virtual-pipeline-stage")),
     # Uneven splits of the layers over the stages (the planner prices the busiest stage)
     Config("uneven first stage (1 of 4 layers)", 2, ("--num-layers", "4",
                                                      "--decoder-first-pipeline-num-layers", "1")),

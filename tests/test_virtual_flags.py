@@ -59,3 +59,58 @@ def test_auto_chooses_the_chunks_itself():
     args = parse(["--pipeline-schedule", "auto"], **VPP)
     with pytest.raises(TeraPipeArgumentError, match="--num-virtual-stages-per-pipeline-rank"):
         validate_terapipe_args(args)
+
+
+GROUP = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def _grouped(argv, group, **megatron):
+    """The flags with Megatron's microbatch group (its dest, as Megatron-LM parses it)."""
+    return parse(["--pipeline-schedule", "terapipe", *argv], **VPP, **megatron,
+                 microbatch_group_size_per_vp_stage=group)
+
+
+@pytest.mark.parametrize("argv", [["--terapipe-num-slices", "2"], []], ids=["num_slices", "searched"])
+def test_megatrons_group_flag_sets_the_plans_groups(argv):
+    """4 microbatches on 2 stages in groups of 3: Megatron's interleaved 1F1B refuses it (the
+    last group, 1 microbatch, is shorter than the pipeline); cut in 2 token slices the last
+    group holds 2 units, which TeraPipe's order needs. The start-up report says so."""
+    args = _grouped(argv, 3)
+    validate_terapipe_args(args)
+    plan, report = plan_and_report(args, 64, 2)
+    assert report.num_microbatches == 4 and plan.virtual_group == 3
+    assert len(plan.token_slices[0]) >= 2  # one slice would leave the last group 1 unit
+    lines = report.lines(plan)
+    assert ">   virtual stages ............ 2 model chunks per stage, microbatches in groups of 3" in lines
+    assert f">   note: microbatch groups of 3 from {GROUP}" in lines
+    LoweredSchedule.of(build_schedule(plan, 4, 2, 2))
+    unset, _ = plan_and_report(parse(["--pipeline-schedule", "terapipe", *argv], **VPP), 64, 2)
+    assert unset.virtual_group != 3  # without the flag the groups are the planner's
+
+
+def test_a_group_no_slicing_allows_is_refused_naming_the_flag():
+    with pytest.raises(TeraPipeArgumentError, match=f"{GROUP} 3: with 1 cell per microbatch "
+                       r"\(token slices x batch slices\) that is 3 units per group and 1 in the "
+                       r"last of 4 microbatches, but every group needs at least 2 \(one per "
+                       r"pipeline stage\): give one of 2, 4,"):
+        plan_and_report(_grouped(["--terapipe-num-slices", "1"], 3), 64, 2)
+    with pytest.raises(TeraPipeArgumentError, match=f"{GROUP} 1: no slicing the search tries "
+                       r"\(up to 1 slice\) gives every group of 1 of the 4 microbatches"):
+        plan_and_report(_grouped(["--terapipe-granularity", "64"], 1), 64, 2)  # whole sequences
+    with pytest.raises(TeraPipeArgumentError, match=f"{GROUP} must be a positive number"):
+        validate_terapipe_args(_grouped([], 0))
+
+
+def test_the_group_flag_is_said_not_to_apply_where_it_does_not():
+    plan, report = plan_and_report(_grouped(["--terapipe-order", "gpipe"], 3), 64, 2)
+    assert plan.virtual_group is None
+    assert f">   note: {GROUP} 3 does not apply: the gpipe order runs every forward first" in report.lines(plan)
+    args = parse(["--pipeline-schedule", "terapipe"], microbatch_group_size_per_vp_stage=3)
+    plan, report = plan_and_report(args, 64, 2)
+    assert f">   note: {GROUP} 3 does not apply: no virtual pipeline stages" in report.lines(plan)
+
+
+def test_auto_chooses_the_groups_itself():
+    args = parse(["--pipeline-schedule", "auto"], microbatch_group_size_per_vp_stage=2)
+    with pytest.raises(TeraPipeArgumentError, match=f"drop {GROUP}"):
+        validate_terapipe_args(args)

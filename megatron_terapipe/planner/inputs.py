@@ -49,18 +49,20 @@ class PlannerInputs:
         return self._once(order, lambda: search_within_budget(
             self.cost_model, replace(self.space, order=order), self.budget))
 
-    def search_virtual(self, order: str, chunks: int) -> VirtualSearchResult:
+    def search_virtual(self, order: str, chunks: int,
+                       group: Optional[int] = None) -> VirtualSearchResult:
         """The plan search in `order` on `chunks` model chunks per stage (virtual_search.py),
-        started from the order's one-chunk plan; made once per (order, chunks)."""
+        started from the order's one-chunk plan, in `group`s of microbatches when given (else
+        the search chooses); made once per (order, chunks, group)."""
         def run() -> VirtualSearchResult:
             try:
                 hint: Optional[TeraPipePlan] = self.search(order).plan
             except MemoryBudgetError:
                 hint = None
             return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
-                                  chunks, hint)
+                                  chunks, hint, group)
 
-        return self._once((order, chunks), run)
+        return self._once((order, chunks, group), run)
 
     def _once(self, key, make: Callable[[], object]):
         """`make()`'s result for `key`, computed once; a MemoryBudgetError is kept and raised

@@ -61,9 +61,14 @@ def group_options(space: SearchSpace, plan: TeraPipePlan) -> list[Optional[int]]
     return list(dict.fromkeys(g for g in (fewest, larger, M) if g is not None))
 
 
-def virtual_plans(space: SearchSpace, num_chunks: int,
-                  hint: Optional[TeraPipePlan] = None) -> list[tuple[str, TeraPipePlan]]:
-    """Step 1's plans, named."""
+class NoAllowedGroupError(ValueError):
+    """A fixed microbatch group that no candidate slicing makes allowed (allowed_group)."""
+
+
+def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePlan] = None,
+                  group: Optional[int] = None) -> list[tuple[str, TeraPipePlan]]:
+    """Step 1's plans, named; with `group` (1f1b), only that group, in the slicings it is
+    allowed for (NoAllowedGroupError when none)."""
     most = space.seq_length // space.unit
     counts = set(c for c in SLICE_COUNTS if c <= most)
     if hint is not None:
@@ -75,23 +80,34 @@ def virtual_plans(space: SearchSpace, num_chunks: int,
         base = TeraPipePlan.uniform(space.seq_length, n, space.order, space.unit)
         base = replace(base, virtual_stages=num_chunks)
         groups = group_options(space, base) if space.order == "1f1b" else [None]
-        for group in groups:
+        if group is not None and space.order == "1f1b":
+            M, K = space.num_microbatches, space.num_stages
+            groups = [group] if allowed_group(group, M, K, base.num_cells) else []
+        for g in groups:
             for mode in modes:
-                name = f"uniform x{n}" + (f", groups of {group}" if group is not None else "")
-                out.append((name, replace(base, virtual_group=group, defer_wgrad=mode)))
+                name = f"uniform x{n}" + (f", groups of {g}" if g is not None else "")
+                out.append((name, replace(base, virtual_group=g, defer_wgrad=mode)))
+    if not out:
+        raise NoAllowedGroupError(
+            f"no slicing the search tries (up to {max(counts)} slice{'s' * (max(counts) > 1)}) "
+            f"gives every group of {group} of the "
+            f"{space.num_microbatches} microbatches (and a shorter last one) a unit per pipeline "
+            f"stage ({space.num_stages})")
     return out
 
 
 def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                   num_chunks: int, hint: Optional[TeraPipePlan] = None) -> VirtualSearchResult:
+                   num_chunks: int, hint: Optional[TeraPipePlan] = None,
+                   group: Optional[int] = None) -> VirtualSearchResult:
     """The fastest plan on `num_chunks` chunks per stage that fits `budget` (module
-    docstring). Raises MemoryBudgetError (with `leanest`) when none fits, ValueError when the
-    pipeline has one stage."""
+    docstring), in `group`s of microbatches when given. Raises MemoryBudgetError (with
+    `leanest`) when none fits, NoAllowedGroupError when no slicing allows `group`, ValueError
+    when the pipeline has one stage."""
     if space.num_stages < 2:
         raise ValueError("virtual stages need at least 2 pipeline stages")
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     caches = shared_caches(cost_model, space.memory)
-    plans = virtual_plans(space, num_chunks, hint)
+    plans = virtual_plans(space, num_chunks, hint, group)
     floors = [compute_floor(cost_model, space, plan) for _, plan in plans]
     timed: list[tuple[float, int]] = []
     peaks: dict[int, float] = {}

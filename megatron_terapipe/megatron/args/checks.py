@@ -44,6 +44,10 @@ def validate_terapipe_args(args) -> RunSettings:
         _check_slices(run, seq)
     _check_planner_flags(flags)
     _check_memory_flags(flags)
+    group = run.shape.microbatch_group
+    if group is not None and group < 1:
+        _fail(f"--microbatch-group-size-per-virtual-pipeline-stage must be a positive number of "
+              f"microbatches, got {group}")
     problem = refusal(run.support)
     if problem:
         _fail(problem)
@@ -86,6 +90,10 @@ def _check_auto(run: RunSettings) -> None:
     if run.terapipe.slices_given:
         _fail("--pipeline-schedule auto plans the token slices itself: drop --terapipe-slices / "
               "--terapipe-num-slices, or use --pipeline-schedule terapipe")
+    if run.shape.microbatch_group is not None:
+        _fail("--pipeline-schedule auto chooses the virtual pipeline stages and their microbatch "
+              "groups itself: drop --microbatch-group-size-per-virtual-pipeline-stage, or keep it "
+              "with --pipeline-schedule terapipe or 1f1b and virtual pipeline stages")
 
 
 def _check_planner_flags(flags: TeraPipeSettings) -> None:

@@ -8,6 +8,7 @@ from typing import Optional
 
 from ...plan import TeraPipePlan
 from ...planner.report import slice_picture
+from ...schedule.build import virtual_group
 from ..hooks.rules import SLICE_ATTENTION
 
 PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
@@ -52,6 +53,8 @@ class PlanReport:
         out.append(">   one microbatch to scale:")
         out.extend(f">     {row}" for row in slice_picture(plan, PICTURE_WIDTH))
         out.append(f">   order ..................... {plan.order}")
+        if plan.virtual_stages > 1:
+            out.append(">   virtual stages ............ " + self._virtual_text(plan))
         wgrad = "deferred: one W action per sequence" if plan.defer_wgrad else "in every backward cell"
         if plan.wgrad_points:
             wgrad += f"; {plan.early_w_text()}"
@@ -72,6 +75,18 @@ class PlanReport:
         out.extend(f">   note: {n}" for n in self.notes if not n.startswith(WARNING))
         out.extend(f"> terapipe: {n}" for n in self.notes if n.startswith(WARNING))
         return out
+
+    def _virtual_text(self, plan: TeraPipePlan) -> str:
+        """Model chunks per stage, and in the 1f1b order the interleaved order's microbatch
+        groups and the warm-up."""
+        text = f"{plan.virtual_stages} model chunks per stage"
+        if plan.order != "1f1b":
+            return text + ", every forward first (no microbatch groups)"
+        group = virtual_group(plan, self.num_microbatches, self.num_stages)
+        text += f", microbatches in groups of {group}"
+        if plan.virtual_warmup is not None:
+            text += f", warm-up {plan.virtual_warmup} (fewer units in flight than Megatron's)"
+        return text
 
     def _prediction_lines(self) -> list[str]:
         out = []

@@ -14,6 +14,8 @@ from ...plan import SliceGrid, TeraPipePlan
 from ...planner.cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from ...planner.inputs import PlannerInputs
 from ...planner.search import SearchResult, choose_deferral
+from ...planner.virtual_search import NoAllowedGroupError
+from ...schedule.build import allowed_group
 from ...planner.timeline import write_chrome_trace
 from .flags import COST_MODELS
 from .plan_report import PlanReport, attention_text
@@ -50,24 +52,27 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
         _refuse_unpredicted(flags)
     inputs = inputs or (lambda: planner_inputs(run))
     chunks = run.support.virtual_stages  # Megatron's virtual pipeline stages: model chunks
+    group = microbatch_group(run)
     fixed = fixed_plan(flags, run.grid, shape.seq_length)
     given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        searched = _search(given, chunks, shape)
+        searched = _search(given, chunks, shape, group)
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
         if chunks > 1:
             source += f", on {chunks} virtual stages per rank"
         plan = searched.plan
     else:
         source, plan = fixed
-        plan = replace(plan, virtual_stages=chunks)
+        plan = replace(plan, virtual_stages=chunks, virtual_group=group)
+        check_group(plan, shape)
     if flags.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
         plan = replace(plan, defer_wgrad=flags.defer_wgrad)
     report = PlanReport(shape.seq_length, shape.micro_batch_size, shape.num_microbatches,
                         shape.pipeline_parallel, source, "none",
                         notes=list(given.notes) if given else [],
                         attention=attention_text(run.attention_backend))
+    report.notes += group_notes(run, group)
     if given is None:
         report.notes.append("no prediction: the flags give no model shape (--num-layers, "
                             "--hidden-size, --num-attention-heads)")
@@ -116,15 +121,61 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     return plan
 
 
-def _search(inputs: PlannerInputs, chunks: int, shape: RunShape):
+def _search(inputs: PlannerInputs, chunks: int, shape: RunShape, group: Optional[int]):
     """The planner's search (on `chunks` model chunks per stage: Megatron's virtual pipeline
-    stages), within the memory budget when one is given."""
+    stages, in `group`s of microbatches when the flag fixes them), within the memory budget
+    when one is given."""
     try:
         if chunks > 1:
-            return inputs.search_virtual(inputs.space.order, chunks)
+            return inputs.search_virtual(inputs.space.order, chunks, group)
         return inputs.search()
     except MemoryBudgetError as exc:
         raise budget_error(exc, shape) from None
+    except NoAllowedGroupError as exc:
+        raise TeraPipeArgumentError(f"{GROUP_FLAG} {group}: {exc}; give a larger group, or drop "
+                                    "the flag (the planner chooses the groups)") from None
+
+
+#: Megatron-LM's flag for the microbatches per group of the interleaved order.
+GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
+
+
+def microbatch_group(run: RunSettings) -> Optional[int]:
+    """The plan's microbatch group when the flags fix it: Megatron's group flag, on virtual
+    stages in the 1f1b order (gpipe runs every forward first: no groups); else None (the
+    planner's, or the fewest that fill the ring)."""
+    if run.support.virtual_stages > 1 and run.terapipe.order == "1f1b":
+        return run.shape.microbatch_group
+    return None
+
+
+def group_notes(run: RunSettings, group: Optional[int]) -> list[str]:
+    """What the start-up report says about Megatron's group flag, when given."""
+    given = run.shape.microbatch_group
+    if given is None:
+        return []
+    if group is not None:
+        return [f"microbatch groups of {group} from {GROUP_FLAG}"]
+    where = ("the gpipe order runs every forward first" if run.support.virtual_stages > 1
+             else "no virtual pipeline stages")
+    return [f"{GROUP_FLAG} {given} does not apply: {where}"]
+
+
+def check_group(plan: TeraPipePlan, shape: RunShape) -> None:
+    """Fixed slices in the flag's groups: every group (and a shorter last one) must hold at
+    least one unit (cell) per pipeline stage, counted in token slices: TeraPipe's rule
+    (schedule/build.py: allowed_group), looser than Megatron's group >= pipeline size."""
+    group, M, K = plan.virtual_group, shape.num_microbatches, shape.pipeline_parallel
+    if group is None or allowed_group(group, M, K, plan.num_cells):
+        return
+    cells = plan.num_cells
+    allowed = [g for g in range(1, M + 1) if allowed_group(g, M, K, cells)]
+    raise TeraPipeArgumentError(
+        f"{GROUP_FLAG} {group}: with {cells} cell{'s' * (cells > 1)} per microbatch (token "
+        f"slices x batch slices) that is {group * cells} units per group and "
+        f"{M % group * cells} in the last of {M} microbatches, but every group needs at least "
+        f"{K} (one per pipeline stage): give one of {', '.join(map(str, allowed))}, cut each "
+        "sequence into more slices, or drop the flag")
 
 
 def _check_fixed_plan_fits(plan: TeraPipePlan, source: str, report: PlanReport,

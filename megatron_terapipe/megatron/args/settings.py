@@ -162,6 +162,8 @@ class RunShape:
     rampup: bool = False  # --rampup-batch-size: the microbatch count changes while training
     recompute: str = ""  # Megatron's recomputation flags as given ("" when none)
     full_recompute: Optional[FullRecompute] = None  # what the planner prices of them
+    # --microbatch-group-size-per-virtual-pipeline-stage as given (None: unset, the planner's)
+    microbatch_group: Optional[int] = None
 
     @classmethod
     def from_args(cls, args) -> "RunShape":
@@ -179,7 +181,8 @@ class RunShape:
                     bool(getattr(args, "sequence_parallel", False)), dtype, world,
                     int(os.environ.get("LOCAL_WORLD_SIZE", world)), gbs,
                     bool(getattr(args, "rampup_batch_size", None)), recompute_flags(args),
-                    full_recompute_of(args))
+                    full_recompute_of(args),
+                    _int_or_none(getattr(args, "microbatch_group_size_per_vp_stage", None)))
         return shape.for_batch(shape.seq_length, shape.micro_batch_size)
 
     def for_batch(self, seq_length: Optional[int], micro_batch_size: int) -> "RunShape":
@@ -321,5 +324,7 @@ def apply_choice(args, choice: AutoChoice) -> None:
     if chosen.num_chunks > 1:
         args.num_virtual_stages_per_pipeline_rank = chosen.num_chunks
         args.virtual_pipeline_model_parallel_size = chosen.num_chunks
-        if getattr(args, "microbatch_group_size_per_vp_stage", None) is None:
+        # Megatron's interleaved 1F1B in its default groups (auto refuses a group flag);
+        # TeraPipe's plan keeps the group its search chose, so the flag stays unset for it.
+        if chosen.family != TERAPIPE and getattr(args, "microbatch_group_size_per_vp_stage", None) is None:
             args.microbatch_group_size_per_vp_stage = RunShape.from_args(args).pipeline_parallel
