@@ -14,9 +14,9 @@ from ...plan import SliceGrid, TeraPipePlan
 from ...planner.cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from ...planner.inputs import PlannerInputs
 from ...planner.search import SearchResult, choose_deferral
+from ...planner.timeline import write_chrome_trace
 from ...planner.virtual_search import NoAllowedGroupError
 from ...schedule.build import allowed_group
-from ...planner.timeline import write_chrome_trace
 from .flags import COST_MODELS
 from .plan_report import PlanReport, attention_text
 from .planner_inputs import budget_error, planner_inputs
