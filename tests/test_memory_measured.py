@@ -10,6 +10,7 @@ budget on every stage."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import numpy as np
@@ -26,6 +27,7 @@ from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 from megatron_terapipe.planner.memory_search import search_within_budget
 from megatron_terapipe.planner.search import SearchSpace, search
 from megatron_terapipe.schedule import build_schedule
+from megatron_terapipe.schedule.wgrad_places import default_places
 
 #: 4 stages repeat the 2-stage property on more stages (slow: .ci/run runs them).
 STAGES = [2, pytest.param(4, marks=pytest.mark.slow)]
@@ -166,7 +168,28 @@ def virtual_grid() -> list[MemoryRun]:
             MemoryRun("v2 1f1b n1 M5 groups of 3 W1", vplan(1, virtual_group=3), 5, 1),
             MemoryRun("v2 1f1b n1 M4 groups of 2 warm-up 0 W1",
                       vplan(1, virtual_group=2, virtual_warmup=0), 4, 1),
-            MemoryRun("v2 1f1b n2 M4 b2 W1", vplan(2), 4, 2)]
+            MemoryRun("v2 1f1b n2 M4 b2 W1", vplan(2), 4, 2),
+            # placed W actions hold their inputs until they run: every W at its stage's end
+            # (the most held at once), and W places drawn at random
+            MemoryRun("v2 1f1b n2 M4 W1 every W last", with_places(vplan(2), 4, 2, last=True), 4, 1),
+            MemoryRun("v2 gpipe n4 M2 W1 random W places", with_places(vplan(4, "gpipe"), 2, 2), 2, 1),
+            MemoryRun("v2 1f1b n4 M3 W1 random W places", with_places(vplan(4), 3, 2), 3, 1)]
+
+
+def with_places(plan: TeraPipePlan, microbatches: int, stages: int, last: bool = False,
+                seed: int = 7) -> TeraPipePlan:
+    """`plan` with its W actions at the end of each stage's list (`last`), or each after a
+    random number of F/B actions at or past its backward (non-decreasing)."""
+    rng = random.Random(seed)
+    places = []
+    for actions in build_schedule(plan, microbatches, stages, 1).stages:
+        compute, at = sum(a.kind != "W" for a in actions), 0
+        stage = []
+        for least in default_places(actions):
+            at = compute if last else max(at, rng.randint(least, compute))
+            stage.append(at)
+        places.append(stage)
+    return replace(plan, wgrad_after=places)
 
 
 @pytest.mark.parametrize("recompute", [None, FullRecompute("uniform", 1)],
