@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -224,3 +225,59 @@ def test_the_flags_line_leaves_out_only_what_both_sides_default_to():
     assert flags.terapipe_granularity == options.granularity
     assert flags.terapipe_defer_wgrad == options.defer_wgrad
     assert flags.terapipe_wgrad_placement == options.wgrad_placement
+
+
+#: A Megatron-LM script's model, parallel and batch flags, as its own names give them: a
+#: Llama-style model (SwiGLU, grouped-query attention, untied output layer) on TP 2 x PP 4 x DP 2.
+MEGATRON_LM_FLAGS = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16",
+                     "--group-query-attention", "--num-query-groups", "4", "--swiglu",
+                     "--vocab-size", "32000", "--seq-length", "4096", "--micro-batch-size", "1",
+                     "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
+                     "--pipeline-model-parallel-size", "4", "--use-distributed-optimizer", "--bf16",
+                     "--untie-embeddings-and-output-weights"]
+#: The same as Megatron-LM's parsed args hold them (its ffn default for SwiGLU applied).
+MEGATRON_LM_ARGS = dict(num_layers=16, hidden_size=2048, num_attention_heads=16,
+                        group_query_attention=True, num_query_groups=4, swiglu=True,
+                        ffn_hidden_size=int(4 * 2048 * 2 / 3 / 64) * 64, vocab_size=32000,
+                        seq_length=4096, micro_batch_size=1, global_batch_size=16,
+                        tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+                        use_distributed_optimizer=True, bf16=True,
+                        untie_embeddings_and_output_weights=True, world_size=16)
+
+
+def test_megatron_lm_flags_ask_the_question_the_run_plans(monkeypatch):
+    """terapipe-plan reads a Megatron-LM script's own flags (Megatron's names, --global-batch-size,
+    --swiglu, --group-query-attention, --use-distributed-optimizer, --bf16): the same model,
+    microbatches, model state and TeraPipe plan, predicted time included, as the start-up
+    planner of a Megatron-LM run with those flags."""
+    from megatron_terapipe.megatron.args.planning import plan_run
+    from megatron_terapipe.megatron.args.settings import RunSettings
+    from test_arguments import parse
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the presets' GPUs per node
+    parser = build_parser()
+    options = parser.parse_args(MEGATRON_LM_FLAGS + ["--data-parallel-size", "2", "--hardware",
+                                                     "a100", "--virtual-stages", "1"])
+    ours = inputs_from_options(options, parser)
+    run = RunSettings.from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-hardware",
+                                       "a100"], **MEGATRON_LM_ARGS))
+    planned = plan_run(run.for_batch(4096, 1))
+    assert ours.space.num_microbatches == run.shape.num_microbatches == 8  # 16 / (1 x DP 2)
+    assert ours.model == replace(run.model, name=ours.model.name)
+    assert ours.model.gated_linear_unit and ours.model.ffn == 5440 and ours.model.kv_hidden == 512
+    assert ours.budget.model_state == planned.inputs.budget.model_state
+    assert ours.search().plan.to_dict() == planned.plan.to_dict()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--global-batch-size", "12", "--micro-batch-size", "1", "--data-parallel-size", "8"],
+     "--global-batch-size 12 is not a multiple of --micro-batch-size x --data-parallel-size"),
+    (["--global-batch-size", "8", "--num-microbatches", "4"], "--num-microbatches 4 and "
+     "--global-batch-size 8 (that is 8 microbatches): give one"),
+    (["--recompute-granularity", "selective"], "prices Megatron's full recomputation only"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+])
+def test_megatron_lm_flags_that_cannot_be_planned_name_themselves(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        main(BASE + extra)
+    assert message in capsys.readouterr().err

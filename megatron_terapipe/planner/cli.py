@@ -49,8 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-layers", type=_positive_int)
     m.add_argument("--hidden-size", type=_positive_int)
     m.add_argument("--num-attention-heads", type=_positive_int)
-    m.add_argument("--ffn-hidden-size", type=_positive_int, help="default 4 x hidden size")
+    m.add_argument("--ffn-hidden-size", type=_positive_int,
+                   help="default 4 x hidden size (with --swiglu: Megatron-LM's int(8 x hidden / 3 "
+                        "/ 64) x 64)")
     m.add_argument("--num-query-groups", type=_positive_int, help="grouped-query attention")
+    m.add_argument("--group-query-attention", action="store_true",
+                   help="Megatron-LM's flag: with --num-query-groups (default 1, as Megatron-LM's)")
+    m.add_argument("--swiglu", action="store_true",
+                   help="a gated MLP (SwiGLU: fc1 twice as wide), Megatron-LM's flag")
     m.add_argument("--vocab-size", type=_positive_int,
                    help="vocabulary (presets: 50257); gives the first and last stage their "
                         "embedding and output-layer costs")
@@ -98,10 +104,16 @@ def _add_run_args(r) -> None:
     """The run's shape and parallelism."""
     r.add_argument("--seq-length", type=_positive_int, required=True)
     r.add_argument("--micro-batch-size", type=_positive_int, default=1)
-    r.add_argument("--num-microbatches", type=_positive_int, default=1,
-                   help="microbatches per iteration on each pipeline")
-    r.add_argument("--pipeline-stages", type=_positive_int, required=True)
-    r.add_argument("--tensor-parallel-size", type=_positive_int, default=1)
+    r.add_argument("--num-microbatches", type=_positive_int,
+                   help="microbatches per iteration on each pipeline (default 1, or from "
+                        "--global-batch-size)")
+    r.add_argument("--global-batch-size", type=_positive_int,
+                   help="Megatron-LM's: the microbatches are global / (micro batch x data "
+                        "parallel)")
+    r.add_argument("--pipeline-stages", "--pipeline-model-parallel-size", type=_positive_int,
+                   required=True)
+    r.add_argument("--tensor-parallel-size", "--tensor-model-parallel-size", type=_positive_int,
+                   default=1)
     r.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's: activations and P2P messages split over the TP ranks, "
                         "token slices multiples of the TP size (nothing changes at TP 1)")
@@ -117,6 +129,12 @@ def _add_run_args(r) -> None:
                         "checkpointed group keeps")
     r.add_argument("--recompute-num-layers", type=_positive_int,
                    help="with --recompute-method (default 1)")
+    r.add_argument("--recompute-granularity", choices=("full", "selective"),
+                   help="Megatron-LM's: full needs --recompute-method; selective is not priced "
+                        "(an error)")
+    r.add_argument("--bf16", "--fp16", action="store_true",
+                   help="16-bit training, which the cost models price (accepted as Megatron-LM "
+                        "scripts give it)")
     r.add_argument("--order", choices=ORDERS, default="1f1b", help="schedule order (default 1f1b)")
 
 

@@ -55,7 +55,7 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
                    help=MEMORY_HELP["model_state"])
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="data-parallel size, for the distributed optimizer's share (default 1)")
-    g.add_argument("--distributed-optimizer", action="store_true",
+    g.add_argument("--distributed-optimizer", "--use-distributed-optimizer", action="store_true",
                    help="the optimizer state is sharded over the data-parallel ranks")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="the last stage holds its own output layer (as Megatron's flag; "
@@ -65,6 +65,7 @@ def add_memory_args(parser: argparse.ArgumentParser) -> None:
 
 def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> PlannerInputs:
     """What the planner starts from, as terapipe-plan's options give it."""
+    _megatron_batch_and_recompute(args, parser)
     model = _model_from_args(args, parser)
     _check_shape(args, model, parser)
     batch_sizes = _batch_sizes(args.batch_sizes, parser)
@@ -93,6 +94,32 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
                         virtual_stages=_virtual_stages(args, model, parser),
                         place_wgrad=args.wgrad_placement == "auto")
     return PlannerInputs(model, cost, space, _budget(args, model, cost, parser))
+
+
+def _megatron_batch_and_recompute(args, parser) -> None:
+    """Megatron-LM's --global-batch-size and --recompute-granularity, as its scripts give
+    them: the microbatch count (global / (micro batch x data parallel), Megatron-LM's rule;
+    written into args.num_microbatches), and full recomputation through --recompute-method."""
+    if args.global_batch_size is not None:
+        per = args.micro_batch_size * args.data_parallel_size
+        if args.global_batch_size % per:
+            parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                         f"--micro-batch-size x --data-parallel-size ({per}), as Megatron-LM "
+                         "needs")
+        count = args.global_batch_size // per
+        if args.num_microbatches not in (None, count):
+            parser.error(f"--num-microbatches {args.num_microbatches} and --global-batch-size "
+                         f"{args.global_batch_size} (that is {count} microbatches): give one")
+        args.num_microbatches = count
+    elif args.num_microbatches is None:
+        args.num_microbatches = 1
+    if args.recompute_granularity == "selective":
+        parser.error("--recompute-granularity selective: terapipe-plan prices Megatron's full "
+                     "recomputation only; drop it (every activation is then counted: an upper "
+                     "bound), or use --recompute-granularity full with --recompute-method")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        parser.error("--recompute-granularity full needs --recompute-method uniform or block "
+                     "(as Megatron-LM)")
 
 
 def _tp_multiple(args) -> int:
@@ -140,6 +167,13 @@ def _model_from_args(args, parser) -> ModelDims:
               "ffn_hidden_size": args.ffn_hidden_size, "num_query_groups": args.num_query_groups,
               "vocab_size": args.vocab_size}
     given = {k: v for k, v in fields.items() if v is not None}
+    if args.group_query_attention:
+        given.setdefault("num_query_groups", 1)  # Megatron-LM's default
+    if args.swiglu:
+        given["gated_linear_unit"] = True
+        hidden = given.get("hidden_size") or (base.hidden_size if base else None)
+        if "ffn_hidden_size" not in given and hidden:
+            given["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64  # Megatron-LM's
     if base is None:
         missing = [f"--{k.replace('_', '-')}" for k in ("num_layers", "hidden_size", "num_attention_heads")
                    if k not in given]
