@@ -5,8 +5,9 @@ size): their cells must tile the microbatch exactly and their schedules must pas
 Invalid plans are valid ones with one fault put in; each must raise the ValueError that names
 that fault, with the numbers of that input. Half the generated examples are valid.
 
-A few random valid plans also run on 2 processes against Megatron's no-pipelining run, with
-every gradient element and every reported loss within harness.FP32 (see test_equivalence.py).
+A few random valid plans (half of them with their W actions at random places at or after their
+backwards) also run on 2 processes against Megatron's no-pipelining run, with every gradient
+element and every reported loss within harness.FP32 (see test_equivalence.py).
 """
 
 import random
@@ -23,6 +24,7 @@ from megatron_terapipe.plan import ORDERS
 from megatron_terapipe.runtime.batching import slice_batch
 from megatron_terapipe.schedule import microbatch_cells
 from harness import Case, check_case, spawn
+from test_random_virtual_runs import w_places
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,11 @@ def _random_cases(n: int, seed: int) -> list[Case]:
         else:
             seq_slices = _random_slicing(rng, 16)
         plan = TeraPipePlan(seq_slices, batch_slices=rows, order=rng.choice(ORDERS))
+        microbatches = rng.randint(1, 4) if i % 2 == 0 else rng.randint(2, 4)
+        if i % 2:  # W actions anywhere at or after their backwards
+            plan = replace(plan, wgrad_after=w_places(rng, plan, microbatches, 2, mbs))
         cases.append(Case(f"random{i}", plan, micro_batch_size=mbs,
-                          num_microbatches=rng.randint(1, 4)))
+                          num_microbatches=microbatches))
     return cases
 
 

@@ -39,7 +39,7 @@ def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [total])]
 
 
-def _w_places(rng: random.Random, plan: TeraPipePlan, M: int, K: int, rows: int) -> list[list[int]]:
+def w_places(rng: random.Random, plan: TeraPipePlan, M: int, K: int, rows: int) -> list[list[int]]:
     """Per stage, non-decreasing places at or after each W's default (its backward), half of
     them moved to a random later place."""
     out = []
@@ -70,7 +70,7 @@ def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1) -> tuple
     plan = replace(plan, virtual_group=rng.choice(groups + [None]), wgrad_points=points,
                    virtual_warmup=rng.choice([None, None, 0, 1]) if order == "1f1b" else None)
     if defer and rng.random() < 0.8:
-        plan = replace(plan, wgrad_after=_w_places(rng, plan, M, K, rows))
+        plan = replace(plan, wgrad_after=w_places(rng, plan, M, K, rows))
     return plan, M, rows
 
 
