@@ -245,28 +245,37 @@ MEGATRON_LM_ARGS = dict(num_layers=16, hidden_size=2048, num_attention_heads=16,
                         untie_embeddings_and_output_weights=True, world_size=16)
 
 
-def test_megatron_lm_flags_ask_the_question_the_run_plans(monkeypatch):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, monkeypatch):
     """terapipe-plan reads a Megatron-LM script's own flags (Megatron's names, --global-batch-size,
-    --swiglu, --group-query-attention, --use-distributed-optimizer, --bf16): the same model,
-    microbatches, model state and TeraPipe plan, predicted time included, as the start-up
+    --swiglu, --group-query-attention, --use-distributed-optimizer, --bf16, and
+    --num-layers-per-virtual-pipeline-stage): the same model, microbatches, model state and
+    TeraPipe plan (on one chunk, or on the run's 2), predicted time included, as the start-up
     planner of a Megatron-LM run with those flags."""
     from megatron_terapipe.megatron.args.planning import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
     from test_arguments import parse
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the presets' GPUs per node
+    flags, megatron = list(MEGATRON_LM_FLAGS), dict(MEGATRON_LM_ARGS)
+    if chunks > 1:  # 4 layers per stage in chunks of 2, as Megatron-LM's validated args hold it
+        flags += ["--num-layers-per-virtual-pipeline-stage", "2"]
+        megatron.update(num_layers_per_virtual_pipeline_stage=2,
+                        virtual_pipeline_model_parallel_size=2)
     parser = build_parser()
-    options = parser.parse_args(MEGATRON_LM_FLAGS + ["--data-parallel-size", "2", "--hardware",
-                                                     "a100", "--virtual-stages", "1"])
+    options = parser.parse_args(flags + ["--data-parallel-size", "2", "--hardware", "a100"])
     ours = inputs_from_options(options, parser)
     run = RunSettings.from_args(parse(["--pipeline-schedule", "terapipe", "--terapipe-hardware",
-                                       "a100"], **MEGATRON_LM_ARGS))
+                                       "a100"], **megatron))
     planned = plan_run(run.for_batch(4096, 1))
     assert ours.space.num_microbatches == run.shape.num_microbatches == 8  # 16 / (1 x DP 2)
     assert ours.model == replace(run.model, name=ours.model.name)
     assert ours.model.gated_linear_unit and ours.model.ffn == 5440 and ours.model.kv_hidden == 512
     assert ours.budget.model_state == planned.inputs.budget.model_state
-    assert ours.search().plan.to_dict() == planned.plan.to_dict()
+    assert ours.space.virtual_stages == ((2,) if chunks > 1 else (2, 4))  # auto: every divisor
+    mine = ours.search_virtual("1f1b", 2).plan if chunks > 1 else ours.search().plan
+    assert planned.plan.virtual_stages == chunks
+    assert mine.to_dict() == planned.plan.to_dict()
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -276,6 +285,9 @@ def test_megatron_lm_flags_ask_the_question_the_run_plans(monkeypatch):
      "--global-batch-size 8 (that is 8 microbatches): give one"),
     (["--recompute-granularity", "selective"], "prices Megatron's full recomputation only"),
     (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--num-layers-per-virtual-pipeline-stage", "4"], "--num-layers-per-virtual-pipeline-stage 4 "
+     "does not divide the 6 layers of a stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--virtual-stages", "3"], "give one"),
 ])
 def test_megatron_lm_flags_that_cannot_be_planned_name_themselves(extra, message, capsys):
     with pytest.raises(SystemExit):

@@ -75,11 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "parameter and sequence however many slices; off: in every backward "
                         "cell, less memory held; auto: when the simulator finds it at least "
                         "1%% faster)")
-    s.add_argument("--virtual-stages", default="auto", metavar="auto|V[,V...]",
+    s.add_argument("--virtual-stages", "--num-virtual-stages-per-pipeline-rank", default="auto",
+                   metavar="auto|V[,V...]",
                    help="model chunks per stage TeraPipe may also run on (virtual stages, "
                         "interleaved: each rank holds V chunks of its layers): auto (default: "
                         "every V that divides a stage's layers), or a list such as 1,5 (1: "
                         "none); each gets its own row in the schedule table")
+    s.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, metavar="N",
+                   help="Megatron-LM's: TeraPipe on chunks of N layers (--virtual-stages "
+                        "layers-per-stage / N)")
     s.add_argument("--wgrad-placement", choices=("auto", "off"), default="auto",
                    help="with deferred weight gradients, plan where each stage runs its W "
                         "actions (in the waits for its neighbours, within --memory-budget) "

@@ -130,8 +130,18 @@ def _tp_multiple(args) -> int:
 
 def _virtual_stages(args, model: ModelDims, parser) -> tuple[int, ...]:
     """--virtual-stages: every chunk count that divides a stage's layers (auto), or the list
-    given, each of which must divide them."""
+    given, each of which must divide them; or Megatron-LM's --num-layers-per-virtual-pipeline-
+    stage N: chunks of N layers."""
     layers = model.num_layers // args.pipeline_stages
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        if args.virtual_stages != "auto":
+            parser.error("--num-layers-per-virtual-pipeline-stage and --virtual-stages (or "
+                         "--num-virtual-stages-per-pipeline-rank): give one")
+        if layers % per_chunk:
+            parser.error(f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide "
+                         f"the {layers} layers of a stage")
+        return (layers // per_chunk,) if per_chunk < layers else ()
     if args.virtual_stages == "auto":
         return tuple(v for v in range(2, layers + 1) if layers % v == 0)
     try:
