@@ -66,7 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GPU node type (compute estimate and pipeline links; default v100)")
     c.add_argument("--profile", metavar="PATH",
                    help="layer profile JSON (ProfiledCostModel) to use instead of the analytic model")
-    s = p.add_argument_group("slicer")
+    _add_slicer_args(p.add_argument_group("slicer"))
+    add_memory_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--trace", metavar="PATH.json",
+                   help="write a Chrome trace of auto's choice (what --pipeline-schedule auto runs)")
+    o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of auto's choice")
+    o.add_argument("--save-plan", metavar="PATH.json",
+                   help="write auto's choice as JSON (when auto runs a Megatron schedule: the "
+                        "fastest TeraPipe plan that fits)")
+    return p
+
+
+def _add_slicer_args(s) -> None:
+    """What the search may choose: slices, weight gradients, chunks, W places."""
     s.add_argument("--granularity", type=_positive_int, default=DEFAULT_GRANULARITY,
                    help="token slices are multiples of this many tokens (default 8)")
     s.add_argument("--defer-wgrad", choices=("auto", "on", "off"), default="on",
@@ -93,15 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the simulator-guided hill climb on the fastest plan's slices")
     s.add_argument("--batch-sizes", default="divisors",
                    help="rows per batch slice: divisors (default), all, none, or a list like 1,2,4")
-    add_memory_args(p)
-    o = p.add_argument_group("output")
-    o.add_argument("--trace", metavar="PATH.json",
-                   help="write a Chrome trace of auto's choice (what --pipeline-schedule auto runs)")
-    o.add_argument("--png", metavar="PATH.png", help="write a timeline picture of auto's choice")
-    o.add_argument("--save-plan", metavar="PATH.json",
-                   help="write auto's choice as JSON (when auto runs a Megatron schedule: the "
-                        "fastest TeraPipe plan that fits)")
-    return p
 
 
 def _add_run_args(r) -> None:
