@@ -245,13 +245,14 @@ MEGATRON_LM_ARGS = dict(num_layers=16, hidden_size=2048, num_attention_heads=16,
                         untie_embeddings_and_output_weights=True, world_size=16)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, monkeypatch):
+@pytest.mark.parametrize("chunks, group", [(1, None), (2, None), (2, 4)])
+def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, group, monkeypatch):
     """terapipe-plan reads a Megatron-LM script's own flags (Megatron's names, --global-batch-size,
-    --swiglu, --group-query-attention, --use-distributed-optimizer, --bf16, and
-    --num-layers-per-virtual-pipeline-stage): the same model, microbatches, model state and
-    TeraPipe plan (on one chunk, or on the run's 2), predicted time included, as the start-up
-    planner of a Megatron-LM run with those flags."""
+    --swiglu, --group-query-attention, --use-distributed-optimizer, --bf16,
+    --num-layers-per-virtual-pipeline-stage and the microbatch group): the same model,
+    microbatches, model state and TeraPipe plan (on one chunk, or on the run's 2, in the run's
+    groups), predicted time included, as the start-up planner of a Megatron-LM run with those
+    flags."""
     from megatron_terapipe.megatron.args.planning import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
     from test_arguments import parse
@@ -262,6 +263,9 @@ def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, monkeypatch):
         flags += ["--num-layers-per-virtual-pipeline-stage", "2"]
         megatron.update(num_layers_per_virtual_pipeline_stage=2,
                         virtual_pipeline_model_parallel_size=2)
+    if group is not None:
+        flags += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group)]
+        megatron.update(microbatch_group_size_per_vp_stage=group)
     parser = build_parser()
     options = parser.parse_args(flags + ["--data-parallel-size", "2", "--hardware", "a100"])
     ours = inputs_from_options(options, parser)
@@ -275,7 +279,21 @@ def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, monkeypatch):
     assert ours.space.virtual_stages == ((2,) if chunks > 1 else (2, 4))  # auto: every divisor
     mine = ours.search_virtual("1f1b", 2).plan if chunks > 1 else ours.search().plan
     assert planned.plan.virtual_stages == chunks
+    assert group is None or planned.plan.virtual_group == group
     assert mine.to_dict() == planned.plan.to_dict()
+
+
+def test_the_microbatch_group_prices_both_families_in_it(capsys):
+    """Groups of 3 of 8 microbatches on 4 stages: Megatron's interleaved schedule refuses them
+    (a group needs 4 microbatches), TeraPipe's 1f1b rows on chunks run them with 2 slices."""
+    assert main(BASE + ["--num-microbatches", "8",
+                        "--microbatch-group-size-per-virtual-pipeline-stage", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "chunks " in line]
+    megatron = [r for r in rows if r.lstrip().startswith("Megatron interleaved")]
+    assert megatron and all("cannot run: Megatron's interleaved schedule needs between 4" in r
+                            and "got 3" in r for r in megatron)
+    ours = [r for r in rows if r.lstrip().startswith("TeraPipe 1f1b")]
+    assert ours and all(r.rstrip().endswith("groups of 3") and "2 slices" in r for r in ours)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -97,6 +97,10 @@ def _add_slicer_args(s) -> None:
     s.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, metavar="N",
                    help="Megatron-LM's: TeraPipe on chunks of N layers (--virtual-stages "
                         "layers-per-stage / N)")
+    s.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=_positive_int,
+                   metavar="G", help="Megatron-LM's: microbatches per group of the interleaved "
+                   "order, for Megatron's interleaved rows and TeraPipe's 1f1b rows on chunks "
+                   "(default: Megatron's pipeline size; TeraPipe's chosen by the search)")
     s.add_argument("--wgrad-placement", choices=("auto", "off"), default="auto",
                    help="with deferred weight gradients, plan where each stage runs its W "
                         "actions (in the waits for its neighbours, within --memory-budget) "

@@ -92,7 +92,8 @@ def inputs_from_options(args: argparse.Namespace, parser: argparse.ArgumentParse
                         defer_wgrad={"on": True, "off": False}.get(args.defer_wgrad),
                         refine=not args.no_refine, memory=memory,
                         virtual_stages=_virtual_stages(args, model, parser),
-                        place_wgrad=args.wgrad_placement == "auto")
+                        place_wgrad=args.wgrad_placement == "auto",
+                        microbatch_group=args.microbatch_group_size_per_virtual_pipeline_stage)
     return PlannerInputs(model, cost, space, _budget(args, model, cost, parser))
 
 

@@ -111,7 +111,8 @@ def _megatron_options(cost_model: CostModel, space: SearchSpace, budget: MemoryB
     for v in interleaved_chunk_counts(layers_per_stage):
         schedules.append((f"Megatron interleaved, {v} chunks", v,
                           lambda v=v: build_interleaved_schedule(space.seq_length, M, K, v,
-                                                                  space.micro_batch_size)))
+                                                                  space.micro_batch_size,
+                                                                  space.microbatch_group)))
     out = []
     for name, chunks, build in schedules:
         try:

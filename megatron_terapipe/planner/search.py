@@ -75,6 +75,9 @@ class SearchSpace:
     # model chunks per stage the schedule table may also try (virtual_search.py), besides 1
     virtual_stages: tuple[int, ...] = ()
     place_wgrad: bool = False  # plan where W actions run (wgrad_placement.py)
+    # microbatches per group of the interleaved order when the run fixes it (Megatron-LM's
+    # --microbatch-group-size-per-virtual-pipeline-stage), for Megatron's rows and TeraPipe's
+    microbatch_group: Optional[int] = None
 
     @property
     def unit(self) -> int:

@@ -100,11 +100,13 @@ def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudg
                    num_chunks: int, hint: Optional[TeraPipePlan] = None,
                    group: Optional[int] = None) -> VirtualSearchResult:
     """The fastest plan on `num_chunks` chunks per stage that fits `budget` (module
-    docstring), in `group`s of microbatches when given. Raises MemoryBudgetError (with
-    `leanest`) when none fits, NoAllowedGroupError when no slicing allows `group`, ValueError
-    when the pipeline has one stage."""
+    docstring), in `group`s of microbatches when given (default: the space's
+    `microbatch_group`, else the search chooses). Raises MemoryBudgetError (with `leanest`)
+    when none fits, NoAllowedGroupError when no slicing allows the group, ValueError when the
+    pipeline has one stage."""
     if space.num_stages < 2:
         raise ValueError("virtual stages need at least 2 pipeline stages")
+    group = space.microbatch_group if group is None else group
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     caches = shared_caches(cost_model, space.memory)
     plans = virtual_plans(space, num_chunks, hint, group)
