@@ -49,20 +49,18 @@ class PlannerInputs:
         return self._once(order, lambda: search_within_budget(
             self.cost_model, replace(self.space, order=order), self.budget))
 
-    def search_virtual(self, order: str, chunks: int,
-                       group: Optional[int] = None) -> VirtualSearchResult:
+    def search_virtual(self, order: str, chunks: int) -> VirtualSearchResult:
         """The plan search in `order` on `chunks` model chunks per stage (virtual_search.py),
-        started from the order's one-chunk plan, in `group`s of microbatches when given (else
-        the search chooses); made once per (order, chunks, group)."""
+        started from the order's one-chunk plan; made once per (order, chunks)."""
         def run() -> VirtualSearchResult:
             try:
                 hint: Optional[TeraPipePlan] = self.search(order).plan
             except MemoryBudgetError:
                 hint = None
             return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
-                                  chunks, hint, group)
+                                  chunks, hint)
 
-        return self._once((order, chunks, group), run)
+        return self._once((order, chunks), run)
 
     def _once(self, key, make: Callable[[], object]):
         """`make()`'s result for `key`, computed once; a MemoryBudgetError is kept and raised

@@ -65,10 +65,11 @@ class NoAllowedGroupError(ValueError):
     """A fixed microbatch group that no candidate slicing makes allowed (allowed_group)."""
 
 
-def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePlan] = None,
-                  group: Optional[int] = None) -> list[tuple[str, TeraPipePlan]]:
-    """Step 1's plans, named; with `group` (1f1b), only that group, in the slicings it is
-    allowed for (NoAllowedGroupError when none)."""
+def virtual_plans(space: SearchSpace, num_chunks: int,
+                  hint: Optional[TeraPipePlan] = None) -> list[tuple[str, TeraPipePlan]]:
+    """Step 1's plans, named; with the space's `microbatch_group` (1f1b), only that group, in
+    the slicings it is allowed for (NoAllowedGroupError when none)."""
+    group = space.microbatch_group
     most = space.seq_length // space.unit
     counts = set(c for c in SLICE_COUNTS if c <= most)
     if hint is not None:
@@ -97,19 +98,16 @@ def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePl
 
 
 def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                   num_chunks: int, hint: Optional[TeraPipePlan] = None,
-                   group: Optional[int] = None) -> VirtualSearchResult:
+                   num_chunks: int, hint: Optional[TeraPipePlan] = None) -> VirtualSearchResult:
     """The fastest plan on `num_chunks` chunks per stage that fits `budget` (module
-    docstring), in `group`s of microbatches when given (default: the space's
-    `microbatch_group`, else the search chooses). Raises MemoryBudgetError (with `leanest`)
-    when none fits, NoAllowedGroupError when no slicing allows the group, ValueError when the
-    pipeline has one stage."""
+    docstring), in the space's `microbatch_group` when it fixes one (else the search
+    chooses). Raises MemoryBudgetError (with `leanest`) when none fits, NoAllowedGroupError
+    when no slicing allows the group, ValueError when the pipeline has one stage."""
     if space.num_stages < 2:
         raise ValueError("virtual stages need at least 2 pipeline stages")
-    group = space.microbatch_group if group is None else group
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     caches = shared_caches(cost_model, space.memory)
-    plans = virtual_plans(space, num_chunks, hint, group)
+    plans = virtual_plans(space, num_chunks, hint)
     floors = [compute_floor(cost_model, space, plan) for _, plan in plans]
     timed: list[tuple[float, int]] = []
     peaks: dict[int, float] = {}

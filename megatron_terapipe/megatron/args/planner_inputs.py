@@ -61,7 +61,8 @@ def planner_inputs(run: RunSettings, fit: Optional[LayerTimeFit] = None) -> Plan
     space = SearchSpace(shape.seq_length, shape.micro_batch_size, shape.pipeline_parallel,
                         shape.num_microbatches, order=flags.order, granularity=flags.granularity,
                         multiple_of=shape.tp_multiple, defer_wgrad=flags.defer_wgrad,
-                        memory=memory, place_wgrad=flags.wgrad_placement and not shape.rampup)
+                        memory=memory, place_wgrad=flags.wgrad_placement and not shape.rampup,
+                        microbatch_group=run.microbatch_group)
     if shape.recompute:
         notes.insert(0, recompute_note(shape))
     if flags.wgrad_placement and shape.rampup:

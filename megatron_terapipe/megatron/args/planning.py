@@ -52,12 +52,12 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
         _refuse_unpredicted(flags)
     inputs = inputs or (lambda: planner_inputs(run))
     chunks = run.support.virtual_stages  # Megatron's virtual pipeline stages: model chunks
-    group = microbatch_group(run)
+    group = run.microbatch_group  # the planner's inputs carry it too (planner_inputs.py)
     fixed = fixed_plan(flags, run.grid, shape.seq_length)
     given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        searched = _search(given, chunks, shape, group)
+        searched = _search(given, chunks, shape)
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
         if chunks > 1:
             source += f", on {chunks} virtual stages per rank"
@@ -121,32 +121,24 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     return plan
 
 
-def _search(inputs: PlannerInputs, chunks: int, shape: RunShape, group: Optional[int]):
+def _search(inputs: PlannerInputs, chunks: int, shape: RunShape):
     """The planner's search (on `chunks` model chunks per stage: Megatron's virtual pipeline
-    stages, in `group`s of microbatches when the flag fixes them), within the memory budget
-    when one is given."""
+    stages, in the space's microbatch groups when the flag fixes them), within the memory
+    budget when one is given."""
     try:
         if chunks > 1:
-            return inputs.search_virtual(inputs.space.order, chunks, group)
+            return inputs.search_virtual(inputs.space.order, chunks)
         return inputs.search()
     except MemoryBudgetError as exc:
         raise budget_error(exc, shape) from None
     except NoAllowedGroupError as exc:
-        raise TeraPipeArgumentError(f"{GROUP_FLAG} {group}: {exc}; give a larger group, or drop "
-                                    "the flag (the planner chooses the groups)") from None
+        raise TeraPipeArgumentError(f"{GROUP_FLAG} {inputs.space.microbatch_group}: {exc}; give "
+                                    "a larger group, or drop the flag (the planner chooses the "
+                                    "groups)") from None
 
 
 #: Megatron-LM's flag for the microbatches per group of the interleaved order.
 GROUP_FLAG = "--microbatch-group-size-per-virtual-pipeline-stage"
-
-
-def microbatch_group(run: RunSettings) -> Optional[int]:
-    """The plan's microbatch group when the flags fix it: Megatron's group flag, on virtual
-    stages in the 1f1b order (gpipe runs every forward first: no groups); else None (the
-    planner's, or the fewest that fill the ring)."""
-    if run.support.virtual_stages > 1 and run.terapipe.order == "1f1b":
-        return run.shape.microbatch_group
-    return None
 
 
 def group_notes(run: RunSettings, group: Optional[int]) -> list[str]:

@@ -285,6 +285,16 @@ class RunSettings:
                    support.attention_backend, support)
 
     @property
+    def microbatch_group(self) -> Optional[int]:
+        """The plan's microbatch group when the flags fix it: Megatron's
+        --microbatch-group-size-per-virtual-pipeline-stage, on virtual stages in the 1f1b order
+        (gpipe runs every forward first: no groups); else None (the planner's, or the fewest
+        that fill the ring)."""
+        if self.support.virtual_stages > 1 and self.terapipe.order == "1f1b":
+            return self.shape.microbatch_group
+        return None
+
+    @property
     def model_given(self) -> bool:
         """Whether the flags name a model shape (valid or not)."""
         return self.model is not None or bool(self.model_problem)
