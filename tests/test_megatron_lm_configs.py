@@ -143,6 +143,8 @@ REFUSED = [
      "--moe-expert-capacity-factor 1.0", True),
     (Config("MoE + Sinkhorn routing", 2, (*MOE, "--moe-router-load-balancing-type", "sinkhorn",
                                          "--moe-router-topk", "1")), "sinkhorn", True),
+    # an attention sink: Megatron's core attention adds a learned offset to the softmax
+    (Config("attention sink", 2, ("--softmax-type", "learnable")), "--softmax-type learnable", True),
 ]
 if moe_losses.line_problem() is not None:
     REFUSED += [(config, flag, True) for config, flag in MOE_LOSSES]

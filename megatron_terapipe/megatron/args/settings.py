@@ -2,7 +2,7 @@
 TransformerConfig once): `RunSettings.from_args(args)` reads the TeraPipe flags
 (`TeraPipeSettings`, each with its one default), the run's shape and parallelism (`RunShape`),
 the model (`ModelDims`) and how the model state is kept. Everything downstream takes these
-values; `from_args` and the support rules' adapter (hooks/rules.py: view_from_args) are the
+values; `from_args` and the support rules' adapter (hooks/rule_views.py: view_from_args) are the
 only readers of the argparse namespace. Names are Megatron-LM's (seq_length,
 tensor_model_parallel_size, ...); a name a script does not define counts as unset.
 """
@@ -19,7 +19,8 @@ from ...planner.cost.dims import ModelDims
 from ...planner.cost.recompute import FullRecompute
 from ...planner.cost.stage_memory import ModelStateConfig, parse_bytes
 from ...planner.schedule_choice import TERAPIPE, AutoChoice
-from ..hooks.rules import RunView, view_from_args
+from ..hooks.rule_views import view_from_args
+from ..hooks.rules import RunView
 
 
 class TeraPipeArgumentError(ValueError):

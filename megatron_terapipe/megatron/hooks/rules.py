@@ -2,7 +2,8 @@
 a RunView and the message naming the flag and the fix. A RunView describes a run the same way
 whether it comes from Megatron-LM's flags (`view_from_args`; args/checks.py applies the table at
 start-up) or from a TransformerConfig (`view_from_config`; `configure` applies it, and every
-schedule call with what only the call knows: its process groups, model chunks and shapes).
+schedule call with what only the call knows: its process groups, model chunks and shapes); the
+two adapters live in rule_views.py.
 Adding a refusal is one entry in RULES (plus the view's field, if the view lacks it).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from .stage_layers import StageLayers, stage_layers
+from .stage_layers import StageLayers
 
 #: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
 SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
@@ -49,6 +50,11 @@ class RunView:
     multi_latent_attention: bool = False
     experimental_attention_variant: Optional[str] = None
     window_size: Optional[object] = None
+    softmax_type: str = "vanilla"  # Megatron's attention sinks: "off-by-one", "learnable"
+    qk_clip: bool = False  # both read the core attention's max logit (Transformer Engine's)
+    log_max_attention_logit: bool = False
+    activation_offloading: bool = False  # --fine-grained-activation-offloading
+    moe_routing_replay: bool = False  # --moe-enable-routing-replay
     position_embedding_type: Optional[str] = None
     sft: bool = False
     attention_backend: str = "auto"
@@ -116,6 +122,11 @@ def _router_losses_line_problem() -> Optional[str]:
     return line_problem()
 
 
+def _max_logit_flags(v: RunView) -> str:
+    return " and ".join(flag for flag, on in (("--qk-clip", v.qk_clip), (
+        "--log-max-attention-logit", v.log_max_attention_logit)) if on)
+
+
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
 
 
@@ -165,6 +176,16 @@ RULES = (
         "TeraPipe cannot run --moe-router-load-balancing-type sinkhorn: Sinkhorn normalises the "
         "routing over all the microbatch's tokens at once; use top-k routing with "
         "--moe-router-enable-expert-bias, or --pipeline-schedule 1f1b")),
+    Rule(lambda v: _moe(v) and "quantile_balancing" in v.moe_router_load_balancing_type, (
+        "TeraPipe cannot run --moe-router-load-balancing-type quantile_balancing: its bias "
+        "update takes each forward pass's quantile of the router scores, and a token slice's "
+        "quantile is not the microbatch's; use top-k routing with --moe-router-enable-expert-bias "
+        "(or an aux loss), or --pipeline-schedule 1f1b")),
+    Rule(lambda v: _moe(v) and v.moe_routing_replay, (
+        "TeraPipe cannot run --moe-enable-routing-replay: Megatron records and replays the "
+        "routing of each forward pass over a whole microbatch, and TeraPipe runs one forward "
+        "per token slice; drop --moe-enable-routing-replay (config.moe_enable_routing_replay), "
+        "or use --pipeline-schedule 1f1b")),
     Rule(lambda v: _moe(v) and v.moe_expert_capacity_factor is not None, lambda v: (
         f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
         f"{v.moe_expert_capacity_factor}): an expert's capacity is counted over each forward "
@@ -179,7 +200,23 @@ RULES = (
     Rule(lambda v: bool(v.experimental_attention_variant),
          "TeraPipe does not support --experimental-attention-variant: drop it"),
     Rule(lambda v: bool(v.window_size),
-         "TeraPipe does not support sliding-window attention: drop --window-size"),
+         "TeraPipe does not support sliding-window attention: drop --window-size "
+         "(config.window_size)"),
+    Rule(lambda v: v.softmax_type not in (None, "vanilla"), lambda v: (
+        f"TeraPipe does not support --softmax-type {v.softmax_type} (an attention sink: Megatron's "
+        f"DotProductAttention adds softmax_offset to the softmax); TeraPipe's {SLICE_ATTENTION} "
+        "computes the plain softmax: use --softmax-type vanilla (config.softmax_type), or "
+        "--pipeline-schedule 1f1b")),
+    Rule(lambda v: v.qk_clip or v.log_max_attention_logit, lambda v: (
+        f"TeraPipe does not support {_max_logit_flags(v)}: it reads the largest attention logit "
+        "from Transformer Engine's core attention, which TeraPipe replaces with its "
+        f"{SLICE_ATTENTION}; drop {_max_logit_flags(v)}, or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.activation_offloading, (
+        "TeraPipe does not support --fine-grained-activation-offloading: Megatron's offload "
+        "manager reloads a model chunk's activations in the order Megatron's own schedules run "
+        "them, while TeraPipe runs a sequence's token slices backward in reverse (and its planner "
+        "does not count what moves to the host); drop --fine-grained-activation-offloading "
+        "(config.fine_grained_activation_offloading), or use --pipeline-schedule 1f1b")),
     Rule(lambda v: v.position_embedding_type == "mrope",
          "TeraPipe does not support --position-embedding-type mrope: use rope or learned_absolute"),
     Rule(lambda v: v.sft, "TeraPipe does not support --sft (packed THD sequences): drop --sft"),
@@ -238,126 +275,3 @@ def check_view(view: RunView) -> None:
     message = refusal(view)
     if message is not None:
         raise ValueError(message if message.startswith("TeraPipe") else "TeraPipe: " + message)
-
-
-# ---- the adapters: Megatron-LM's args, a TransformerConfig ---------------------------------
-def _as_tuple(value) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
-
-
-def _moe_fields(source, num_experts) -> dict:
-    """The MoE fields; Megatron-LM's args and TransformerConfig share these names."""
-    coeffs = _as_tuple(getattr(source, "moe_aux_loss_coeff", 0.0) or 0.0)
-    return dict(num_experts=num_experts, moe_aux_loss_coeff=tuple(float(c) for c in coeffs),
-                moe_router_load_balancing_type=_as_tuple(
-                    getattr(source, "moe_router_load_balancing_type", "aux_loss")),
-                moe_z_loss_coeff=getattr(source, "moe_z_loss_coeff", None),
-                moe_expert_capacity_factor=getattr(source, "moe_expert_capacity_factor", None))
-
-
-def dropout_values(source) -> tuple:
-    """Megatron's dropout flags above 0 (args or a TransformerConfig: the names are the same)."""
-    return tuple(f"--{name.replace('_', '-')} {p:g}" for name in ("hidden_dropout", "attention_dropout")
-                 if (p := float(getattr(source, name, 0.0) or 0.0)) > 0)
-
-
-def backend_name(value) -> str:
-    """--attention-backend by name (Megatron parses it to an AttnBackend); auto when unset."""
-    return "auto" if value is None else str(getattr(value, "name", value))
-
-
-def view_from_args(args) -> RunView:
-    """Megatron-LM's args (names as in megatron/training/arguments.py) as the rules see them;
-    an attribute a script does not define counts as unset."""
-    def flag(name: str, default=None):
-        value = getattr(args, name, None)
-        return default if value is None else value
-
-    graphs, decoder = bool(flag("terapipe_cuda_graphs", False)), flag("decoder_seq_length")
-    return RunView(
-        seq_length=flag("seq_length"), decoder_seq_length=None if decoder is None else int(decoder),
-        tensor_parallel=int(flag("tensor_model_parallel_size", 1) or 1),
-        context_parallel=int(flag("context_parallel_size", 1) or 1),
-        hybrid_context_parallel=bool(flag("hybrid_context_parallel", False)),
-        **_virtual_fields(args),
-        **_moe_fields(args, flag("num_experts")),
-        **{name: flag(name) for name in ("mtp_num_layers", "experimental_attention_variant",
-                                         "window_size", "position_embedding_type")},
-        **{name: bool(flag(name, False)) for name in (
-            "use_legacy_models", "multi_latent_attention", "sft", "defer_embedding_wgrad_compute",
-            "reset_attention_mask", "overlap_grad_reduce")},
-        attention_backend=backend_name(flag("attention_backend")),
-        cuda_graphs=graphs, dropout=dropout_values(args),
-        graph_safe_rng=bool(flag("te_rng_tracker", False)) or flag("cuda_graph_impl", "none") != "none",
-        graphs_device=_args_graphs_device(args) if graphs else "",
-        scatter_gather=bool(flag("terapipe_scatter_gather_p2p", False)),
-        sequence_parallel=bool(flag("sequence_parallel", False)))
-
-
-def _virtual_fields(args) -> dict:
-    """Chunks per pipeline stage as Megatron-LM's validate_args sets them from its flags
-    (virtual_pipeline_model_parallel_size once validated), and the layers of a stage (of every
-    stage where the split is even; stage_layers.py)."""
-    pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
-    layers = getattr(args, "num_layers", None)
-    per_stage = int(layers) // pp if layers is not None and int(layers) % pp == 0 else None
-    vp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vp is None:
-        vp = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if vp is None and per_chunk is not None and per_stage is not None:
-        vp = max(1, per_stage // int(per_chunk))  # Megatron-LM asserts that it divides
-    split = split_of(args)
-    even = split is None or split.even
-    return dict(virtual_stages=int(vp or 1), layers_per_stage=per_stage if even else None,
-                stage_layers=split)
-
-
-def split_of(args) -> Optional[StageLayers]:
-    """stage_layers(args), or None where the flags give no split Megatron can build (Megatron-LM's
-    validate_args or its model build says why)."""
-    try:
-        return stage_layers(args)
-    except (ValueError, AssertionError, TypeError):
-        return None
-
-
-def _args_graphs_device(args) -> str:
-    import torch
-
-    if getattr(args, "terapipe_cpu", False):
-        return "--terapipe-cpu runs on CPU"
-    return "" if torch.cuda.is_available() else "this process sees no CUDA device"
-
-
-def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CONFIGURE_GRAPHS,
-                     graphs_device: str = "") -> RunView:
-    """A TransformerConfig as the rules see it (what `configure` checks), with TeraPipe's CUDA
-    graphs (asked for by `graphs_option`; `graphs_device`: why no device captures them). The
-    schedule adds what its call knows with dataclasses.replace."""
-    dropout = dropout_values(config) if cuda_graphs else ()
-    return RunView(
-        context_parallel=int(getattr(config, "context_parallel_size", 1) or 1),
-        virtual_stages=int(getattr(config, "virtual_pipeline_model_parallel_size", None) or 1),
-        **_moe_fields(config, getattr(config, "num_moe_experts", None)),
-        mtp_num_layers=getattr(config, "mtp_num_layers", None),
-        attention_backend=backend_name(getattr(config, "attention_backend", None)),
-        defer_embedding_wgrad_compute=bool(getattr(config, "defer_embedding_wgrad_compute", False)),
-        cuda_graphs=cuda_graphs, graphs_option=graphs_option,
-        overlap_option="Megatron DDP's overlap_grad_reduce", dropout=dropout,
-        graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device,
-        scatter_gather=bool(getattr(getattr(config, "terapipe", None), "scatter_gather", False)),
-        sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
-
-
-def graph_safe_rng_tracker() -> bool:
-    """Whether Megatron's RNG tracker is set up and graph-safe (Transformer Engine's, or Megatron's
-    with use_cudagraphable_rng)."""
-    from ..platform import compat
-
-    tp_random = compat.rng_module()
-    tracker = tp_random._CUDA_RNG_STATE_TRACKER
-    if not tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED or tracker is None:
-        return False
-    check = getattr(tp_random, "is_graph_safe_cuda_rng_tracker", None)
-    return bool(check(tracker) if check else getattr(tracker, "use_cudagraphable_rng", False))

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 from ...plan import TeraPipePlan
 from ...runtime.trace import RunRecord
-from .rules import CONFIGURE_GRAPHS, FLAG_GRAPHS, RunView, check_view, view_from_config
+from .rule_views import view_from_config
+from .rules import CONFIGURE_GRAPHS, FLAG_GRAPHS, RunView, check_view
 
 
 @dataclass
