@@ -1,7 +1,7 @@
 """Mistakes in the flags stop the run, naming the flag and the fix, instead of passing silently:
 prediction inputs with fixed slices (a bad cost-model file, a budget the plan cannot meet,
 --terapipe-defer-wgrad auto), dropout under CUDA graphs without Megatron's graph-safe RNG
-tracker, --attention-backend values TeraPipe does not run, and a GPU preset assumed for a
+tracker, Megatron's own CUDA graphs (--cuda-graph-impl), --attention-backend values TeraPipe does not run, and a GPU preset assumed for a
 device that matches none (a warning in the start-up report)."""
 
 from __future__ import annotations
@@ -132,6 +132,33 @@ def test_configure_refuses_dropout_in_graphs_without_a_graph_safe_tracker(rng_tr
         check_support(argparse.Namespace(terapipe=TeraPipeConfig(cuda_graphs=True), **DROPOUT), None)
     finally:
         selection.deselect()
+
+
+# ---- Megatron's own CUDA graphs ------------------------------------------------------------
+# Megatron-LM's older flags become --cuda-graph-impl in its validate_args (and in a 0.16 config)
+MEGATRON_GRAPHS = [(dict(cuda_graph_impl="local"), "local"),
+                   (dict(cuda_graph_impl="transformer_engine"), "transformer_engine"),
+                   (dict(enable_cuda_graph=True), "local"),
+                   (dict(external_cuda_graph=True), "transformer_engine")]
+
+
+@pytest.mark.parametrize("fields, impl", MEGATRON_GRAPHS,
+                         ids=["local", "te", "enable_cuda_graph", "external_cuda_graph"])
+def test_megatrons_own_cuda_graphs_are_refused(fields, impl):
+    """They are made around Megatron's own schedules and would fix a slice's K/V offset: the
+    refusal names the flag and TeraPipe's own graphs, from the flags and from a config."""
+    from megatron.core.transformer import TransformerConfig
+
+    for schedule in ("terapipe", "auto"):
+        with pytest.raises(TeraPipeArgumentError) as info:
+            validate_terapipe_args(parse(["--pipeline-schedule", schedule], **fields))
+        message = str(info.value)
+        assert f"--cuda-graph-impl {impl}" in message and "--terapipe-cuda-graphs" in message
+    validate_terapipe_args(parse(["--pipeline-schedule", "1f1b"], **fields))
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **fields)
+    with pytest.raises(ValueError, match=f"--cuda-graph-impl {impl}"):
+        selection.configure(config, TeraPipePlan([32, 32]))
+    validate_terapipe_args(parse(TERAPIPE, cuda_graph_impl="none"))
 
 
 # ---- --attention-backend -----------------------------------------------------------------

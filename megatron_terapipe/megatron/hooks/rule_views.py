@@ -58,7 +58,7 @@ def view_from_args(args) -> RunView:
         **_attention_fields(args),
         attention_backend=backend_name(flag("attention_backend")),
         cuda_graphs=graphs, dropout=dropout_values(args),
-        graph_safe_rng=bool(flag("te_rng_tracker", False)) or flag("cuda_graph_impl", "none") != "none",
+        graph_safe_rng=bool(flag("te_rng_tracker", False)), megatron_graphs=megatron_graphs(args),
         graphs_device=_args_graphs_device(args) if graphs else "",
         scatter_gather=bool(flag("terapipe_scatter_gather_p2p", False)),
         sequence_parallel=bool(flag("sequence_parallel", False)))
@@ -73,6 +73,17 @@ def _attention_fields(source) -> dict:
                 moe_routing_replay=bool(getattr(source, "moe_enable_routing_replay", False)),
                 **{name: bool(getattr(source, name, False))
                    for name in ("qk_clip", "log_max_attention_logit")})
+
+
+def megatron_graphs(source) -> str:
+    """Megatron's own CUDA graphs: cuda_graph_impl, or the older flags Megatron-LM's
+    validate_args (and a 0.16 config) turn into it; "none" when off."""
+    impl = getattr(source, "cuda_graph_impl", None) or "none"
+    if impl == "none" and getattr(source, "enable_cuda_graph", False):
+        impl = "local"
+    if impl == "none" and getattr(source, "external_cuda_graph", False):
+        impl = "transformer_engine"
+    return impl
 
 
 def _virtual_fields(args) -> dict:
@@ -128,7 +139,7 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
         mtp_num_layers=getattr(config, "mtp_num_layers", None),
         attention_backend=backend_name(getattr(config, "attention_backend", None)),
         defer_embedding_wgrad_compute=bool(getattr(config, "defer_embedding_wgrad_compute", False)),
-        cuda_graphs=cuda_graphs, graphs_option=graphs_option,
+        cuda_graphs=cuda_graphs, graphs_option=graphs_option, megatron_graphs=megatron_graphs(config),
         overlap_option="Megatron DDP's overlap_grad_reduce", dropout=dropout,
         graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device,
         scatter_gather=bool(getattr(getattr(config, "terapipe", None), "scatter_gather", False)),

@@ -63,6 +63,7 @@ class RunView:
     multi_module: bool = False  # a MultiModuleProcessGroupCollection (Megatron's bridge schedule)
     adjust_tensor_shapes: bool = False  # the schedule got an adjust_tensor_shapes_fn
     cuda_graphs: bool = False  # a CUDA graph per compute action ...
+    megatron_graphs: str = "none"  # Megatron's own CUDA graphs (--cuda-graph-impl)
     graphs_option: str = FLAG_GRAPHS  # ... asked for by this option
     overlap_grad_reduce: bool = False
     overlap_option: str = "--overlap-grad-reduce"  # how the source names it
@@ -238,6 +239,13 @@ RULES = (
         "--pipeline-schedule terapipe)")),
     Rule(lambda v: v.adjust_tensor_shapes, ("TeraPipe derives tensor shapes from the plan: "
                                             "adjust_tensor_shapes_fn is not supported")),
+    Rule(lambda v: v.megatron_graphs not in (None, "none"), lambda v: (
+        f"TeraPipe does not run Megatron's own CUDA graphs (--cuda-graph-impl "
+        f"{v.megatron_graphs}): Megatron captures them around its own schedules (each layer "
+        "call, in its microbatch order, created at the end of its forward-backward functions), "
+        "which TeraPipe replaces, and a layer's graph would fix one token slice's K/V cache "
+        f"offset for every slice of its shape; use {FLAG_GRAPHS} (a graph per compute action) "
+        "instead of --cuda-graph-impl (config.cuda_graph_impl), or --pipeline-schedule 1f1b")),
     Rule(lambda v: v.cuda_graphs and v.overlap_grad_reduce, lambda v: (
         f"{v.graphs_option} replays the W actions without Python, so {v.overlap_option} would "
         "never see gradients ready: drop one of the two (--overlap-grad-reduce, or the graphs)")),
