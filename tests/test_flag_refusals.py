@@ -1,8 +1,9 @@
 """Mistakes in the flags stop the run, naming the flag and the fix, instead of passing silently:
 prediction inputs with fixed slices (a bad cost-model file, a budget the plan cannot meet,
 --terapipe-defer-wgrad auto), dropout under CUDA graphs without Megatron's graph-safe RNG
-tracker, Megatron's own CUDA graphs (--cuda-graph-impl), --attention-backend values TeraPipe does not run, and a GPU preset assumed for a
-device that matches none (a warning in the start-up report)."""
+tracker, Megatron's own CUDA graphs (--cuda-graph-impl) and its combined 1F1B
+(--overlap-moe-expert-parallel-comm), --attention-backend values TeraPipe does not run, and a
+GPU preset assumed for a device that matches none (a warning in the start-up report)."""
 
 from __future__ import annotations
 
@@ -159,6 +160,25 @@ def test_megatrons_own_cuda_graphs_are_refused(fields, impl):
     with pytest.raises(ValueError, match=f"--cuda-graph-impl {impl}"):
         selection.configure(config, TeraPipePlan([32, 32]))
     validate_terapipe_args(parse(TERAPIPE, cuda_graph_impl="none"))
+
+
+# ---- Megatron's combined 1F1B (expert-parallel all-to-all overlap) -------------------------
+@pytest.mark.parametrize("fields, named", [
+    (dict(overlap_moe_expert_parallel_comm=True), "--overlap-moe-expert-parallel-comm"),
+    (dict(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True),
+     "--overlap-moe-expert-parallel-comm and --delay-wgrad-compute"),
+], ids=["overlap", "overlap_and_delayed_wgrad"])
+def test_megatrons_combined_1f1b_is_refused(fields, named):
+    """With --delay-wgrad-compute the experts' weight gradients wait for Megatron's combined
+    1F1B to compute them: under TeraPipe's schedule they never would."""
+    moe = dict(num_experts=4, expert_model_parallel_size=2)
+    for schedule in ("terapipe", "auto"):
+        with pytest.raises(TeraPipeArgumentError) as info:
+            validate_terapipe_args(parse(["--pipeline-schedule", schedule], **moe, **fields))
+        assert named in str(info.value) and "--pipeline-schedule 1f1b" in str(info.value)
+    config = argparse.Namespace(num_moe_experts=4, **fields)  # Megatron's config needs EP > 1
+    with pytest.raises(ValueError, match=named):
+        selection.configure(config, TeraPipePlan([32, 32]))
 
 
 # ---- --attention-backend -----------------------------------------------------------------

@@ -55,7 +55,7 @@ def view_from_args(args) -> RunView:
         **{name: bool(flag(name, False)) for name in (
             "use_legacy_models", "multi_latent_attention", "sft", "defer_embedding_wgrad_compute",
             "reset_attention_mask", "overlap_grad_reduce")},
-        **_attention_fields(args),
+        **_feature_fields(args),
         attention_backend=backend_name(flag("attention_backend")),
         cuda_graphs=graphs, dropout=dropout_values(args),
         graph_safe_rng=bool(flag("te_rng_tracker", False)), megatron_graphs=megatron_graphs(args),
@@ -64,13 +64,15 @@ def view_from_args(args) -> RunView:
         sequence_parallel=bool(flag("sequence_parallel", False)))
 
 
-def _attention_fields(source) -> dict:
-    """Attention and activation features TeraPipe refuses; Megatron-LM's args and a
+def _feature_fields(source) -> dict:
+    """Attention, activation and schedule features TeraPipe refuses; Megatron-LM's args and a
     TransformerConfig share these names (the args' flags are made from the config's fields)."""
     return dict(softmax_type=getattr(source, "softmax_type", None) or "vanilla",
                 activation_offloading=bool(getattr(source, "fine_grained_activation_offloading",
                                                    False)),
                 moe_routing_replay=bool(getattr(source, "moe_enable_routing_replay", False)),
+                ep_overlap=bool(getattr(source, "overlap_moe_expert_parallel_comm", False)),
+                delay_wgrad_compute=bool(getattr(source, "delay_wgrad_compute", False)),
                 **{name: bool(getattr(source, name, False))
                    for name in ("qk_clip", "log_max_attention_logit")})
 
@@ -130,7 +132,7 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
     dropout = dropout_values(config) if cuda_graphs else ()
     return RunView(
         context_parallel=int(getattr(config, "context_parallel_size", 1) or 1),
-        **_attention_fields(config),
+        **_feature_fields(config),
         **{name: getattr(config, name, None) for name in ("window_size",
                                                           "experimental_attention_variant")},
         multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)),

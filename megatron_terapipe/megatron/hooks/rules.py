@@ -55,6 +55,8 @@ class RunView:
     log_max_attention_logit: bool = False
     activation_offloading: bool = False  # --fine-grained-activation-offloading
     moe_routing_replay: bool = False  # --moe-enable-routing-replay
+    ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B)
+    delay_wgrad_compute: bool = False  # its experts' weight gradients, computed by that schedule
     position_embedding_type: Optional[str] = None
     sft: bool = False
     attention_backend: str = "auto"
@@ -123,6 +125,11 @@ def _router_losses_line_problem() -> Optional[str]:
     return line_problem()
 
 
+def _ep_overlap_flags(v: RunView) -> str:
+    return " and ".join(flag for flag, on in (("--overlap-moe-expert-parallel-comm", v.ep_overlap), (
+        "--delay-wgrad-compute", v.delay_wgrad_compute)) if on)
+
+
 def _max_logit_flags(v: RunView) -> str:
     return " and ".join(flag for flag, on in (("--qk-clip", v.qk_clip), (
         "--log-max-attention-logit", v.log_max_attention_logit)) if on)
@@ -187,6 +194,12 @@ RULES = (
         "routing of each forward pass over a whole microbatch, and TeraPipe runs one forward "
         "per token slice; drop --moe-enable-routing-replay (config.moe_enable_routing_replay), "
         "or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.ep_overlap or v.delay_wgrad_compute, lambda v: (
+        f"TeraPipe does not run {_ep_overlap_flags(v)}: it selects Megatron's combined 1F1B "
+        "schedule, which overlaps the expert-parallel all-to-all of one microbatch with another's "
+        "compute and computes the delayed expert weight gradients; TeraPipe replaces the schedule "
+        "(its W actions defer weight gradients its own way): drop "
+        f"{_ep_overlap_flags(v)}, or use --pipeline-schedule 1f1b")),
     Rule(lambda v: _moe(v) and v.moe_expert_capacity_factor is not None, lambda v: (
         f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
         f"{v.moe_expert_capacity_factor}): an expert's capacity is counted over each forward "
