@@ -73,6 +73,9 @@ def _feature_fields(source) -> dict:
                 moe_routing_replay=bool(getattr(source, "moe_enable_routing_replay", False)),
                 ep_overlap=bool(getattr(source, "overlap_moe_expert_parallel_comm", False)),
                 delay_wgrad_compute=bool(getattr(source, "delay_wgrad_compute", False)),
+                partial_recompute=getattr(source,
+                                          "num_microbatches_with_partial_activation_checkpoints",
+                                          None),
                 **{name: bool(getattr(source, name, False))
                    for name in ("qk_clip", "log_max_attention_logit")})
 
@@ -132,6 +135,7 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
     dropout = dropout_values(config) if cuda_graphs else ()
     return RunView(
         context_parallel=int(getattr(config, "context_parallel_size", 1) or 1),
+        hybrid_context_parallel=bool(getattr(config, "hybrid_context_parallel", False)),
         **_feature_fields(config),
         **{name: getattr(config, name, None) for name in ("window_size",
                                                           "experimental_attention_variant")},

@@ -57,6 +57,7 @@ class RunView:
     moe_routing_replay: bool = False  # --moe-enable-routing-replay
     ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B)
     delay_wgrad_compute: bool = False  # its experts' weight gradients, computed by that schedule
+    partial_recompute: Optional[int] = None  # config.num_microbatches_with_partial_activation_checkpoints
     position_embedding_type: Optional[str] = None
     sft: bool = False
     attention_backend: str = "auto"
@@ -200,6 +201,11 @@ RULES = (
         "compute and computes the delayed expert weight gradients; TeraPipe replaces the schedule "
         "(its W actions defer weight gradients its own way): drop "
         f"{_ep_overlap_flags(v)}, or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.partial_recompute is not None, lambda v: (
+        f"TeraPipe recomputes as the model config says in every microbatch: "
+        f"config.num_microbatches_with_partial_activation_checkpoints "
+        f"({v.partial_recompute}: Megatron's schedules recompute only that many microbatches) is "
+        "not supported; set it to None, or use Megatron's own schedule")),
     Rule(lambda v: _moe(v) and v.moe_expert_capacity_factor is not None, lambda v: (
         f"TeraPipe cannot run MoE token dropping (--moe-expert-capacity-factor "
         f"{v.moe_expert_capacity_factor}): an expert's capacity is counted over each forward "
