@@ -42,7 +42,8 @@ LINES = {
 #: on Megatron-LM's argument parser, and the compatibility checks.
 EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py", "tests/test_moe_losses.py",
                      "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
-                     "tests/test_compat.py", "tests/test_attention_features.py", "tests/test_schedule_fields.py",
+                     "tests/test_compat.py", "tests/test_attention_features.py",
+                     "tests/test_schedule_fields.py",
                      "tests/test_compat_megatron_lm.py", "tests/test_stage_layers.py")
 
 
