@@ -1,16 +1,15 @@
 """Attention and activation features TeraPipe does not compute are refused before any work,
 from Megatron-LM's flags and from a TransformerConfig, naming the flag and the fix; and every
 config field Megatron's own core attention reads is either computed by TeraPipe's slice
-attention or refused (a megatron-core line that reads a new one fails here until it is
-classified)."""
+attention or refused, and every one the self-attention around it reads either acts per token
+(Megatron's code, one slice at a time) or is refused (a megatron-core line that reads a new one
+fails here until it is classified)."""
 
 from __future__ import annotations
 
-import inspect
-import re
-
 import pytest
 
+from harness.config_reads import config_fields_read
 from megatron_terapipe import TeraPipePlan, configure
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.hooks import moe_losses
@@ -81,9 +80,9 @@ def test_the_defaults_run():
                                      moe_router_load_balancing_type="none"))
 
 
-# What TeraPipe's slice attention (runtime/attention.py) does with each config field Megatron's
-# DotProductAttention reads.
-COMPUTED = {
+# What TeraPipe does with each config field Megatron's core attention (DotProductAttention,
+# which the slice attention replaces) reads.
+CORE_COMPUTED = {
     "kv_channels": "the head size, and the softmax scale 1 / sqrt(kv_channels)",
     "num_attention_heads": "the query heads (the tensors' shapes)",
     "num_query_groups": "grouped-query attention: K/V heads repeated over their queries",
@@ -95,19 +94,56 @@ KERNEL_OR_PRECISION = {  # which kernel runs, or what sizes and initialises soft
     "attention_softmax_in_fp32", "masked_softmax_fusion", "bf16", "fp16", "params_dtype",
     "init_method", "perform_initialization", "sequence_parallel",
 }
-REFUSED_FIELDS = {
-    "softmax_type": "test_flags_are_refused_at_start_up",
-    "window_size": "test_flags_are_refused_at_start_up",
-    "window_attn_skip_freq": "only with window_size, which is refused",
-    "context_parallel_size": "tests/test_arguments.py, tests/test_errors.py",
+# ... and each field Megatron's self-attention around it (attention.py) reads: Megatron's own
+# code runs there under TeraPipe too, one token slice at a time.
+PER_TOKEN = {  # projections, norms and gates of each token on its own, RoPE at its position
+    "add_bias_linear", "add_qkv_bias", "hidden_size", "init_method", "output_layer_init_method",
+    "kv_channels", "num_attention_heads", "num_query_groups", "layernorm_epsilon", "params_dtype",
+    "fused_single_qkv_rope",  # Transformer Engine's kernel, given the slice's RoPE table
+    # exact in tests/test_equivalence.py (w_pp2_attention_per_token_options, w_pp2_qk_l2_norm)
+    "qk_layernorm", "qk_l2_norm", "attention_output_gate", "no_rope_freq", "softmax_scale",
+    "rotary_interleaved",
 }
+ELSEWHERE = {
+    "recompute_granularity": "selective core_attn recomputation: tests/test_equivalence.py",
+    "recompute_modules": "selective core_attn recomputation: tests/test_equivalence.py",
+    "virtual_pipeline_model_parallel_size": "the model chunks: tests/test_virtual_runs.py",
+    "batch_invariant_mode": "kernels", "fp4": "Transformer Engine precision",
+    "fp8": "Transformer Engine precision", "fp8_recipe": "Transformer Engine precision",
+    "test_mode": "a kernel path", "flash_attention_version": "Transformer Engine's kernel",
+    "flash_decode": "inference decoding", "kv_lora_rank": "multi-latent attention (refused)",
+}
+# refused (hooks/rules.py), with a value that is: the tests above check each from a config
+REFUSED_FIELDS = {
+    "softmax_type": "learnable", "window_size": (16, 0), "context_parallel_size": 2,
+    "qk_clip": True, "fine_grained_activation_offloading": True, "cuda_graph_impl": "local",
+}
+ONLY_WITH_REFUSED = {"window_attn_skip_freq": "window_size", "qk_clip_alpha": "qk_clip",
+                     "qk_clip_threshold": "qk_clip", "offload_modules":
+                     "fine_grained_activation_offloading", "cuda_graph_scope": "cuda_graph_impl"}
 
 
-def test_every_field_megatrons_core_attention_reads_is_accounted_for():
+def test_every_field_megatrons_attention_reads_is_accounted_for():
+    from megatron.core.transformer import attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    read = set(re.findall(r"config\.([A-Za-z_][A-Za-z0-9_]*)", inspect.getsource(DotProductAttention)))
-    known = set(COMPUTED) | KERNEL_OR_PRECISION | set(REFUSED_FIELDS)
-    assert read, "DotProductAttention reads no config field: the pattern no longer matches"
-    assert read <= known, (f"megatron-core's DotProductAttention reads {sorted(read - known)}: "
-                           "compute them in runtime/attention.py or refuse them (hooks/rules.py)")
+    core, around = config_fields_read(DotProductAttention), config_fields_read(attention)
+    refused = set(REFUSED_FIELDS) | set(ONLY_WITH_REFUSED)
+    assert core and around, "the pattern no longer finds config reads"
+    unknown = core - set(CORE_COMPUTED) - KERNEL_OR_PRECISION - refused
+    assert not unknown, (f"megatron-core's DotProductAttention reads {sorted(unknown)}: compute "
+                         "them in runtime/attention.py or refuse them (hooks/rules.py)")
+    unknown = around - PER_TOKEN - set(ELSEWHERE) - refused
+    assert not unknown, (f"megatron-core's self-attention reads {sorted(unknown)}: say what a "
+                         "token slice does with them, or refuse them (hooks/rules.py)")
+    assert set(ONLY_WITH_REFUSED.values()) <= set(REFUSED_FIELDS)
+
+
+@pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
+def test_the_refused_attention_fields_are_refused_from_a_config(field):
+    import argparse
+
+    from megatron_terapipe.megatron.hooks.rule_views import view_from_config
+    from megatron_terapipe.megatron.hooks.rules import refusal
+
+    assert refusal(view_from_config(argparse.Namespace(**{field: REFUSED_FIELDS[field]})))

@@ -138,6 +138,15 @@ DEFERRED_2 = [
     Case("w_pp2_legacy_two_tuple_loss", DEFERRED, legacy_loss=True),
     # MoE (dropless top-2, alltoall): expert layers get a different token count per cell.
     Case("w_pp2_moe", DEFERRED, model=TinyGPT(num_experts=4)),
+    # Attention options Megatron applies per token, around the core attention (the slice
+    # attention computes only the softmax part): query-key norms, the output gate, layers
+    # without RoPE, a given softmax scale, interleaved RoPE (tests/test_attention_features.py
+    # classifies every field).
+    Case("w_pp2_attention_per_token_options", DEFERRED, model=TinyGPT(
+        spec_and_config=(("qk_layernorm", True),),
+        config_extra=(("attention_output_gate", True), ("no_rope_freq", 2),
+                      ("softmax_scale", 0.3), ("rotary_interleaved", True)))),
+    Case("w_pp2_qk_l2_norm", DEFERRED, model=TinyGPT(spec_and_config=(("qk_l2_norm", True),))),
     Case("w_dp2_tied_embeddings_one_stage_ddp_overlap", DEFERRED, pp=1, ddp=True,
          overlap_grad_reduce=True, model=TinyGPT(untie=False, num_layers=2)),
 ]
@@ -227,7 +236,8 @@ def test_activation_memory_against_megatron_1f1b():
 
 def test_the_checks_catch_small_errors():
     """The element-wise check catches an error in a small gradient element that the
-    max-normalised check lets through; a missing gradient and a changed loss fail too."""
+    max-normalised check lets through, and in a gradient that is zero up to rounding (which
+    the max-normalised check leaves out); a missing gradient and a changed loss fail too."""
     ref = torch.tensor([1.0, 1e-3])
     slightly_off = {"w": (torch.tensor([1.0, 1e-3 + 5e-6]), ref)}  # 5e-6 max-normalised
     assert max_relative_error(slightly_off)[0] <= FP32.max_normalised
@@ -236,6 +246,13 @@ def test_the_checks_catch_small_errors():
     with pytest.raises(AssertionError, match="gradient of w"):
         check_gradients({"w": (None, ref)}, FP32, "here")
     check_gradients({"w": (ref.clone(), ref)}, FP32, "here")
+    # a gradient zero up to rounding: rounding on both sides passes, a real value does not
+    zero = torch.tensor([7e-11, -2e-11])
+    check_gradients({"w": (ref.clone(), ref), "b": (torch.tensor([1.9e-10, 3e-11]), zero)},
+                    FP32, "here")
+    with pytest.raises(AssertionError, match="gradient of b"):
+        check_gradients({"w": (ref.clone(), ref), "b": (torch.tensor([3e-6, 0.0]), zero)},
+                        FP32, "here")
     with pytest.raises(AssertionError, match="reported losses"):
         check_losses([[70.0, 24.0]], [[70.001, 24.0]], FP32, "here")
     check_losses([[70.0, 24.0]], [[70.0, 24.0]], FP32, "here")

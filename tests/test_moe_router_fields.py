@@ -7,11 +7,10 @@ here until the field is classified."""
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
 
 import pytest
 
+from harness.config_reads import config_fields_read
 from megatron_terapipe.megatron.hooks.rule_views import view_from_config
 from megatron_terapipe.megatron.hooks.rules import refusal
 
@@ -44,8 +43,7 @@ REFUSED_TYPES = ("sinkhorn", "quantile_balancing")  # of moe_router_load_balanci
 def test_every_field_megatrons_router_reads_is_accounted_for():
     from megatron.core.transformer.moe import router
 
-    read = set(re.findall(r"(?<![A-Za-z0-9_])config\.([A-Za-z_][A-Za-z0-9_]*)",
-                          inspect.getsource(router)))
+    read = config_fields_read(router)
     known = (TOKEN_WISE | EXACT_BY_TERAPIPE | SIZES_AND_INIT | RANDOM | set(ONLY_WITH_REFUSED)
              | set(REFUSED))
     assert "moe_router_topk" in read, "the pattern no longer finds config reads"

@@ -6,11 +6,11 @@ field fails here until the field is classified."""
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
+from pathlib import Path
 
 import pytest
 
+from harness.config_reads import config_fields_read
 from megatron_terapipe.megatron.hooks.rule_views import view_from_config
 from megatron_terapipe.megatron.hooks.rules import refusal
 
@@ -40,15 +40,10 @@ REFUSED = {
 }
 
 
-def _fields_read(module) -> set[str]:
-    return set(re.findall(r"(?<![A-Za-z0-9_])config\.([A-Za-z_][A-Za-z0-9_]*)",
-                          inspect.getsource(module)))
-
-
 def test_every_field_megatrons_schedules_read_is_accounted_for():
     from megatron.core.pipeline_parallel import schedules
 
-    read = _fields_read(schedules)
+    read = config_fields_read(schedules)
     known = set(HONOURED) | set(NO_EFFECT) | set(REFUSED)
     assert "deallocate_pipeline_outputs" in read, "the pattern no longer finds config reads"
     assert read <= known, (f"megatron-core's pipeline schedules read {sorted(read - known)}: "
@@ -57,7 +52,6 @@ def test_every_field_megatrons_schedules_read_is_accounted_for():
 
 def test_the_honoured_fields_are_read_by_terapipe():
     import megatron_terapipe
-    from pathlib import Path
 
     package = Path(megatron_terapipe.__file__).parent
     rules = {"rules.py", "rule_views.py"}

@@ -31,12 +31,16 @@ class TinyGPT:
     calculate_per_token_loss: bool = False
     normalization: str = "LayerNorm"
     num_experts: Optional[int] = None  # MoE: dropless top-2 routing, alltoall dispatcher
+    # options the layer spec function and the config both take, e.g. (("qk_layernorm", True),)
+    spec_and_config: tuple[tuple[str, Any], ...] = ()
+    config_extra: tuple[tuple[str, Any], ...] = ()  # more TransformerConfig fields, as given
     seed: int = 1234
 
     @property
     def spec_kwargs(self) -> dict[str, Any]:
-        """What the layer spec functions need for this model (MoE layers)."""
-        return {"num_experts": self.num_experts} if self.num_experts else {}
+        """What the layer spec functions need for this model (MoE layers, query-key norms)."""
+        return {**({"num_experts": self.num_experts} if self.num_experts else {}),
+                **dict(self.spec_and_config)}
 
     def config(self, tp: int = 1, pp: int = 1):
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -62,7 +66,8 @@ class TinyGPT:
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             sequence_parallel=self.sequence_parallel and tp > 1,  # the TP=1 baseline has none
             calculate_per_token_loss=self.calculate_per_token_loss,
-            normalization=self.normalization, **extra)
+            normalization=self.normalization,
+            **extra, **dict(self.spec_and_config), **dict(self.config_extra))
 
     def build(self, config, spec, pre_process: bool = True, post_process: bool = True):
         from megatron.core.models.gpt import GPTModel

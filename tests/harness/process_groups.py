@@ -96,7 +96,8 @@ def _break_ddp_hook_cycles() -> None:
     ddp = getattr(module, "DistributedDataParallel", None)
     if ddp is None:
         return
-    models = {id(obj) for obj in gc.get_objects() if isinstance(obj, ddp)}
+    # type(), not isinstance(): a weak proxy whose object is gone raises on __class__
+    models = {id(obj) for obj in gc.get_objects() if issubclass(type(obj), ddp)}
     if not models:
         return
     for obj in gc.get_objects():

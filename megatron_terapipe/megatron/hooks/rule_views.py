@@ -10,6 +10,7 @@ from typing import Optional
 from .rules import CONFIGURE_GRAPHS, RunView
 from .stage_layers import StageLayers, stage_layers
 
+
 def _as_tuple(value) -> tuple:
     return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
@@ -145,7 +146,8 @@ def view_from_config(config, cuda_graphs: bool = False, graphs_option: str = CON
         mtp_num_layers=getattr(config, "mtp_num_layers", None),
         attention_backend=backend_name(getattr(config, "attention_backend", None)),
         defer_embedding_wgrad_compute=bool(getattr(config, "defer_embedding_wgrad_compute", False)),
-        cuda_graphs=cuda_graphs, graphs_option=graphs_option, megatron_graphs=megatron_graphs(config),
+        cuda_graphs=cuda_graphs, graphs_option=graphs_option,
+        megatron_graphs=megatron_graphs(config),
         overlap_option="Megatron DDP's overlap_grad_reduce", dropout=dropout,
         graph_safe_rng=bool(dropout) and graph_safe_rng_tracker(), graphs_device=graphs_device,
         scatter_gather=bool(getattr(getattr(config, "terapipe", None), "scatter_gather", False)),

@@ -57,7 +57,8 @@ class RunView:
     moe_routing_replay: bool = False  # --moe-enable-routing-replay
     ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B)
     delay_wgrad_compute: bool = False  # its experts' weight gradients, computed by that schedule
-    partial_recompute: Optional[int] = None  # config.num_microbatches_with_partial_activation_checkpoints
+    # config.num_microbatches_with_partial_activation_checkpoints (Megatron's schedules only)
+    partial_recompute: Optional[int] = None
     position_embedding_type: Optional[str] = None
     sft: bool = False
     attention_backend: str = "auto"
@@ -126,14 +127,18 @@ def _router_losses_line_problem() -> Optional[str]:
     return line_problem()
 
 
+def _given(*flags: tuple[str, bool]) -> str:
+    """The flags that are on, named together ("--a and --b")."""
+    return " and ".join(flag for flag, on in flags if on)
+
+
 def _ep_overlap_flags(v: RunView) -> str:
-    return " and ".join(flag for flag, on in (("--overlap-moe-expert-parallel-comm", v.ep_overlap), (
-        "--delay-wgrad-compute", v.delay_wgrad_compute)) if on)
+    return _given(("--overlap-moe-expert-parallel-comm", v.ep_overlap),
+                  ("--delay-wgrad-compute", v.delay_wgrad_compute))
 
 
 def _max_logit_flags(v: RunView) -> str:
-    return " and ".join(flag for flag, on in (("--qk-clip", v.qk_clip), (
-        "--log-max-attention-logit", v.log_max_attention_logit)) if on)
+    return _given(("--qk-clip", v.qk_clip), ("--log-max-attention-logit", v.log_max_attention_logit))
 
 
 _VP_FLAGS = "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
