@@ -20,13 +20,16 @@ HONOURED = ("autocast_dtype", "enable_autocast", "barrier_with_L1_time", "batch_
             "finalize_model_grads_func", "grad_scale_func", "grad_sync_func", "no_sync_func",
             "microbatch_group_size_per_vp_stage", "num_moe_experts", "sequence_parallel",
             "timers", "virtual_pipeline_model_parallel_size", "variable_seq_lengths",
-            "hidden_size")
+            "hidden_size", "moe_grad_scale_func")
 NO_EFFECT = {
     "param_sync_func": "Megatron DDP's forward pre-hook starts a bucket's parameter all-gather "
                        "itself when no schedule did (finish_param_sync): only the overlap differs",
     "overlap_p2p_comm": "TeraPipe's sends never block (runtime/transport.py)",
     "overlap_p2p_comm_warmup_flush": "TeraPipe's sends never block (runtime/transport.py)",
     "cuda_graph_scope": "only with cuda_graph_impl, which is refused",
+    "mtp_grad_scale_func": "only with mtp_num_layers, which is refused",
+    "experimental_attention_variant_loss_scale_func": "only with experimental_attention_variant, "
+                                                      "which is refused",
 }
 # refused: a config with this value is refused by the support rules (hooks/rules.py)
 REFUSED = {
@@ -37,6 +40,8 @@ REFUSED = {
     "mtp_num_layers": 1,
     "overlap_moe_expert_parallel_comm": True,
     "num_microbatches_with_partial_activation_checkpoints": 2,
+    "moe_paged_stash": True,
+    "experimental_attention_variant": "gated_delta_net",
 }
 
 

@@ -71,6 +71,8 @@ def _feature_fields(source) -> dict:
     return dict(softmax_type=getattr(source, "softmax_type", None) or "vanilla",
                 activation_offloading=bool(getattr(source, "fine_grained_activation_offloading",
                                                    False)),
+                cpu_offloading=bool(getattr(source, "cpu_offloading", False)),
+                moe_paged_stash=bool(getattr(source, "moe_paged_stash", False)),
                 moe_routing_replay=bool(getattr(source, "moe_enable_routing_replay", False)),
                 ep_overlap=bool(getattr(source, "overlap_moe_expert_parallel_comm", False)),
                 delay_wgrad_compute=bool(getattr(source, "delay_wgrad_compute", False)),

@@ -54,6 +54,8 @@ class RunView:
     qk_clip: bool = False  # both read the core attention's max logit (Transformer Engine's)
     log_max_attention_logit: bool = False
     activation_offloading: bool = False  # --fine-grained-activation-offloading
+    cpu_offloading: bool = False  # config.cpu_offloading (Transformer Engine's, per layer)
+    moe_paged_stash: bool = False  # --moe-paged-stash (0.19), set up by Megatron's schedules
     moe_routing_replay: bool = False  # --moe-enable-routing-replay
     ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm (Megatron's combined 1F1B)
     delay_wgrad_compute: bool = False  # its experts' weight gradients, computed by that schedule
@@ -206,6 +208,10 @@ RULES = (
         "compute and computes the delayed expert weight gradients; TeraPipe replaces the schedule "
         "(its W actions defer weight gradients its own way): drop "
         f"{_ep_overlap_flags(v)}, or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.moe_paged_stash, (
+        "TeraPipe does not support --moe-paged-stash: Megatron's own schedules set up and "
+        "release the experts' paged stash each iteration, and TeraPipe replaces them; drop "
+        "--moe-paged-stash (config.moe_paged_stash), or use --pipeline-schedule 1f1b")),
     Rule(lambda v: v.partial_recompute is not None, lambda v: (
         f"TeraPipe recomputes as the model config says in every microbatch: "
         f"config.num_microbatches_with_partial_activation_checkpoints "
@@ -242,6 +248,11 @@ RULES = (
         "them, while TeraPipe runs a sequence's token slices backward in reverse (and its planner "
         "does not count what moves to the host); drop --fine-grained-activation-offloading "
         "(config.fine_grained_activation_offloading), or use --pipeline-schedule 1f1b")),
+    Rule(lambda v: v.cpu_offloading, (
+        "TeraPipe has not been run with config.cpu_offloading (Transformer Engine's offload of "
+        "each layer's activations between one forward pass and its backward): TeraPipe runs "
+        "several token slices' forwards before their backwards, and its planner does not count "
+        "what moves to the host; set cpu_offloading=False, or use Megatron's own schedule")),
     Rule(lambda v: v.position_embedding_type == "mrope",
          "TeraPipe does not support --position-embedding-type mrope: use rope or learned_absolute"),
     Rule(lambda v: v.sft, "TeraPipe does not support --sft (packed THD sequences): drop --sft"),
