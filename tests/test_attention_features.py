@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config_reads import config_fields_read
+from harness.config_reads import config_fields_read, config_refusal
 from megatron_terapipe import TeraPipePlan, configure
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.hooks import moe_losses
@@ -152,9 +152,4 @@ def test_every_field_megatrons_attention_reads_is_accounted_for():
 
 @pytest.mark.parametrize("field", sorted(REFUSED_FIELDS))
 def test_the_refused_attention_fields_are_refused_from_a_config(field):
-    import argparse
-
-    from megatron_terapipe.megatron.hooks.rule_views import view_from_config
-    from megatron_terapipe.megatron.hooks.rules import refusal
-
-    assert refusal(view_from_config(argparse.Namespace(**{field: REFUSED_FIELDS[field]})))
+    assert config_refusal(**{field: REFUSED_FIELDS[field]})

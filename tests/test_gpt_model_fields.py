@@ -6,11 +6,7 @@ classified."""
 
 from __future__ import annotations
 
-import argparse
-
-from harness.config_reads import config_fields_read
-from megatron_terapipe.megatron.hooks.rule_views import view_from_config
-from megatron_terapipe.megatron.hooks.rules import refusal
+from harness.config_reads import config_fields_read, config_refusal
 
 HONOURED = {  # exact in the equivalence tests (tests/test_equivalence.py unless said)
     "calculate_per_token_loss": "[pp2_per_token_loss]",
@@ -54,5 +50,5 @@ def test_every_field_megatrons_gpt_model_reads_is_accounted_for():
 
 def test_the_refused_model_fields_are_refused_from_a_config():
     for field, value in REFUSED.items():
-        assert refusal(view_from_config(argparse.Namespace(**{field: value}))), field
-    assert refusal(view_from_config(argparse.Namespace())) is None
+        assert config_refusal(**{field: value}), field
+    assert config_refusal() is None

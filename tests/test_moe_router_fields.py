@@ -6,13 +6,9 @@ here until the field is classified."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from harness.config_reads import config_fields_read
-from megatron_terapipe.megatron.hooks.rule_views import view_from_config
-from megatron_terapipe.megatron.hooks.rules import refusal
+from harness.config_reads import config_fields_read, config_refusal
 
 TOKEN_WISE = {  # a token's experts and weights depend on that token's logits only
     "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",
@@ -57,6 +53,5 @@ def test_every_field_megatrons_router_reads_is_accounted_for():
     *({"moe_router_load_balancing_type": kind} for kind in REFUSED_TYPES),
 ], ids=[*REFUSED, *REFUSED_TYPES])
 def test_the_refused_router_fields_are_refused_from_a_config(config):
-    view = view_from_config(argparse.Namespace(num_moe_experts=4, **config))
-    assert refusal(view) is not None, f"{config} is not refused"
-    assert refusal(view_from_config(argparse.Namespace(num_moe_experts=4))) is None
+    assert config_refusal(num_moe_experts=4, **config) is not None, f"{config} is not refused"
+    assert config_refusal(num_moe_experts=4) is None

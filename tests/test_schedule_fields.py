@@ -5,14 +5,11 @@ field fails here until the field is classified."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pytest
 
-from harness.config_reads import config_fields_read
-from megatron_terapipe.megatron.hooks.rule_views import view_from_config
-from megatron_terapipe.megatron.hooks.rules import refusal
+from harness.config_reads import config_fields_read, config_refusal
 
 # honoured: the field's name appears where TeraPipe's code uses it (checked below)
 HONOURED = ("autocast_dtype", "enable_autocast", "barrier_with_L1_time", "batch_p2p_comm",
@@ -68,7 +65,6 @@ def test_the_honoured_fields_are_read_by_terapipe():
 @pytest.mark.parametrize("field", sorted(REFUSED))
 def test_the_refused_fields_are_refused_from_a_config(field):
     extra = {"num_moe_experts": 4} if field == "overlap_moe_expert_parallel_comm" else {}
-    config = argparse.Namespace(**{field: REFUSED[field]}, **extra)
-    message = refusal(view_from_config(config))
+    message = config_refusal(**{field: REFUSED[field]}, **extra)
     assert message is not None, f"config.{field} = {REFUSED[field]!r} is not refused"
-    assert refusal(view_from_config(argparse.Namespace(**extra))) is None
+    assert config_refusal(**extra) is None
