@@ -8,7 +8,7 @@ runs Megatron-Core's unmodified 1F1B, TeraPipe with the DP plan, the DP plan wit
 placed by the planner (where that is faster in simulation: "terapipe_dp_w_placed") and TeraPipe
 with the best uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
 through pinned host memory and gloo for both (host_staged.py), whose cost alone is measured
-first. The cost model is a layer profile measured at start in one process with one stage's SM
+first (two sizes: the simulator's link). The cost model is a layer profile measured at start in one process with one stage's SM
 share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
 (measured vs predicted) to --out and prints the table.
 
@@ -118,8 +118,39 @@ def transfer_worker(rank: int, world_size: int, shape: tuple, dtype: torch.dtype
     return seconds
 
 
+def measured_link(shape: tuple, dtype: torch.dtype, device: str) -> tuple:
+    """The stage-to-stage Link the simulator prices transfers with, fitted to the host-staged
+    communicator's one-way time at `shape` and at an eighth of its tokens (latency + bytes /
+    bandwidth), and the measurements. Before the fourth lease the simulator assumed 100 GB/s
+    where the host-staged transfer of a 2048-token activation took 5-7 ms (about 3 GB/s)."""
+    small = (max(shape[0] // 8, 1),) + tuple(shape[1:])
+    points = []
+    for size in (small, shape):
+        seconds = spawn(2, "bench_gpu_pipeline:transfer_worker", size, dtype, 20, device == "cuda",
+                        rank_environ=sm_shares(device, 2))[0]
+        points.append((torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size(), seconds))
+    link = link_through(points)
+    record = {"points": [{"shape": list(size), "bytes": b, "seconds": t}
+                         for size, (b, t) in zip((small, shape), points)],
+              "bandwidth_bytes_per_s": link.bandwidth, "latency_s": link.latency}
+    return link, record
+
+
+def link_through(points: list) -> "Link":
+    """The Link (latency + bytes / bandwidth) through two (bytes, seconds) measurements, the
+    smaller message first; where the larger took no longer, its bytes over its time and no
+    latency (never a negative latency or bandwidth)."""
+    from megatron_terapipe.planner.cost.dims import Link
+
+    (b0, t0), (b1, t1) = points
+    if t1 > t0 and b1 > b0:
+        bandwidth = (b1 - b0) / (t1 - t0)
+        return Link(bandwidth=bandwidth, latency=max(t0 - b0 / bandwidth, 0.0))
+    return Link(bandwidth=b1 / t1, latency=0.0)
+
+
 def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, cache: str,
-                   device: str, bf16: bool):
+                   device: str, bf16: bool, link=None):
     """The layer profile measured with one stage's SM share (a single process under MPS)."""
     from pipeline_runs import profile_cost_model
 
@@ -128,7 +159,7 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
 
         enter_stage(0, case.stages)
     return profile_cost_model(case.model(bf16), granularity, case.layers_per_stage, device, cache,
-                              dtype="bfloat16" if bf16 else "float32")
+                              dtype="bfloat16" if bf16 else "float32", link=link)
 
 
 def w_placed_plans(plans: dict, cost, case: GpuCase) -> dict:
@@ -200,11 +231,11 @@ def with_ratios(rows: list[dict]) -> None:
             min(m[i] for m in runs) / t for i, t in enumerate(r["runs_s"])))
 
 
-def run_case(case: GpuCase, args, device: str) -> list[dict]:
+def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
     model = case.model(args.bf16)
     cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
-                 args.bf16, timeout=3600, backend=STAGE_BACKEND[device],
+                 args.bf16, link, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, case.stages, ranks=1))[0]
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
@@ -316,12 +347,14 @@ def main() -> int:
     try:
         shape = (256, 1, 64) if args.cases == "smoke" else (2048, 1, 4096)
         dtype = torch.bfloat16 if args.bf16 else torch.float32
-        one_way = spawn(2, "bench_gpu_pipeline:transfer_worker", shape, dtype, 20, device == "cuda",
-                        rank_environ=sm_shares(device, 2))[0]
+        link, results["link"] = measured_link(shape, dtype, device)
+        one_way = results["link"]["points"][-1]["seconds"]
         results["transfer_one_way_s"] = {"shape": list(shape), "seconds": one_way}
-        print(f"> host-staged transfer of {list(shape)} {dtype}: {one_way * 1e3:.3f} ms one way", flush=True)
+        print(f"> host-staged transfer of {list(shape)} {dtype}: {one_way * 1e3:.3f} ms one way; "
+              f"the simulator's link: {link.latency * 1e3:.3f} ms + {link.bandwidth / 1e9:.2f} GB/s",
+              flush=True)
         for case in SUITES[args.cases]:
-            results["rows"].extend(run_case(case, args, device))
+            results["rows"].extend(run_case(case, args, device, link))
             write_results(results, args.out, started)  # a lease can end before the last case
     finally:
         if context is not None:

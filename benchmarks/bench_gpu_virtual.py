@@ -13,7 +13,9 @@ on 2 chunks through its torch transport staged through the host (virtual_runs_be
 group, warm-up, W places) and the best uniform slicing on 2 chunks; the same weights and
 batches in every row, losses checked against Megatron 1F1B's, rounds interleaved. The cost
 model is a layer profile measured in one process with one stage's SM share (cached, as
-bench_gpu_pipeline.py measures it); the simulator gives each stage its own share. The JSON
+bench_gpu_pipeline.py measures it), with the host-staged link measured at two sizes; the
+simulator gives each stage its own share. (The fourth lease's run started no MPS daemon, so
+its stages took turns on the whole GPU: mps.enter_stage now refuses that.) The JSON
 (`--out`/virtual_gpu.json, its provenance first) and the table as bench_virtual_cpu.py's.
 Eager on both sides (no CUDA graphs).
 """
@@ -21,6 +23,7 @@ Eager on both sides (no CUDA graphs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -33,10 +36,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))  # the multi-pr
 
 import torch  # noqa: E402
 
-from bench_gpu_pipeline import GpuCase, sm_shares  # noqa: E402
+from bench_gpu_pipeline import GpuCase, measured_link, sm_shares  # noqa: E402
 from bench_virtual_cpu import (CHUNKS, GRANULARITY, STAGES, bubble_free_limit,  # noqa: E402
                                make_rows, plan_text, print_table, result_rows)
 from harness import spawn  # noqa: E402
+from mps import MpsDaemon  # noqa: E402
 from pipeline_runs import STAGE_BACKEND  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from virtual_runs_bench import VirtualSpeedCase  # noqa: E402
@@ -67,6 +71,25 @@ def the_case(args) -> GpuCase:
     return GpuCase(STAGES, args.seq_length, args.microbatches, width=(4, 4096, 32))
 
 
+def measured_runs(args, case: GpuCase, model, device: str, bf16: bool) -> tuple:
+    """The link and the layer profile (the cost model), the rows planned on it, and the rows
+    run side by side: every stage process under the caller's MPS daemon on a GPU."""
+    shape = (case.seq_length, 1, case.width[1])
+    link, link_record = measured_link(shape, torch.bfloat16 if bf16 else torch.float32, device)
+    cache = os.path.join(args.out, f"profile_{device}_pp{STAGES}_h{case.width[1]}_s{case.seq_length}.json")
+    cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, GRANULARITY, cache, device, bf16,
+                 link, timeout=3600, backend=STAGE_BACKEND[device],
+                 rank_environ=sm_shares(device, STAGES, ranks=1))[0]
+    rows, notes = make_rows(cost, model, args.microbatches)
+    for row in rows:
+        print(f"  {row.label}: {plan_text(row)}", flush=True)
+    speed_case = VirtualSpeedCase(model, args.microbatches, args.rounds, CHUNKS, rows, device=device,
+                                  host_staged=True, mps=device == "cuda")
+    per_rank = spawn(STAGES, "virtual_runs_bench:virtual_speed_worker", speed_case, timeout=3600,
+                     backend=STAGE_BACKEND[device], rank_environ=sm_shares(device, STAGES))
+    return cost, rows, notes, per_rank, link_record
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,17 +100,8 @@ def main(argv=None) -> int:
     case = the_case(args)
     model, M = case.model(bf16), args.microbatches
     os.makedirs(args.out, exist_ok=True)
-    cache = os.path.join(args.out, f"profile_{device}_pp{STAGES}_h{case.width[1]}_s{case.seq_length}.json")
-    cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, GRANULARITY, cache, device, bf16,
-                 timeout=3600, backend=STAGE_BACKEND[device],
-                 rank_environ=sm_shares(device, STAGES, ranks=1))[0]
-    rows, notes = make_rows(cost, model, M)
-    for row in rows:
-        print(f"  {row.label}: {plan_text(row)}", flush=True)
-    speed_case = VirtualSpeedCase(model, M, args.rounds, CHUNKS, rows, device=device,
-                                  host_staged=True, mps=device == "cuda")
-    per_rank = spawn(STAGES, "virtual_runs_bench:virtual_speed_worker", speed_case, timeout=3600,
-                     backend=STAGE_BACKEND[device], rank_environ=sm_shares(device, STAGES))
+    with MpsDaemon() if device == "cuda" else contextlib.nullcontext():
+        cost, rows, notes, per_rank, link = measured_runs(args, case, model, device, bf16)
     shares = float(STAGES)  # each stage its own SM share (or core)
     speed = result_rows(rows, per_rank, cost, model, M, shares)
     for row in speed:  # in the row's warm-up iteration, per stage: messages sent through the
@@ -105,7 +119,9 @@ def main(argv=None) -> int:
                          "vocab_size": model.vocab_size, "granularity": GRANULARITY,
                          "transfers": "host-staged (pinned host memory, gloo) on every row",
                          "graphs": "none"},
-               "machine": {"device": device, "stage_shares": shares},
+               "machine": {"device": device, "stage_shares": shares,
+                           "mps": device == "cuda"},
+               "link": link,
                "speed": speed, "bubble_free_limit_simulated": limit, "planning": notes,
                "wall_seconds": time.perf_counter() - started}
     out = os.path.join(args.out, "virtual_gpu_smoke.json" if args.smoke else "virtual_gpu.json")

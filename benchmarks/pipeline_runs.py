@@ -234,10 +234,11 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
 
 def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
                        cache: Optional[str], dtype: str = "float32", statistic: str = "min",
-                       repeats: int = 3):
+                       repeats: int = 3, link=None):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
     first stage's embedding and the last stage's output layer and loss measured too; each
-    time the `statistic` (min or median) of `repeats` runs."""
+    time the `statistic` (min or median) of `repeats` runs. `link`: the stage-to-stage Link,
+    e.g. measured (bench_gpu_pipeline.measured_link); else a loopback estimate."""
     from megatron_terapipe.megatron.measure.layers import measure_layer_times
     from megatron_terapipe.megatron.measure.edges import edge_points_for, measure_edge_times
     from megatron_terapipe.planner import (EdgeTimeFit, LayerTimeFit, ModelDims, ProfiledCostModel,
@@ -280,8 +281,8 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
         fit = fit.with_edges(fit_edge_times(edges))
         if cache:
             fit.save(cache)
-    # Stage-to-stage transfers stay on this host: loopback bandwidth, tiny latency.
-    link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
+    if link is None:  # stage-to-stage transfers stay on this host: loopback estimates
+        link = Link(bandwidth=5e9, latency=50e-6) if device == "cpu" else Link(bandwidth=100e9, latency=10e-6)
     return ProfiledCostModel(fit, layers_per_stage=layers_per_stage, link=link, model=dims,
                              dtype_bytes=2 if dtype == "bfloat16" else 4)
 

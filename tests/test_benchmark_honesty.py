@@ -380,3 +380,18 @@ def test_virtual_rows_through_the_host_staged_communicator_on_cpu(tmp_path):
         assert all(n > 0 for n in staged), r["config"]
         assert r["loss_rel_diff_vs_megatron_1f1b"] <= 1e-6, r["config"]
     assert result["machine"]["device"] == "cpu" and result["provenance"]["command"]
+
+
+def test_the_gpu_pipeline_link_goes_through_its_two_measurements():
+    """bench_gpu_pipeline prices transfers with a Link through the host-staged communicator's
+    measured times at two sizes (before 2026-11-27 it assumed 100 GB/s against a measured
+    ~2.6 GB/s); never a negative latency, and a flat measurement priced by bytes alone."""
+    import bench_gpu_pipeline
+
+    link = bench_gpu_pipeline.link_through([(1000, 0.002), (9000, 0.006)])
+    assert link.bandwidth == pytest.approx(2e6) and link.latency == pytest.approx(0.0015)
+    assert float(link.time(1000)) == pytest.approx(0.002) and float(link.time(9000)) == pytest.approx(0.006)
+    flat = bench_gpu_pipeline.link_through([(1000, 0.004), (9000, 0.004)])
+    assert flat.latency == 0.0 and flat.bandwidth == pytest.approx(9000 / 0.004)
+    steep = bench_gpu_pipeline.link_through([(1000, 0.0001), (9000, 0.009)])  # would fit below 0
+    assert steep.latency == 0.0 and steep.bandwidth == pytest.approx(8000 / 0.0089)

@@ -35,7 +35,17 @@ def test_stage_environ_gives_each_stage_its_share():
     assert mps.stage_environ(3) == {r: {mps.SHARE_VARIABLE: "33"} for r in range(3)}
 
 
+def test_enter_stage_refuses_a_process_started_without_an_mps_daemon(monkeypatch):
+    monkeypatch.delenv(mps.PIPE_VARIABLE, raising=False)
+    monkeypatch.setenv(mps.SHARE_VARIABLE, "50")
+    with pytest.raises(RuntimeError, match=r"stage 0 of 2: no MPS daemon \(CUDA_MPS_PIPE_DIRECTORY "
+                                           r"is not set\): start the stage processes inside "
+                                           r"`with mps\.MpsDaemon\(\):`"):
+        mps.enter_stage(0, 2)
+
+
 def test_enter_stage_refuses_a_process_started_without_its_share(monkeypatch):
+    monkeypatch.setenv(mps.PIPE_VARIABLE, "/tmp/terapipe-mps-test/pipe")
     monkeypatch.delenv(mps.SHARE_VARIABLE, raising=False)
     with pytest.raises(RuntimeError, match=r"stage 1 of 2: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is "
                                            r"None, not '50': start the stage processes with "
