@@ -192,22 +192,26 @@ def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...
 
 
 def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list, Optional[str]]:
-    """Every rank's times; if Megatron's own graphs fail, the error and a rerun without them."""
-    try:
-        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
-                             backend=STAGE_BACKEND[device],
-                             rank_environ=sm_shares(device, case.stages)), None
-    except WorkerError as exc:
-        megatron = [label for label in speed.graphed if speed.plans[label] is None]
-        if not megatron:
-            raise
-        error = str(exc).strip().splitlines()[-1]
-        print(f"{case.name}: Megatron's graphs failed ({error}); rerunning without them", flush=True)
-        speed = replace(speed, plans={k: v for k, v in speed.plans.items() if k not in megatron},
-                        graphed=tuple(k for k in speed.graphed if k not in megatron))
-        return speed, spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
-                             backend=STAGE_BACKEND[device],
-                             rank_environ=sm_shares(device, case.stages)), error
+    """Every rank's times. If the run fails with graphed rows, the error and a rerun without
+    Megatron's graphs, then, if that fails too, without any graphs (eager on both sides: two
+    leases' 4-stage x 4-microbatch case ran out of an H100's memory with graphed rows, which
+    cost the case its eager rows too)."""
+    errors = []
+    while True:
+        try:
+            per_rank = spawn(case.stages, "pipeline_runs:speed_worker", speed, device, timeout=3600,
+                             backend=STAGE_BACKEND[device], rank_environ=sm_shares(device, case.stages))
+            return speed, per_rank, "; ".join(errors) or None
+        except WorkerError as exc:
+            megatron = [label for label in speed.graphed if speed.plans[label] is None]
+            dropped = megatron or list(speed.graphed)
+            if not dropped:
+                raise
+            errors.append(str(exc).strip().splitlines()[-1])
+            which = "Megatron's graphs" if megatron else "the graphed rows"
+            print(f"{case.name}: {which} failed ({errors[-1]}); rerunning without them", flush=True)
+            speed = replace(speed, plans={k: v for k, v in speed.plans.items() if k not in dropped},
+                            graphed=tuple(k for k in speed.graphed if k not in dropped))
 
 
 def with_ratios(rows: list[dict]) -> None:
@@ -256,7 +260,7 @@ def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
                      "defer_wgrad": None if plan is None else plan.defer_wgrad,
                      "w_placed": plan is not None and bool(plan.wgrad_after),
                      "graphs": graphs, "graphs_detail": GRAPHS[graphs],
-                     "megatron_graphs_error": graphs_error,
+                     "graphs_error": graphs_error,  # what failed before the rows that ran
                      "measured_s": statistics.median(runs), "runs_s": runs,
                      "predicted_s": predict(cost, plan, model, case.num_microbatches,
                                             float(case.stages), case.stages),
