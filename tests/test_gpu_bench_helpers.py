@@ -1,0 +1,64 @@
+"""What bench_gpu_pipeline.py does around its timed runs: the simulator's link from the measured
+transfers, and the reruns of a case whose graphed rows fail (both before any GPU time is spent)."""
+
+import os
+import sys
+
+import pytest
+
+from harness import WorkerError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+
+def test_the_gpu_pipeline_link_goes_through_its_two_measurements():
+    """bench_gpu_pipeline prices transfers with a Link through the host-staged communicator's
+    measured times at two sizes (before 2026-11-27 it assumed 100 GB/s against a measured
+    ~2.6 GB/s); never a negative latency, and a flat measurement priced by bytes alone."""
+    import bench_gpu_pipeline
+
+    link = bench_gpu_pipeline.link_through([(1000, 0.002), (9000, 0.006)])
+    assert link.bandwidth == pytest.approx(2e6) and link.latency == pytest.approx(0.0015)
+    assert float(link.time(1000)) == pytest.approx(0.002) and float(link.time(9000)) == pytest.approx(0.006)
+    flat = bench_gpu_pipeline.link_through([(1000, 0.004), (9000, 0.004)])
+    assert flat.latency == 0.0 and flat.bandwidth == pytest.approx(9000 / 0.004)
+    steep = bench_gpu_pipeline.link_through([(1000, 0.0001), (9000, 0.009)])  # would fit below 0
+    assert steep.latency == 0.0 and steep.bandwidth == pytest.approx(8000 / 0.0089)
+
+
+def test_a_case_whose_graphs_run_out_of_memory_keeps_its_eager_rows(monkeypatch):
+    """bench_gpu_pipeline.timed: a failure with Megatron's graphs reruns without them; a second
+    failure with TeraPipe's graphed rows reruns eager on both sides, and both errors are kept."""
+    import bench_gpu_pipeline
+    from pipeline_runs import SpeedCase
+
+    from megatron_terapipe import TeraPipePlan
+
+    calls = []
+
+    def fake_spawn(stages, target, speed, device, **kwargs):
+        calls.append(dict(speed.plans))
+        if speed.graphed:
+            raise WorkerError(f"{stages} of {stages} ranks failed\ntorch.OutOfMemoryError: try {len(calls)}",
+                              {}, [])
+        return [{label: [0.1] for label in speed.plans}]
+
+    monkeypatch.setattr(bench_gpu_pipeline, "spawn", fake_spawn)
+    dp = TeraPipePlan([2048])
+    plans = {"megatron_1f1b": None, "terapipe_dp": dp, "megatron_1f1b+graphs": None,
+             "terapipe_dp+graphs": dp}
+    speed = SpeedCase("pp4_seq2048_M4", None, 4, 128, 1, plans, mps=True,
+                      graphed=("megatron_1f1b+graphs", "terapipe_dp+graphs"))
+    case = bench_gpu_pipeline.GpuCase(4, 2048, 4)
+    speed, per_rank, error = bench_gpu_pipeline.timed(speed, case, "cuda")
+    assert [sorted(c) for c in calls] == [sorted(plans), ["megatron_1f1b", "terapipe_dp", "terapipe_dp+graphs"],
+                                          ["megatron_1f1b", "terapipe_dp"]]
+    assert speed.graphed == () and sorted(per_rank[0]) == ["megatron_1f1b", "terapipe_dp"]
+    assert error == "torch.OutOfMemoryError: try 1; torch.OutOfMemoryError: try 2"
+
+    def failing_spawn(*args, **kwargs):
+        raise WorkerError("eager failed", {}, [])
+
+    monkeypatch.setattr(bench_gpu_pipeline, "spawn", failing_spawn)
+    with pytest.raises(WorkerError, match="eager failed"):  # nothing graphed left to drop
+        bench_gpu_pipeline.timed(speed, case, "cuda")
