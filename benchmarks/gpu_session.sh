@@ -31,11 +31,15 @@
 #                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
 #                                               # and a bf16 memory profile
-#   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: graphs,
-#       stage (1/8/16 slices), pipeline-graphs on the three target cases, megatron-lm, measure,
-#       each cut at the deadline; $OUT/results.tgz holds everything so far after each part
+#   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: what
+#       the last lease left (docs/benchmarks.md): megatron-lm-profile, virtual, pipeline-graphs
+#       on the three target cases, measure, graphs, stage (1/8/16 slices), each cut at the
+#       deadline; $OUT/results.tgz holds everything so far after each part
 #       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts;
-#       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens)
+#       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens).
+#       A lease has 15 minutes of device time and a machine starts in 1-2: one call of
+#       LEASE_SECONDS=545 with timeout_s 595 is most of it. $OUT returns at most 8 files: run
+#       with OUT set to a scratch folder and copy its results.tgz to the real $OUT after.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -123,7 +127,7 @@ lease() {
   { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/device.log"
   export STAGE_SLICES=1,8,16 PIPELINE_CASES=targets PIPELINE_REPEATS=3
-  for part in ${LEASE_PARTS:-graphs stage pipeline-graphs megatron-lm measure}; do
+  for part in ${LEASE_PARTS:-megatron-lm-profile virtual pipeline-graphs measure graphs stage}; do
     left=$((deadline - SECONDS - 15))
     if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
     echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"
