@@ -164,8 +164,8 @@ class CellData:
     With a `pool`, each batch's tensors are copied into pooled buffers (staged) as they are
     read, so cells read their data at the same addresses every iteration (what a CUDA graph
     replaying a cell needs; a mask found plain causal is not copied: the kept causal mask of
-    `plain_causal_mask` stands in for it); `prefetch` reads and stages a microbatch before its first cell,
-    outside it. Staged buffers go back to the pool with `release_staged`, after the last
+    `plain_causal_mask` stands in for it); `prefetch` reads and stages a microbatch before its
+    first cell, outside it. Staged buffers go back to the pool with `release_staged`, after the last
     backward that may read them (a loss mask is saved for the loss's backward).
     """
 
