@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     out = os.path.join(args.out, "virtual_gpu_smoke.json" if args.smoke else "virtual_gpu.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
-    print_table(speed, shares)
+    print_table(speed, shares, "SM shares (each stage its own)" if device == "cuda" else "cores")
     print(f"a schedule with no bubble: {limit:.3f}x over Megatron 1F1B (simulated)")
     print(f"wrote {os.path.relpath(out)} in {results['wall_seconds']:.0f} s")
     return 0

@@ -227,10 +227,10 @@ def targets(rows: list[dict], limit: float) -> dict:
                 abs(r["predicted_over_measured"] - 1.0) <= SIMULATOR_TOLERANCE for r in rows)}
 
 
-def print_table(rows: list[dict], capacity: float) -> None:
+def print_table(rows: list[dict], capacity: float, unit: str = "cores") -> None:
     print("\n(measured: median of the rounds, each round's slower stage; vs 1F1B / vs interl.: "
           "median over rounds of that Megatron row's time in the same round over this row's; "
-          f"simulated: the stages sharing {capacity:.2f} cores)")
+          f"simulated: the stages sharing {capacity:.2f} {unit})")
     print(f"{'row':<26} {'V':>2} {'plan':<34} {'measured s':>10} {'simulated s':>11} "
           f"{'sim/meas':>8} {'alone/meas':>10} {'vs 1F1B':>8} {'vs interl.':>10} {'loss diff':>9}")
     for r in rows:
