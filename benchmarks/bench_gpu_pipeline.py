@@ -8,8 +8,8 @@ runs Megatron-Core's unmodified 1F1B, TeraPipe with the DP plan, the DP plan wit
 placed by the planner (where that is faster in simulation: "terapipe_dp_w_placed") and TeraPipe
 with the best uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
 through pinned host memory and gloo for both (host_staged.py), whose cost alone is measured
-first (two sizes: the simulator's link). The cost model is a layer profile measured at start in one process with one stage's SM
-share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
+first, at two sizes: the simulator's link. The cost model is a layer profile measured at start
+in one process with one stage's SM share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
 (measured vs predicted) to --out and prints the table.
 
 Graphs on both sides or none: `--cuda-graphs` keeps the eager rows (Megatron 1F1B and both
@@ -19,7 +19,8 @@ a graph per transformer layer call; `--megatron-graphs none` leaves it out). A r
 to the Megatron row with the same graphs, never to an eager one from a graphed one: without a
 graphed Megatron row (on CPU Megatron's graphs cannot run; or `--megatron-graphs none`; or
 Megatron's capture failed, which the JSON records before the case is rerun without it) the
-graphed TeraPipe rows have no ratio. Each row names its graphs. The graphed rows' scopes still
+graphed TeraPipe rows have no ratio; if they fail too (an H100 ran out of memory so), the case
+reruns eager on both sides, every error in the JSON's `graphs_error`. Each row names its graphs. The graphed rows' scopes still
 differ: TeraPipe graphs whole compute actions (embedding, loss and K/V writes included),
 Megatron only its transformer layers. Beside that ratio, "vs best" is to the fastest Megatron
 row of each round, graphed or not: what a user who runs Megatron its faster way would see.
