@@ -75,8 +75,10 @@ measure() {
   # ("NVIDIA H100 80GB HBM3" -> h100: the last word, HBM3, named the H100's profile once)
   gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name()
 m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split()[-1]).lower())")
-  # wall: eager cells, host launches included; device: the GPU's time (graphed cells)
-  for timing in wall device; do
+  # device: the GPU's own time (graphed cells); wall: eager cells, host launches included.
+  # Device first: the leases of 2026-11-26 and -27 measured wall, and the second ran out of
+  # time before device
+  for timing in device wall; do
     profile="$OUT/${gpu}_layer_profile_$timing.json"
     local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16
       --timing "$timing" --out "$profile")
