@@ -118,3 +118,36 @@ def test_fit_needs_context_free_cells():
     m = synthetic()
     with pytest.raises(ValueError, match="context 0"):
         fit_layer_times(m.subset(m.context > 0))
+
+
+def _brute_force_non_decreasing(values, weights):
+    """Every split of the lengths into runs, each run at its weighted mean: the best whose
+    means do not decrease (the least-squares non-decreasing fit is one of these)."""
+    n, best = len(values), None
+    for cuts in range(2 ** (n - 1)):
+        bounds = [0] + [i + 1 for i in range(n - 1) if cuts >> i & 1] + [n]
+        fit = np.concatenate([np.full(b - a, np.average(values[a:b], weights=weights[a:b]))
+                              for a, b in zip(bounds, bounds[1:])])
+        if np.all(np.diff(fit) >= -1e-12):
+            cost = float(np.sum(weights * (fit - values) ** 2))
+            if best is None or cost < best[0] - 1e-15:
+                best = (cost, fit)
+    return best[1]
+
+
+def test_the_length_table_is_the_nearest_non_decreasing_one():
+    # isotonic regression of the per-length medians equals brute force on small random cases,
+    # leaves a non-decreasing table as it is, and pools a dip with what came before it
+    from megatron_terapipe.planner.profile.time_fitting import non_decreasing
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 7))
+        values, weights = rng.random(n), rng.integers(1, 4, n).astype(float)
+        np.testing.assert_allclose(non_decreasing(values, weights),
+                                   _brute_force_non_decreasing(values, weights), atol=1e-12)
+    rising = np.array([1.0, 2.0, 2.0, 5.0])
+    np.testing.assert_array_equal(non_decreasing(rising, np.ones(4)), rising)
+    # a high cell no longer lifts every longer length to it (the running maximum did)
+    np.testing.assert_allclose(non_decreasing(np.array([1.7, 1.9, 1.5, 1.6, 2.4]), np.ones(5)),
+                               [1.675] * 4 + [2.4])

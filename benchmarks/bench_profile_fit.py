@@ -1,0 +1,91 @@
+"""Held-out fit error of the layer-time fit on the measured profiles this repository holds.
+
+    python benchmarks/bench_profile_fit.py                         # this checkout's fit
+    python benchmarks/bench_profile_fit.py --baseline ../old       # an older checkout's too
+
+Each profile's cells are fitted again (`fit_layer_times`) with 20 different random held-out
+shares (seeds 0-19; seed 0 is what `measure layers` reports), and the mean over seeds of the
+mean and the worst relative error on the held-out cells is printed per direction. Nothing is
+measured: the profiles were (GPU leases, CPU runs; their own files say where). `--baseline
+PATH` fits the same in a child process with the package at PATH and prints both. Writes JSON,
+its provenance first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # last: a --baseline child's PYTHONPATH comes first
+
+from provenance import describe, provenance, script_command  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+PROFILES = ["gpu_2026-11-27_h100/call1/h100_layer_profile_wall.json",
+            "gpu_2026-11-27_h100/call1/gpu_pipeline_graphs/profile_cuda_pp2_h4096_s2048.json",
+            "gpu_2026-11-27_h100/call1/gpu_pipeline_graphs/profile_cuda_pp4_h4096_s2048.json",
+            "gpu_2026-11-26_third/h100/h100_layer_profile.json",
+            "h200_2026-11-26/layer_profile.json",
+            "h200_2026-11-26/pipeline_profile_pp2.json",
+            "h200_2026-11-26/pipeline_profile_pp4.json",
+            "profile_cpu_h256_s512.json",
+            "profile_cpu_h512_s2048.json"]
+SEEDS = range(20)
+
+
+def fit_errors(path: str) -> dict:
+    import numpy as np
+
+    from megatron_terapipe.planner import LayerTimeFit
+    from megatron_terapipe.planner.profile.time_fitting import fit_layer_times
+
+    cells = LayerTimeFit.load(path).measurements
+    per_seed = [fit_layer_times(cells, seed=seed).holdout_error for seed in SEEDS]
+    return {d: {k: float(np.mean([e[d][k] for e in per_seed])) for k in ("mean_relative", "max_relative")}
+            for d in ("forward", "backward")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", help="another checkout's root, fitted in a child process")
+    p.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the child's mode
+    p.add_argument("--out", default=os.path.join(RESULTS, "profile_fit.json"))
+    args = p.parse_args()
+    if args.rows_only:
+        print(json.dumps({name: fit_errors(os.path.join(RESULTS, name)) for name in PROFILES}))
+        return 0
+    origin = provenance(script_command(__file__))
+    print(f"> machine: {describe(origin)}", flush=True)
+    baseline = None
+    if args.baseline:
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rows-only"], env=env,
+                             check=True, capture_output=True, text=True).stdout
+        baseline = json.loads(out.strip().splitlines()[-1])
+    rows = []
+    width = max(len(name) for name in PROFILES) + 7
+    print(f"{'profile':<{width}} {'forward mean/worst':>20} {'backward mean/worst':>20}")
+    for name in PROFILES:
+        row = {"profile": name, "fit": fit_errors(os.path.join(RESULTS, name))}
+        if baseline:
+            row["baseline_fit"] = baseline[name]
+        for key in ("baseline_fit", "fit") if baseline else ("fit",):
+            e = row[key]
+            print(f"{name + (' (old)' if key == 'baseline_fit' else ''):<{width}} "
+                  f"{e['forward']['mean_relative']:>9.1%} / {e['forward']['max_relative']:>6.1%} "
+                  f"{e['backward']['mean_relative']:>11.1%} / {e['backward']['max_relative']:>6.1%}")
+        rows.append(row)
+    with open(args.out, "w") as f:
+        json.dump({"provenance": origin, "baseline": args.baseline, "seeds": len(SEEDS),
+                   "rows": rows}, f, indent=1)
+    print(f"> wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
