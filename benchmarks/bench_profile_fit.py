@@ -54,7 +54,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", help="another checkout's root, fitted in a child process")
     p.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the child's mode
-    p.add_argument("--out", default=os.path.join(RESULTS, "layer_fit_errors.json")  # not profile_*: ignored)
+    p.add_argument("--out", default=os.path.join(RESULTS, "layer_fit_errors.json"))  # profile_*: ignored
     args = p.parse_args()
     if args.rows_only:
         print(json.dumps({name: fit_errors(os.path.join(RESULTS, name)) for name in PROFILES}))
