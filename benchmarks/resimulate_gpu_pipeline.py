@@ -6,11 +6,11 @@ Until 2026-11-27 bench_gpu_pipeline priced every stage-to-stage transfer at a lo
 estimate (100 GB/s, 10 us) while the activations went through pinned host memory and gloo,
 measured at the start of the same run (5-7 ms one way for [2048, 1, 4096] bf16). This reads a
 run's results.json and the layer profiles it cached beside it, rebuilds each case's plans
-(pipeline_runs.plans_for on the original cost model: they must come out as the rows say) and
-simulates every measured row twice, with the old link and with one priced from the run's own
-transfer measurement: the JSON's two-point fit where the run made one, else its one size as
-bandwidth with no latency (a lower bound for smaller messages). The measured times are the
-run's; nothing is timed here. Prints both errors per row and writes resimulated.json (its
+(pipeline_runs.plans_for on the cost model the run planned on: they must come out as the rows
+say) and simulates every measured row twice, with the old link and with one priced from the
+run's own transfer measurement: the JSON's two-point fit where the run made one, else its one
+size as bandwidth with no latency (a lower bound for smaller messages). The measured times are
+the run's; nothing is timed here. Prints both errors per row and writes resimulated.json (its
 provenance first) beside the input.
 """
 
@@ -58,8 +58,10 @@ def case_rows(folder: str, results: dict, case_name: str, granularity: int, link
     dtype = "bfloat16" if bf16 else "float32"
     old = profile_cost_model(model, granularity, case.layers_per_stage, "cuda", cache, dtype)
     new = profile_cost_model(model, granularity, case.layers_per_stage, "cuda", cache, dtype, link=link)
-    plans, _ = plans_for(old, model, case.num_microbatches, granularity, case.stages)
-    replanned, info = plans_for(new, model, case.num_microbatches, granularity, case.stages)
+    # the run planned on its own link where it measured one (since dccf566), else the old one
+    planned_on = new if "link" in results else old
+    plans, _ = plans_for(planned_on, model, case.num_microbatches, granularity, case.stages)
+    _, info = plans_for(new, model, case.num_microbatches, granularity, case.stages)
     out = []
     for row in (r for r in results["rows"] if r["case"] == case_name):
         plan = plans[row["config"].replace("+graphs", "")]
