@@ -62,3 +62,20 @@ def test_a_case_whose_graphs_run_out_of_memory_keeps_its_eager_rows(monkeypatch)
     monkeypatch.setattr(bench_gpu_pipeline, "spawn", failing_spawn)
     with pytest.raises(WorkerError, match="eager failed"):  # nothing graphed left to drop
         bench_gpu_pipeline.timed(speed, case, "cuda")
+
+
+def test_the_resimulation_prices_transfers_from_the_runs_own_measurement():
+    """resimulate_gpu_pipeline.run_link: a run's two-point fit where it made one, else its one
+    measured size as bandwidth with no latency (bf16 on a GPU unless the run said --fp32)."""
+    import resimulate_gpu_pipeline as resim
+
+    one = {"device": "cuda", "provenance": {"command": ["bench_gpu_pipeline.py"]},
+           "transfer_one_way_s": {"shape": [2048, 1, 4096], "seconds": 0.008}}
+    link, how = resim.run_link(one)
+    assert link.latency == 0.0 and link.bandwidth == pytest.approx(2 * 2048 * 4096 / 0.008)
+    assert "16777216 bytes" in how
+    fp32 = dict(one, provenance={"command": ["bench_gpu_pipeline.py", "--fp32"]})
+    assert resim.run_link(fp32)[0].bandwidth == pytest.approx(4 * 2048 * 4096 / 0.008)
+    fitted = dict(one, link={"bandwidth_bytes_per_s": 3e9, "latency_s": 2e-4})
+    link, how = resim.run_link(fitted)
+    assert (link.bandwidth, link.latency, how) == (3e9, 2e-4, "two-point fit")
