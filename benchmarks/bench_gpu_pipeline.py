@@ -65,6 +65,11 @@ class GpuCase:
     def name(self) -> str:
         return f"pp{self.stages}_seq{self.seq_length}_M{self.num_microbatches}"
 
+    def profile_cache(self, folder: str, device: str) -> str:
+        """Where a run caches the layer profile it measured for this case's stage width."""
+        name = f"profile_{device}_pp{self.stages}_h{self.width[1]}_s{self.seq_length}.json"
+        return os.path.join(folder, name)
+
     def model(self, bf16: bool) -> TinyGPT:
         layers, hidden, heads = self.width
         return TinyGPT(num_layers=self.stages * layers, hidden_size=hidden,
@@ -238,7 +243,7 @@ def with_ratios(rows: list[dict]) -> None:
 
 def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
     model = case.model(args.bf16)
-    cache = os.path.join(args.out, f"profile_{device}_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
+    cache = case.profile_cache(args.out, device)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
                  args.bf16, link, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, case.stages, ranks=1))[0]

@@ -76,7 +76,7 @@ def measured_runs(args, case: GpuCase, model, device: str, bf16: bool) -> tuple:
     run side by side: every stage process under the caller's MPS daemon on a GPU."""
     shape = (case.seq_length, 1, case.width[1])
     link, link_record = measured_link(shape, torch.bfloat16 if bf16 else torch.float32, device)
-    cache = os.path.join(args.out, f"profile_{device}_pp{STAGES}_h{case.width[1]}_s{case.seq_length}.json")
+    cache = case.profile_cache(args.out, device)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, GRANULARITY, cache, device, bf16,
                  link, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, STAGES, ranks=1))[0]

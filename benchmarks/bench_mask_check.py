@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,7 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # last: a --baseline child's PYTHONPATH comes first
 
-from provenance import describe, provenance, script_command  # noqa: E402
+from provenance import describe, provenance, rows_on_checkout, script_command  # noqa: E402
 
 
 def one_microbatch_ms(seq_length: int, slices: int, repeats: int) -> float:
@@ -82,11 +81,9 @@ def main() -> int:
     print(f"> machine: {describe(origin)}", flush=True)
     baseline = None
     if args.baseline:
-        child = [sys.executable, os.path.abspath(__file__), "--rows-only", "--seq-lengths",
-                 args.seq_lengths, "--slices", args.slices, "--repeats", str(args.repeats)]
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
-        out = subprocess.run(child, env=env, check=True, capture_output=True, text=True).stdout
-        baseline = json.loads(out.strip().splitlines()[-1])
+        baseline = rows_on_checkout(__file__, args.baseline, [
+            "--rows-only", "--seq-lengths", args.seq_lengths, "--slices", args.slices,
+            "--repeats", str(args.repeats)])
     rows = measure(cases, args.repeats)
     header = f"{'seq':>6} {'slices':>6} {'ms per microbatch':>18}"
     print(header + (f" {'baseline ms':>12} {'old/new':>8}" if baseline else ""))

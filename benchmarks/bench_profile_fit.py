@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # last: a --baseline child's PYTHONPATH comes first
 
-from provenance import describe, provenance, script_command  # noqa: E402
+from provenance import describe, provenance, rows_on_checkout, script_command  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 PROFILES = ["gpu_2026-11-27_h100/call1/h100_layer_profile_wall.json",
@@ -61,12 +60,7 @@ def main() -> int:
         return 0
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)
-    baseline = None
-    if args.baseline:
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(args.baseline))
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--rows-only"], env=env,
-                             check=True, capture_output=True, text=True).stdout
-        baseline = json.loads(out.strip().splitlines()[-1])
+    baseline = rows_on_checkout(__file__, args.baseline, ["--rows-only"]) if args.baseline else None
     rows = []
     width = max(len(name) for name in PROFILES) + 7
     print(f"{'profile':<{width}} {'forward mean/worst':>20} {'backward mean/worst':>20}")

@@ -108,6 +108,16 @@ def script_command(script: str, argv: Optional[list[str]] = None) -> list[str]:
     return ["python", path, *(sys.argv[1:] if argv is None else argv)]
 
 
+def rows_on_checkout(script: str, checkout: str, args: list[str]) -> Any:
+    """What `script args` prints as JSON on its last line, run in a child process whose
+    package is the one at `checkout` (another checkout's root, e.g. a `git worktree` of an
+    older commit): a benchmark's --baseline side, in the same process tree as its own."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout))
+    out = subprocess.run([sys.executable, os.path.abspath(script), *args], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def stamp(path: str, command: list[str]) -> None:
     """Add the provenance of `command` to the JSON object in `path`, in place."""
     with open(path) as f:

@@ -52,7 +52,7 @@ def case_rows(folder: str, results: dict, case_name: str, granularity: int, link
     case = next(c for suite in bench.SUITES.values() for c in suite if c.name == case_name)
     bf16 = results["device"] == "cuda"
     model = case.model(bf16)
-    cache = os.path.join(folder, f"profile_cuda_pp{case.stages}_h{case.width[1]}_s{case.seq_length}.json")
+    cache = case.profile_cache(folder, "cuda")
     if not os.path.exists(cache):
         raise SystemExit(f"{cache}: the run's cached layer profile is needed")
     dtype = "bfloat16" if bf16 else "float32"
