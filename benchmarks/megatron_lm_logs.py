@@ -7,6 +7,8 @@ this reads those logs where they were copied and writes one JSON beside them:
     python benchmarks/megatron_lm_logs.py RUN_DIR [--warmup 2]
 
 RUN_DIR holds megatron_lm_terapipe.log and megatron_lm_1f1b.log (and device.log with the card).
+The `megatron-lm-profile` part's logs: `--prefix megatron_lm_profile --through 9` (its
+iterations 10-12 run under torch.profiler, whose overhead is not the schedule's).
 gpu_session.sh runs it on the device after the two runs, so the provenance is the device's; for
 logs summarised elsewhere, --logs-commit names the commit the device ran (kept as logs_commit).
 """
@@ -38,8 +40,9 @@ class Run:
     lm_loss: list[float]
     grad_norm: list[float]
 
-    def median_ms(self, warmup: int) -> float:
-        return statistics.median(self.milliseconds[warmup:])
+    def median_ms(self, warmup: int, through: int | None = None) -> float:
+        last = len(self.milliseconds) if through is None else self.iterations.index(through) + 1
+        return statistics.median(self.milliseconds[warmup:last])
 
 
 def read_run(path: str, schedule: str) -> Run:
@@ -51,23 +54,27 @@ def read_run(path: str, schedule: str) -> Run:
                [float(loss) for *_, loss, _ in found], [float(norm) for *_, norm in found])
 
 
-def compare(terapipe: Run, megatron: Run, warmup: int) -> dict:
-    """Relative differences per iteration and the median iteration times after `warmup`."""
+def compare(terapipe: Run, megatron: Run, warmup: int, through: int | None = None) -> dict:
+    """Relative differences per iteration and the median iteration times after `warmup` (up to
+    iteration `through`, where given)."""
     if terapipe.iterations != megatron.iterations:
         raise ValueError(f"the runs logged different iterations: {terapipe.iterations} against "
                          f"{megatron.iterations}")
     if len(terapipe.iterations) <= warmup:
         raise ValueError(f"--warmup {warmup} leaves no iteration of {len(terapipe.iterations)}")
+    if through is not None and (through not in terapipe.iterations or through <= warmup):
+        raise ValueError(f"--through {through}: not a logged iteration after the warm-up "
+                         f"({terapipe.iterations})")
 
     def relative(a: list[float], b: list[float]) -> list[float]:
         return [abs(x - y) / abs(y) for x, y in zip(a, b)]
 
     loss, norm = relative(terapipe.lm_loss, megatron.lm_loss), relative(terapipe.grad_norm,
                                                                        megatron.grad_norm)
-    ms_terapipe, ms_megatron = terapipe.median_ms(warmup), megatron.median_ms(warmup)
+    ms_terapipe, ms_megatron = terapipe.median_ms(warmup, through), megatron.median_ms(warmup, through)
     return {"max_relative_lm_loss_difference": max(loss),
             "max_relative_grad_norm_difference": max(norm),
-            "warmup_iterations_left_out": warmup,
+            "warmup_iterations_left_out": warmup, "timed_through_iteration": through,
             "median_ms_terapipe": ms_terapipe, "median_ms_1f1b": ms_megatron,
             "terapipe_over_1f1b_speed": ms_megatron / ms_terapipe}
 
@@ -77,17 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--warmup", type=int, default=2, help="first iterations left out of the times")
     parser.add_argument("--logs-commit", help="the commit the logs' runs ran, where summarised elsewhere")
+    parser.add_argument("--prefix", default="megatron_lm", help="the logs' names: PREFIX_terapipe.log")
+    parser.add_argument("--through", type=int, help="the last iteration timed (default: all)")
     args = parser.parse_args(argv)
-    logs = {s: os.path.join(args.run_dir, f"megatron_lm_{s}.log") for s in ("terapipe", "1f1b")}
+    logs = {s: os.path.join(args.run_dir, f"{args.prefix}_{s}.log") for s in ("terapipe", "1f1b")}
     runs = {s: read_run(path, s) for s, path in logs.items()}
     device = os.path.join(args.run_dir, "device.log")
     result = {"provenance": provenance(script_command(__file__, argv)),
               "measured_from": sorted(os.path.basename(p) for p in logs.values()),
               "logs_commit": args.logs_commit,
               "device": open(device).read().strip() if os.path.exists(device) else None,
-              "summary": compare(runs["terapipe"], runs["1f1b"], args.warmup),
+              "summary": compare(runs["terapipe"], runs["1f1b"], args.warmup, args.through),
               "runs": [asdict(r) for r in runs.values()]}
-    out = os.path.join(args.run_dir, "megatron_lm.json")
+    out = os.path.join(args.run_dir, f"{args.prefix}_logs.json" if args.prefix != "megatron_lm"
+                       else "megatron_lm.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     summary = result["summary"]

@@ -47,6 +47,21 @@ def test_megatron_lm_logs_compare_losses_and_median_times(tmp_path):
     assert summary["terapipe_over_1f1b_speed"] == 0.5
 
 
+def test_megatron_lm_logs_read_the_profile_logs_and_time_through_an_iteration(tmp_path):
+    # megatron-lm-profile's logs: iterations after --through ran under the profiler
+    rows = [(900.0, "1.0E+01", "2.0"), (30.0, "8.0E+00", "3.0"), (50.0, "7.0E+00", "4.0"),
+            (70.0, "6.0E+00", "5.0"), (5000.0, "5.0E+00", "6.0")]
+    _log(tmp_path / "megatron_lm_profile_terapipe.log", rows)
+    _log(tmp_path / "megatron_lm_profile_1f1b.log", [(ms / 2, loss, norm) for ms, loss, norm in rows])
+    argv = [str(tmp_path), "--prefix", "megatron_lm_profile", "--warmup", "1", "--through", "4"]
+    assert megatron_lm_logs.main(argv) == 0
+    summary = json.load(open(tmp_path / "megatron_lm_profile_logs.json"))["summary"]
+    assert (summary["median_ms_terapipe"], summary["median_ms_1f1b"]) == (50.0, 25.0)
+    assert summary["timed_through_iteration"] == 4 and summary["max_relative_lm_loss_difference"] == 0
+    with pytest.raises(ValueError, match="--through 9: not a logged iteration"):
+        megatron_lm_logs.main(argv[:-1] + ["9"])
+
+
 def test_megatron_lm_logs_refuse_a_run_that_never_trained(tmp_path):
     (tmp_path / "megatron_lm_terapipe.log").write_text("Traceback ...\n")
     _log(tmp_path / "megatron_lm_1f1b.log", [(1.0, "1.0", "1.0")])
