@@ -65,6 +65,36 @@ def test_device_clock_times_gpu_spans_and_doubles_a_short_hold():
     assert len(calls) == 3 and cuda.slept == [1000, 2000, 4000]  # two short holds, doubled
 
 
+def _region(clock):
+    clock.begin()
+    clock.mark()
+    return clock.spans()
+
+
+def test_device_clock_sizes_each_hold_from_the_last_region_and_shrinks_it_back():
+    # a hold that only grew (doubling on every short one, for good) made a GPU profile take
+    # about 3 s a cell; now each region's hold is twice the last queueing time in the sleep's
+    # own cycles per second (1000 cycles took 1.5 ms of GPU time here), never under the first
+    times = iter([0.0, 0.006, 1.0, 1.0, 2.0, 2.0])
+    cuda = _FakeCuda()
+    clock = DeviceClock(cuda, hold_cycles=1000, now=lambda: next(times))
+    for _ in range(3):
+        assert clock.retried(lambda: _region(clock)) == [pytest.approx(1.5e-3)]
+    # 6 ms of queueing at 1000 / 1.5e-3 cycles per second, twice: 8000 cycles; then back to 1000
+    assert cuda.slept == [1000, 8000, 1000]
+    assert clock.summary() == {"regions": 3, "reruns": 0, "largest_hold_cycles": 8000,
+                               "first_hold_cycles": 1000}
+
+
+def test_after_short_holds_the_next_region_starts_from_the_first_hold_again():
+    cuda = _FakeCuda(host_slow_tries=3)
+    clock = DeviceClock(cuda, hold_cycles=1000, now=lambda: 0.0)
+    clock.retried(lambda: _region(clock))
+    clock.retried(lambda: _region(clock))
+    assert cuda.slept == [1000, 2000, 4000, 8000, 1000]
+    assert clock.summary()["reruns"] == 3 and clock.summary()["largest_hold_cycles"] == 8000
+
+
 def test_device_clock_gives_up_with_the_option_named():
     clock = DeviceClock(_FakeCuda(host_slow_tries=99), hold_cycles=10, tries=3)
     with pytest.raises(RuntimeError, match="--timing wall"):
@@ -156,3 +186,24 @@ def test_a_rerun_region_measures_a_layer_and_the_edges_again_from_scratch():
     clock = _OnceShortClock(env.sync)
     edges = _EdgeParts(env, model, 128, 32, "learned_absolute", 0, clock).run(1, 16)
     assert clock.regions == 2 and all(t > 0 for t in edges)
+
+
+def test_a_device_profile_records_and_prints_what_its_holds_did():
+    from megatron_terapipe.megatron.measure.clocks import clock_metadata
+    from megatron_terapipe.megatron.measure.layers import measure_layer_times, summary_lines
+    from megatron_terapipe.planner.cost.dims import ModelDims
+    from megatron_terapipe.planner.profile.time_fitting import fit_layer_times
+
+    clock = DeviceClock(_FakeCuda(host_slow_tries=1), hold_cycles=1000, now=lambda: 0.0)
+    clock.retried(lambda: _region(clock))
+    assert clock_metadata(WallClock(lambda: None)) == {}
+    assert clock_metadata(clock) == {"device_clock": {"regions": 2, "reruns": 1,
+                                                      "largest_hold_cycles": 2000,
+                                                      "first_hold_cycles": 1000}}
+    model = ModelDims(num_layers=1, hidden_size=64, num_attention_heads=4)
+    measured = measure_layer_times(model, seq_length=64, granularity=16, edges=False,
+                                   progress=False, dtype="float32", device="cpu", repeats=1)
+    assert "device_clock" not in measured.metadata  # wall-timed
+    measured.metadata.update(clock_metadata(clock))
+    lines = summary_lines(fit_layer_times(measured), measured)
+    assert "device clock: 2 timed regions, 1 rerun after a short hold, largest hold 2000 GPU cycles" in lines

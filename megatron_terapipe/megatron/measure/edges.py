@@ -13,7 +13,7 @@ import torch
 
 from ...planner.cost.dims import ModelDims
 from ...planner.profile.time_samples import EdgeMeasurements
-from .clocks import make_clock, timed
+from .clocks import clock_metadata, make_clock, timed
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 
 CACHE_FLUSH_BYTES = 8 << 20  # touched before each timed edge part on CPU (evicts L1/L2)
@@ -157,6 +157,6 @@ def measure_edge_times(model: ModelDims, points: Optional[Sequence[tuple[int, in
     metadata = {"vocab_size": V, "position_embedding_type": position_embedding_type,
                 "max_sequence_length": max_seq, "hidden_size": model.hidden_size,
                 "output_includes": "final layer norm, output layer, cross entropy, masked sum",
-                **env.metadata(repeats, warmup, statistic, timing)}
+                **env.metadata(repeats, warmup, statistic, timing), **clock_metadata(parts.clock)}
     return EdgeMeasurements(arr[:, 0], arr[:, 1], stat[:, 0], stat[:, 1], stat[:, 2], stat[:, 3],
                             metadata)

@@ -28,7 +28,7 @@ from ...runtime.kv_cache import KVCache
 from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral
-from .clocks import make_clock
+from .clocks import clock_metadata, make_clock
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 from .edges import edge_points_for, measure_edge_times
 from ..hooks.spec import get_gpt_layer_spec
@@ -148,7 +148,7 @@ def measure_layer_times(model: ModelDims, cells: Optional[Sequence[tuple[int, in
     measured_model = model if V is None else replace(model, vocab_size=int(V))
     metadata = {"model": measured_model.to_dict(), "model_name": model.name,
                 "wgrad_deferring_parameters": layer.deferrable,
-                **env.metadata(repeats, warmup, statistic, timing)}
+                **env.metadata(repeats, warmup, statistic, timing), **clock_metadata(layer.clock)}
     edge_measurements = None
     if edges and V is not None and cells:
         edge_measurements = measure_edge_times(
@@ -180,6 +180,10 @@ def summary_lines(fit: LayerTimeFit, m: LayerMeasurements) -> list[str]:
                      f"backward {1e3 * m.backward[i]:.2f} ms; without them "
                      f"{1e3 * m.deferred_backward[i]:.2f} ms, then a W action of "
                      f"{1e3 * m.wgrad[i]:.2f} ms")
+    held = m.metadata.get("device_clock")
+    if held:
+        lines.append(f"device clock: {held['regions']} timed regions, {held['reruns']} rerun after "
+                     f"a short hold, largest hold {held['largest_hold_cycles']} GPU cycles")
     if fit.edges is not None:
         tokens = int(max(m.edges.batch * m.edges.length))
         parts = [f"{part} {1e3 * fit.edges.seconds(part, 'forward', 1, tokens):.2f} + "
