@@ -11,8 +11,9 @@ lands inside it. That is what a cell replayed from a CUDA graph costs (`--terapi
 less the replay's own launch. If the host had not queued everything before the sleep ended
 (the region's start event had already run), the hold doubles and the region runs again. After
 every region the hold is sized afresh from what it saw (twice the host's queueing time, in the
-sleep's own cycles per second, never under the first hold): a hold that only grew made the
-fifth GPU lease's H100 profile take about 3 s a cell, 38 of 150 cells in its two minutes.
+sleep's own cycles per second, never under the first hold). The hold used to double for good
+after every short one; the likeliest reason the fifth GPU lease's H100 profile took about 3 s a
+cell (38 of 150 cells in two minutes), not yet confirmed: the profile now records its holds.
 """
 
 from __future__ import annotations
