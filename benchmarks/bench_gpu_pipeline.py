@@ -65,9 +65,11 @@ class GpuCase:
     def name(self) -> str:
         return f"pp{self.stages}_seq{self.seq_length}_M{self.num_microbatches}"
 
-    def profile_cache(self, folder: str, device: str) -> str:
-        """Where a run caches the layer profile it measured for this case's stage width."""
-        name = f"profile_{device}_pp{self.stages}_h{self.width[1]}_s{self.seq_length}.json"
+    def profile_cache(self, folder: str, device: str, timing: str = "wall") -> str:
+        """Where a run caches the layer profile it measured for this case's stage width (timed
+        on the wall clock, or `_device` for the GPU's own time)."""
+        clock = "" if timing == "wall" else f"_{timing}"
+        name = f"profile_{device}_pp{self.stages}_h{self.width[1]}_s{self.seq_length}{clock}.json"
         return os.path.join(folder, name)
 
     def model(self, bf16: bool) -> TinyGPT:
@@ -156,7 +158,7 @@ def link_through(points: list) -> "Link":
 
 
 def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, cache: str,
-                   device: str, bf16: bool, link=None):
+                   device: str, bf16: bool, link=None, timing: str = "wall"):
     """The layer profile measured with one stage's SM share (a single process under MPS)."""
     from pipeline_runs import profile_cost_model
 
@@ -165,7 +167,7 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
 
         enter_stage(0, case.stages)
     return profile_cost_model(case.model(bf16), granularity, case.layers_per_stage, device, cache,
-                              dtype="bfloat16" if bf16 else "float32", link=link)
+                              dtype="bfloat16" if bf16 else "float32", link=link, timing=timing)
 
 
 def w_placed_plans(plans: dict, cost, case: GpuCase) -> dict:
@@ -243,9 +245,9 @@ def with_ratios(rows: list[dict]) -> None:
 
 def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
     model = case.model(args.bf16)
-    cache = case.profile_cache(args.out, device)
+    cache = case.profile_cache(args.out, device, args.profile_timing)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
-                 args.bf16, link, timeout=3600, backend=STAGE_BACKEND[device],
+                 args.bf16, link, args.profile_timing, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, case.stages, ranks=1))[0]
     plans, info = plans_for(cost, model, case.num_microbatches, args.granularity, case.stages)
     print(f"{case.name}: DP {info['dp_order']} {info['dp_slices']} (+W {info['dp_defer_wgrad']}); "
@@ -337,16 +339,24 @@ def main() -> int:
     p.add_argument("--megatron-graphs", choices=("local", "none"), default="local",
                    help="with --cuda-graphs: Megatron-Core's cuda_graph_impl for its graphed "
                         "row (none: no graphed Megatron row, and no ratio for graphed TeraPipe)")
+    p.add_argument("--profile-timing", choices=("wall", "device"), default="wall",
+                   help="the layer profile's clock, for every row's plan and prediction: wall "
+                        "(host launches included, what an eager cell costs) or device (the GPU's "
+                        "own time, what a graphed cell costs; CUDA only)")
     p.add_argument("--out", default="benchmarks/results/gpu_pipeline")
     args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.profile_timing == "device" and device == "cpu":
+        p.error("--profile-timing device measures GPU time and this machine has no CUDA device: "
+                "use --profile-timing wall (the default)")
+    os.makedirs(args.out, exist_ok=True)
     if device == "cpu":
         args.bf16 = False
     started = time.perf_counter()
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)
     results = {"provenance": origin, "device": device, "cuda_graphs": args.cuda_graphs,
+               "profile_timing": args.profile_timing,
                "megatron_graphs": args.megatron_graphs if args.cuda_graphs else None, "rows": []}
     context = None
     if device == "cuda":

@@ -36,7 +36,8 @@
 #       on the three target cases, measure, graphs, stage (1/8/16 slices), each cut at the
 #       deadline; $OUT/results.tgz holds everything so far after each part
 #       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts;
-#       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens).
+#       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens;
+#       PROFILE_TIMING=device: pipeline-graphs plans on a layer profile of the GPU's own time).
 #       A lease has 15 minutes of device time and a machine starts in 1-2: one call of
 #       LEASE_SECONDS=545 with timeout_s 595 is most of it. $OUT returns at most 8 files: run
 #       with OUT set to a scratch folder and copy its results.tgz to the real $OUT after.
@@ -101,9 +102,9 @@ m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split
     "$profile" 2>&1 | tee -a "$OUT/measure.log"
 }
 
-pipeline_graphs() {
+pipeline_graphs() {  # PROFILE_TIMING=device: plans and predictions on the GPU's own time
   python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases "${PIPELINE_CASES:-full}" \
-    --repeats "${PIPELINE_REPEATS:-5}" \
+    --repeats "${PIPELINE_REPEATS:-5}" --profile-timing "${PROFILE_TIMING:-wall}" \
     --granularity "${PIPELINE_GRANULARITY:-64}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
 }
 

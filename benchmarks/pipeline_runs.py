@@ -234,11 +234,12 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
 
 def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, device: str,
                        cache: Optional[str], dtype: str = "float32", statistic: str = "min",
-                       repeats: int = 3, link=None):
+                       repeats: int = 3, link=None, timing: str = "wall"):
     """A ProfiledCostModel of one layer of `model` measured here (cached in `cache`), with the
     first stage's embedding and the last stage's output layer and loss measured too; each
     time the `statistic` (min or median) of `repeats` runs. `link`: the stage-to-stage Link,
-    e.g. measured (bench_gpu_pipeline.measured_link); else a loopback estimate."""
+    e.g. measured (bench_gpu_pipeline.measured_link); else a loopback estimate. `timing`: the
+    measurement's clock (measure/clocks.py; "device": what a CUDA-graphed cell costs)."""
     from megatron_terapipe.megatron.measure.layers import measure_layer_times
     from megatron_terapipe.megatron.measure.edges import edge_points_for, measure_edge_times
     from megatron_terapipe.planner import (EdgeTimeFit, LayerTimeFit, ModelDims, ProfiledCostModel,
@@ -248,7 +249,7 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
 
     dims = ModelDims(num_layers=model.num_layers, hidden_size=model.hidden_size,
                      num_attention_heads=model.num_attention_heads, vocab_size=model.vocab_size)
-    measure = dict(dtype=dtype, device=device, repeats=repeats, statistic=statistic)
+    measure = dict(dtype=dtype, device=device, repeats=repeats, statistic=statistic, timing=timing)
 
     def edges_match(edges: Optional[EdgeTimeFit]) -> bool:
         return (edges is not None and edges.vocab_size == model.vocab_size
@@ -262,6 +263,10 @@ def profile_cost_model(model: TinyGPT, granularity: int, layers_per_stage: int, 
             if not fit.is_current_format:
                 print(f"  the cached profile has the older format version {fit.format_version}: "
                       "measuring again")
+                fit = None
+            elif fit.metadata.get("timing", "wall") != timing:
+                print(f"  the cached profile was timed {fit.metadata.get('timing', 'wall')!r}, not "
+                      f"{timing!r}: measuring again")
                 fit = None
         except ValueError as exc:
             print(f"  ignoring the cached profile: {exc}")

@@ -79,3 +79,32 @@ def test_the_resimulation_prices_transfers_from_the_runs_own_measurement():
     fitted = dict(one, link={"bandwidth_bytes_per_s": 3e9, "latency_s": 2e-4})
     link, how = resim.run_link(fitted)
     assert (link.bandwidth, link.latency, how) == (3e9, 2e-4, "two-point fit")
+
+
+def test_device_timed_profiles_are_their_own_cache_and_refused_without_cuda(tmp_path, capsys):
+    """--profile-timing device (plans on the GPU's own time, what graphed cells cost): its own
+    cache file, never a wall-timed profile reused for it, and on a machine without CUDA an
+    error naming the option before anything is measured or written."""
+    import subprocess
+
+    import torch
+
+    import bench_gpu_pipeline
+    from pipeline_runs import profile_cost_model
+
+    case = bench_gpu_pipeline.SUITES["smoke"][0]
+    wall, device = case.profile_cache("f", "cuda"), case.profile_cache("f", "cuda", "device")
+    assert wall.endswith("_s256.json") and device.endswith("_s256_device.json")
+    cache = str(tmp_path / "profile.json")
+    model = case.model(bf16=False)
+    profile_cost_model(model, 64, case.layers_per_stage, "cpu", cache)  # wall-timed, cached
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--timing device measures GPU time"):
+            profile_cost_model(model, 64, case.layers_per_stage, "cpu", cache, timing="device")
+        assert "was timed 'wall', not 'device': measuring again" in capsys.readouterr().out
+        out = tmp_path / "never"
+        script = os.path.join(os.path.dirname(bench_gpu_pipeline.__file__), "bench_gpu_pipeline.py")
+        done = subprocess.run([sys.executable, script, "--cases", "smoke", "--profile-timing", "device",
+                               "--out", str(out)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "--profile-timing device measures GPU time" in done.stderr
+        assert not out.exists()
