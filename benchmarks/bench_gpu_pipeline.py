@@ -326,7 +326,8 @@ def write_results(results: dict, out: str, started: float) -> None:
         json.dump(results, f, indent=1)
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, str]:
+    """The options, checked before any work; and the device the run uses."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", choices=tuple(SUITES), default="full")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
@@ -349,9 +350,14 @@ def main() -> int:
     if args.profile_timing == "device" and device == "cpu":
         p.error("--profile-timing device measures GPU time and this machine has no CUDA device: "
                 "use --profile-timing wall (the default)")
-    os.makedirs(args.out, exist_ok=True)
     if device == "cpu":
         args.bf16 = False
+    return args, device
+
+
+def main() -> int:
+    args, device = parse_args()
+    os.makedirs(args.out, exist_ok=True)
     started = time.perf_counter()
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)
