@@ -106,3 +106,30 @@ def test_trace_summary_reads_a_real_torch_profiler_trace(tmp_path):
     names = {name: calls for name, _, calls in summary.top_host_ops_ms}
     assert names.get("aten::mm", 0) >= 3  # the forward's and the backward's products
     assert summary.gpu_busy_ms == 0.0 and summary.kernels == 0
+
+
+def test_trace_summary_names_the_source_lines_behind_the_top_ops_and_the_syncs(tmp_path):
+    # with_stack traces: an op's caller is the innermost Python frame of a source file outside
+    # torch; the host time inside the syncs is summed (a sync's time is the host waiting)
+    py = "python_function"
+    events = [
+        _event("ProfilerStep#3", "user_annotation", 0, 20_000),
+        _event("megatron_terapipe/runtime/batching.py(100): is_plain_causal", py, 100, 9_000),
+        _event("torch/functional.py(7): wrapper", py, 150, 8_000),   # torch's own: skipped
+        _event("<built-in method equal>", py, 200, 7_000),           # no source: skipped
+        _event("aten::equal", "cpu_op", 300, 6_000),
+        _event("cudaStreamSynchronize", "cuda_runtime", 400, 5_000),
+        _event("pretrain_gpt.py(50): get_batch", py, 10_000, 5_000),
+        _event("aten::equal", "cpu_op", 10_100, 1_000),
+        _event("aten::copy_", "cpu_op", 12_000, 500),                  # one more op, same frame
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = trace_summary.summarize(str(path))
+    assert summary.sync_wait_ms == {"cudaStreamSynchronize": 5.0}
+    assert summary.callers_ms["aten::equal"] == [
+        ("megatron_terapipe/runtime/batching.py(100): is_plain_causal", 6.0, 1),
+        ("pretrain_gpt.py(50): get_batch", 1.0, 1)]
+    assert summary.callers_ms["cudaStreamSynchronize"] == [
+        ("megatron_terapipe/runtime/batching.py(100): is_plain_causal", 5.0, 1)]
+    assert summary.callers_ms["aten::copy_"] == [("pretrain_gpt.py(50): get_batch", 0.5, 1)]
