@@ -32,8 +32,9 @@
 #   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
 #                                               # and a bf16 memory profile
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: what
-#       the last lease left (docs/benchmarks.md): megatron-lm-profile, virtual, pipeline-graphs
-#       on the three target cases, measure, graphs, stage (1/8/16 slices), each cut at the
+#       the last lease left (docs/benchmarks.md): measure (the device-timed profile first),
+#       pipeline-graphs on the three target cases, megatron-lm-profile (now with the callers of
+#       its top ops and syncs), virtual, graphs, stage (1/8/16 slices), each cut at the
 #       deadline; $OUT/results.tgz holds everything so far after each part
 #       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts;
 #       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens;
@@ -130,7 +131,7 @@ lease() {
   { nvidia-smi -L; python3 -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"; } \
     2>&1 | tee "$OUT/device.log"
   export STAGE_SLICES=1,8,16 PIPELINE_CASES=targets PIPELINE_REPEATS=3
-  for part in ${LEASE_PARTS:-megatron-lm-profile virtual pipeline-graphs measure graphs stage}; do
+  for part in ${LEASE_PARTS:-measure pipeline-graphs megatron-lm-profile virtual graphs stage}; do
     left=$((deadline - SECONDS - 15))
     if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
     echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"
