@@ -21,12 +21,14 @@ def exchange(rank: int, world_size: int) -> dict:
     transport = make_transport(group, config, torch.device("cpu"))
     transport.pool = BufferPool()
     shape = (2, 3)
-    if rank == 0:
-        transport.send("F", torch.arange(6.0).reshape(shape))
-        got = transport.recv("B", shape)
-    else:
-        got = transport.recv("F", shape)
-        transport.send("B", got * 2)
+    for round_ in range(3):  # the same host buffer serves every round's receive
+        if rank == 0:
+            transport.send("F", torch.arange(6.0).reshape(shape) + 10 * round_)
+            got = transport.recv("B", shape)
+        else:
+            got = transport.recv("F", shape)
+            transport.send("B", got * 2)
     transport.finish()
     return {"host_staged": transport.host_staged, "posts_early": transport.lowering.post_receives_early,
-            "received": got.tolist(), "pool_slot": transport.pool.slot_of(got)}
+            "received": got.tolist(), "pool_slot": transport.pool.slot_of(got),
+            "host_buffers": transport.host.allocated, "pinned": transport.host.pin}
