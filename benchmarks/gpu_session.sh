@@ -38,7 +38,8 @@
 #       deadline; $OUT/results.tgz holds everything so far after each part
 #       (LEASE_PARTS="graphs stage megatron-lm pipeline": another choice and order of parts;
 #       PIPELINE_GRANULARITY=128: the pipeline parts' DP slices in multiples of 128 tokens;
-#       PROFILE_TIMING=device: pipeline-graphs plans on a layer profile of the GPU's own time).
+#       PROFILE_TIMING=device: pipeline-graphs plans on a layer profile of the GPU's own time;
+#       PART_SECONDS=300: the most one part may take, so a slow part leaves time to the rest).
 #       A lease has 15 minutes of device time and a machine starts in 1-2: one call of
 #       LEASE_SECONDS=545 with timeout_s 595 is most of it. $OUT returns at most 8 files: run
 #       with OUT set to a scratch folder and copy its results.tgz to the real $OUT after.
@@ -135,6 +136,8 @@ lease() {
     left=$((deadline - SECONDS - 15))
     if ((left < 30)); then echo "lease: no time left for $part" | tee -a "$OUT/lease.log"; continue; fi
     echo "lease: $part with ${left}s left" | tee -a "$OUT/lease.log"
+    # one part takes at most PART_SECONDS (default 300), so a slow one leaves time to the rest
+    ((left > ${PART_SECONDS:-300})) && left=${PART_SECONDS:-300}
     timeout -k 5 "$left" bash "$0" "$part"
     echo "lease: $part exit $? at ${SECONDS}s" | tee -a "$OUT/lease.log"
     tar -czf "$work/results.tgz" -C "$work" lease
