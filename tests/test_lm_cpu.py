@@ -3,6 +3,7 @@ without a Megatron-LM checkout (tests/test_megatron_lm.py runs the real script w
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -97,3 +98,15 @@ def test_checkpoints_see_a_marked_cpu_tracker_and_loading_drops_the_mark():
         assert isinstance(seen.get_cuda_rng_tracker(), lm_cpu._CheckpointedCpuTracker)
     finally:
         compat.restore_rng_tracker(kept)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_process_groups_and_their_threads_go_before_interpreter_exit():
+    """A gloo group alive at interpreter exit can abort the process ('terminate called without
+    an active exception'); the launcher releases every group after a CPU run, even those held
+    in reference cycles, and their worker threads end with them."""
+    from harness.spawn import spawn
+
+    for before, after in spawn(2, "harness.process_groups:gloo_threads_around_release_at_exit"):
+        assert before >= 2 * 4  # the default group and Megatron's, two threads each
+        assert after == 0

@@ -97,6 +97,19 @@ def _enable_cpu_if_asked(args: Sequence[str]) -> None:
         enable_megatron_lm_cpu_mode()
 
 
+def _release_if_cpu(args: Sequence[str]) -> None:
+    """On CPU, the process groups go before interpreter exit (lm_cpu.release_process_groups).
+    Training has finished by then: a failure here is reported, not raised."""
+    if "--terapipe-cpu" not in args:
+        return
+    from .platform.lm_cpu import release_process_groups
+
+    try:
+        release_process_groups()
+    except Exception as exc:  # noqa: BLE001 - the run itself succeeded
+        sys.stderr.write(f"> terapipe cpu: process groups left to interpreter exit ({exc!r})\n")
+
+
 def install_hooks() -> None:
     """Hook Megatron-LM's argument parsing, argument validation and schedule choice.
 
@@ -159,6 +172,7 @@ def _run(args: Sequence[str], script: Callable[[], object]) -> int:
         install_hooks()
         _enable_cpu_if_asked(args)
         script()
+        _release_if_cpu(args)
     except (TeraPipeArgumentError, LauncherError) as exc:
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"megatron_terapipe.megatron.launch: error: {exc}\n")

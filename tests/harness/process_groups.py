@@ -138,3 +138,38 @@ def _clear_rotary_caches() -> None:
         cache_clear = getattr(getattr(cls, "forward", None), "cache_clear", None)
         if cache_clear is not None:
             cache_clear()
+
+
+def gloo_threads() -> int:
+    """This process's gloo worker threads (two `pt_gloo_runloop` per live gloo group)."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                count += comm.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
+
+
+def gloo_threads_around_release_at_exit(rank: int, world_size: int) -> tuple[int, int]:
+    """Megatron's groups, a TeraPipe transport in a reference cycle (as the runtime's outlive
+    the script) and a group in a dict beside a tensor (as MoE's loss tracker keeps them), then
+    the launcher's release at the end of a CPU run: gloo threads before and after it."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_terapipe.megatron.platform.lm_cpu import release_process_groups
+    from megatron_terapipe.runtime.transport import TorchTransport
+
+    parallel_state.initialize_model_parallel(1, world_size)
+    transport = TorchTransport(parallel_state.get_pipeline_model_parallel_group(), torch.float32,
+                               torch.device("cpu"))
+    transport.cycle = transport
+    tracker = {"values": torch.zeros(1), "reduce_group": parallel_state.get_data_parallel_group()}
+    tracker["self"] = tracker
+    del transport, tracker
+    torch.distributed.barrier()
+    before = gloo_threads()
+    release_process_groups()
+    return before, gloo_threads()

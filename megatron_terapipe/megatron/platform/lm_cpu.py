@@ -28,11 +28,13 @@ before reporting and the save waits for them forever), which is checked before t
 from __future__ import annotations
 
 import contextlib
+import gc
 import functools
 import importlib
 import importlib.util
 import os
 import types
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -240,3 +242,51 @@ def apply_cpu_settings(args) -> list[str]:
             changed.append(f"> terapipe cpu: {name} {getattr(args, name)!r} -> {value!r}")
             setattr(args, name, value)
     return changed
+
+
+
+def release_process_groups() -> None:
+    """After the script returned: destroy torch's process groups while the interpreter is
+    whole. Megatron-LM's script leaves them to interpreter exit, where a gloo group's worker
+    thread can still be letting go of a finished operation's tensors; a thread that needs the
+    GIL once finalization has begun is stopped inside C++ and the process aborts ('terminate
+    called without an active exception', SIGABRT after training: 3 of 5 Megatron-LM matrices on
+    CPU had one). A group goes when its last reference does, and its destructor first waits for
+    its work and joins its threads. Only after a clean return: a rank that failed may leave its
+    peers inside a collective, and tearing down then could hang."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    groups = [weakref.ref(group) for group in torch.distributed.distributed_c10d._world.pg_names]
+    parallel_state = importlib.import_module("megatron.core.parallel_state")
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    alive = {id(group()): group() for group in groups if group() is not None}
+    _drop_references(vars(parallel_state), alive, parallel_state)
+    for obj in gc.get_objects():
+        if type(obj) is dict:
+            _drop_references(obj, alive)
+        elif _is_megatron_object(obj):
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict):
+                _drop_references(attributes, alive, obj)
+
+
+def _is_megatron_object(obj: Any) -> bool:
+    module = type(obj).__module__  # a descriptor on some types
+    return isinstance(module, str) and module.split(".")[0] in ("megatron", "megatron_terapipe")
+
+
+def _drop_references(values: dict, groups: dict[int, Any], owner: Any = None) -> None:
+    """Set to None the entries of `values` (or, with `owner`, those attributes of it) that are
+    one of `groups` (by id). Still held after the destroy calls: parallel_state's
+    intra-partial data-parallel groups with CP (0.16 and 0.19 leave them set), MoE's loss
+    tracker, and what the model's objects and TeraPipe's transports hold; those outlive the
+    script in reference cycles (Megatron's DDP keeps its gradient hooks' nodes, whose hooks
+    hold the DDP: a cycle through C++ that gc cannot break). Not gc.collect(): it would also
+    run the data loaders' teardown, which waits 10 s and more per loader for its worker
+    processes. Nothing runs the model any more."""
+    for name in [name for name, value in values.items() if id(value) in groups]:
+        if owner is None:
+            values[name] = None
+        else:
+            setattr(owner, name, None)
