@@ -4,6 +4,7 @@ without a Megatron-LM checkout (tests/test_megatron_lm.py runs the real script w
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -110,3 +111,24 @@ def test_process_groups_and_their_threads_go_before_interpreter_exit():
     for before, after in spawn(2, "harness.process_groups:gloo_threads_around_release_at_exit"):
         assert before >= 2 * 4  # the default group and Megatron's, two threads each
         assert after == 0
+
+
+@pytest.mark.parametrize("end, released", [
+    (lambda: None, True), (lambda: sys.exit(0), True), (lambda: sys.exit(), True),
+    (lambda: sys.exit(1), False), (lambda: (_ for _ in ()).throw(RuntimeError("x")), False)])
+def test_the_launcher_releases_the_groups_after_a_clean_end_only(monkeypatch, end, released):
+    """A return or a clean sys.exit (Megatron-LM's --exit-interval) releases the process groups
+    on CPU; a failed rank does not tear down (its peers may be inside a collective)."""
+    from megatron_terapipe.megatron import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "install_hooks", lambda: None)
+    monkeypatch.setattr(launch, "_enable_cpu_if_asked", lambda args: None)
+    monkeypatch.setattr(lm_cpu, "release_process_groups", lambda: calls.append(1))
+    try:
+        launch._run(["--terapipe-cpu"], end)
+    except (SystemExit, RuntimeError):
+        pass
+    assert calls == ([1] if released else [])
+    launch._run([], lambda: None)  # not on CPU: nothing to release
+    assert calls == ([1] if released else [])

@@ -97,6 +97,19 @@ def _enable_cpu_if_asked(args: Sequence[str]) -> None:
         enable_megatron_lm_cpu_mode()
 
 
+def _run_script(args: Sequence[str], script: Callable[[], object]) -> None:
+    """The script, then on CPU the release of its process groups: after it returns, and after
+    a clean sys.exit (Megatron-LM stops that way at --exit-interval, --exit-duration-in-mins
+    and on --exit-signal-handler's signal)."""
+    try:
+        script()
+    except SystemExit as stop:
+        if stop.code in (0, None):
+            _release_if_cpu(args)
+        raise
+    _release_if_cpu(args)
+
+
 def _release_if_cpu(args: Sequence[str]) -> None:
     """On CPU, the process groups go before interpreter exit (lm_cpu.release_process_groups).
     Training has finished by then: a failure here is reported, not raised."""
@@ -171,8 +184,7 @@ def _run(args: Sequence[str], script: Callable[[], object]) -> int:
     try:
         install_hooks()
         _enable_cpu_if_asked(args)
-        script()
-        _release_if_cpu(args)
+        _run_script(args, script)
     except (TeraPipeArgumentError, LauncherError) as exc:
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"megatron_terapipe.megatron.launch: error: {exc}\n")
