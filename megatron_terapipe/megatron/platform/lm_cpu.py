@@ -28,8 +28,8 @@ before reporting and the save waits for them forever), which is checked before t
 from __future__ import annotations
 
 import contextlib
-import gc
 import functools
+import gc
 import importlib
 import importlib.util
 import os
@@ -244,16 +244,16 @@ def apply_cpu_settings(args) -> list[str]:
     return changed
 
 
-
 def release_process_groups() -> None:
-    """After the script returned: destroy torch's process groups while the interpreter is
-    whole. Megatron-LM's script leaves them to interpreter exit, where a gloo group's worker
-    thread can still be letting go of a finished operation's tensors; a thread that needs the
-    GIL once finalization has begun is stopped inside C++ and the process aborts ('terminate
-    called without an active exception', SIGABRT after training: 3 of 5 Megatron-LM matrices on
-    CPU had one). A group goes when its last reference does, and its destructor first waits for
-    its work and joins its threads. Only after a clean return: a rank that failed may leave its
-    peers inside a collective, and tearing down then could hang."""
+    """After the script ended cleanly (returned, or sys.exit(0)): destroy torch's process
+    groups while the interpreter is whole. Megatron-LM's script leaves them to interpreter
+    exit, where a gloo group's worker thread can still be letting go of a finished operation's
+    tensors; a thread that needs the GIL once finalization has begun is stopped inside C++ and
+    the process aborts ('terminate called without an active exception', SIGABRT after
+    training: 3 of 5 Megatron-LM matrices on CPU had one). A group goes when its last
+    reference does, and its destructor first waits for its work and joins its threads. Not
+    after a failure: a rank that failed may leave its peers inside a collective, and tearing
+    down then could hang."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     groups = [weakref.ref(group) for group in torch.distributed.distributed_c10d._world.pg_names]
