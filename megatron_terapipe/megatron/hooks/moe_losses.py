@@ -47,7 +47,7 @@ def line_problem() -> Optional[str]:
     version = compat.megatron_core_version()
     if version[:2] in EXACT_LOSS_LINES:
         return None
-    lines = " and ".join(f"{a}.{b}.x" for a, b in compat_moe.ROUTER_LOSS_CONVENTIONS)
+    lines = ", ".join(f"{a}.{b}.x" for a, b in compat_moe.ROUTER_LOSS_CONVENTIONS)
     return (f"TeraPipe reproduces the MoE load-balancing losses and the router z-loss of "
             f"megatron-core {lines} (each line scales and logs them its own way), not those of "
             f"megatron-core {compat.version_text(version)}: install one of those lines, drop "

@@ -1,8 +1,10 @@
 """The version-sensitive part of the MoE router-loss touch point (moe_losses.py), checked as
 compat.py checks the others.
 
-megatron-core 0.16 and 0.19 compute the same router losses (`switch_load_balancing_loss_func`,
-`z_loss_func`, the same counts) but scale and log them differently (router.py):
+megatron-core 0.16, 0.18 and 0.19 compute the same router losses
+(`switch_load_balancing_loss_func`, `z_loss_func`, the same counts) but scale and log them
+differently (router.py; 0.18 scales as 0.16 does and logs through 0.19's tracker, the z-loss as
+each rank's value):
 
 - with `calculate_per_token_loss`, 0.16 multiplies a loss it attaches by the rank's token count,
   0.19 by that count x the TP x CP size; for `seq_aux_loss` 0.16's count is per sequence (the
@@ -43,6 +45,9 @@ class RouterLossConventions:
 ROUTER_LOSS_CONVENTIONS = {
     (0, 16): RouterLossConventions(per_token_tp_cp_factor=False, seq_aux_tokens_per_sequence=True,
                                    z_loss_logged_averaged=False, metrics_tracker=False,
+                                   moe_grad_scale_func=False),
+    (0, 18): RouterLossConventions(per_token_tp_cp_factor=False, seq_aux_tokens_per_sequence=True,
+                                   z_loss_logged_averaged=False, metrics_tracker=True,
                                    moe_grad_scale_func=False),
     (0, 19): RouterLossConventions(per_token_tp_cp_factor=True, seq_aux_tokens_per_sequence=False,
                                    z_loss_logged_averaged=True, metrics_tracker=True,
