@@ -229,3 +229,25 @@ def test_cell_batches_trust_cell_data_on_a_plain_causal_mask(monkeypatch):
     monkeypatch.setattr(lm_cells, "is_causal_cut", lambda *a: pytest.fail("mask read again"))
     out = next(lm_cells.CellBatches(iter([cut]), cell, must_drop_mask=True))
     assert type(out) is dict and "attention_mask" not in out and out["tokens"].is_contiguous()
+
+
+# ---- Megatron-LM's training code not importable ----------------------------------------------
+@pytest.mark.parametrize("missing, advice", [
+    ("yaml", "pip install pyyaml"),  # 0.18's megatron.training imports it; its wheel lacks it
+    ("some_package.sub", "pip install some_package"),
+    ("megatron.training", "in a Megatron-LM checkout"),
+])
+def test_a_megatron_training_that_does_not_import_says_what_to_install(monkeypatch, missing,
+                                                                        advice):
+    from megatron_terapipe.megatron import launch
+    from megatron_terapipe.megatron.hooks import install
+    from megatron_terapipe.megatron.platform import compat
+
+    def fails():
+        raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+
+    monkeypatch.setattr(install, "install", lambda: None)
+    monkeypatch.setattr(compat, "megatron_lm_argument_hooks", fails)
+    with pytest.raises(launch.LauncherError, match=re.escape(advice)) as info:
+        launch.install_hooks()
+    assert missing in str(info.value)

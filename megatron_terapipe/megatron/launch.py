@@ -123,12 +123,32 @@ def _release_if_cpu(args: Sequence[str]) -> None:
         sys.stderr.write(f"> terapipe cpu: process groups left to interpreter exit ({exc!r})\n")
 
 
+#: pip's name for a module Megatron-LM's training code imports, where the two differ.
+_PIP_NAMES = {"yaml": "pyyaml"}
+
+
+def megatron_training_missing(exc: ImportError) -> LauncherError:
+    """The error for a megatron.training that does not import: no Megatron-LM on the path, or
+    a package its code imports that is not installed (0.18's imports yaml, which megatron-core's
+    wheel does not require)."""
+    top = (getattr(exc, "name", None) or "").split(".")[0]
+    if top and top != "megatron":
+        return LauncherError(
+            f"Megatron-LM's megatron.training imports {exc.name!r}, which is not installed "
+            f"({exc}): pip install {_PIP_NAMES.get(top, top)}")
+    return LauncherError(
+        f"megatron_terapipe.megatron.launch needs Megatron-LM's megatron.training ({exc}): run it "
+        "on a script in a Megatron-LM checkout (its directory goes first on sys.path) or put the "
+        "checkout on PYTHONPATH")
+
+
 def install_hooks() -> None:
     """Hook Megatron-LM's argument parsing, argument validation and schedule choice.
 
     Needs Megatron-LM's `megatron.training` importable (a Megatron-LM checkout on sys.path, or
-    the copy megatron-core 0.19's wheel ships). The functions it wraps, which differ between
-    0.16 and 0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it again is harmless.
+    the copy megatron-core 0.18's and 0.19's wheels ship). The functions it wraps, which differ
+    between 0.16 and 0.18/0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it
+    again is harmless.
     """
     from .platform import compat
     from .hooks import install
@@ -139,10 +159,7 @@ def install_hooks() -> None:
     try:
         hooks = compat.megatron_lm_argument_hooks()
     except ImportError as exc:
-        raise LauncherError(
-            f"megatron_terapipe.megatron.launch needs Megatron-LM's megatron.training ({exc}): run it on a "
-            "script in a Megatron-LM checkout (its directory goes first on sys.path) or put the "
-            "checkout on PYTHONPATH") from exc
+        raise megatron_training_missing(exc) from exc
     wraps = {"parse": _wrap_parse_args, "validate": _wrap_validate}
     for module, name, kind in hooks:
         setattr(module, name, wraps[kind](getattr(module, name)))
