@@ -42,7 +42,7 @@ LINES = {
     "0.19": ("3.12", "megatron-core~=0.19.0"),
 }
 #: What a line's megatron.training imports beyond megatron-core's own requirements (0.18's
-#: config container imports yaml when megatron.training is imported; Megatron-LM lists PyYAML).
+#: config container imports yaml when megatron.training is imported; the wheel does not require it).
 LINE_EXTRAS = {"0.18": ("pyyaml",)}
 #: The smaller 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the launcher and
 #: patch on Megatron-LM's argument parser, and the compatibility checks.
