@@ -127,7 +127,7 @@ def _release_if_cpu(args: Sequence[str]) -> None:
 _PIP_NAMES = {"yaml": "pyyaml"}
 
 
-def megatron_training_missing(exc: ImportError) -> LauncherError:
+def _megatron_training_missing(exc: ImportError) -> LauncherError:
     """The error for a megatron.training that does not import: no Megatron-LM on the path, or
     a package its code imports that is not installed (0.18's imports yaml, which megatron-core's
     wheel does not require)."""
@@ -159,7 +159,7 @@ def install_hooks() -> None:
     try:
         hooks = compat.megatron_lm_argument_hooks()
     except ImportError as exc:
-        raise megatron_training_missing(exc) from exc
+        raise _megatron_training_missing(exc) from exc
     wraps = {"parse": _wrap_parse_args, "validate": _wrap_validate}
     for module, name, kind in hooks:
         setattr(module, name, wraps[kind](getattr(module, name)))
