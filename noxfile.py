@@ -9,6 +9,8 @@
                                      # (what .ci/run runs after the README's 0.16 command)
     nox -s tests-0.18                # megatron-core 0.18.x, Python 3.12
     nox -s equivalence-0.18          # 0.18: the same tests as equivalence-0.19 (in .ci/run too)
+    nox -s tests-0.17                # megatron-core 0.17.x, Python 3.12
+    nox -s equivalence-0.17          # 0.17: the same tests again (in .ci/run too)
     nox -s tests-0.19 -- -k launch   # arguments after -- go to pytest
 
 Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
@@ -16,10 +18,11 @@ machine keeps on disk; on 3.12 it downloads the CUDA build, which also runs with
 then the plugin with its test extra and the session's megatron-core line, prints what the
 compatibility module finds (`python -m megatron_terapipe.megatron.platform.compat_check`) and runs pytest.
 Virtual environments go to .nox/ (ignored by git). A Python that is not on PATH but installed
-with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_18 / MEGATRON_LM_0_19 to a
-Megatron-LM work tree of the matching release (core_v0.16.1, core_v0.18.2, core_v0.19.0) to also
-check the launcher and the patch against it (tests/test_compat_megatron_lm.py); without one,
-those tests use the megatron.training that megatron-core 0.18's and 0.19's wheels ship, or skip.
+with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_17 / MEGATRON_LM_0_18 /
+MEGATRON_LM_0_19 to a Megatron-LM work tree of the matching release (core_v0.16.1, core_v0.17.1,
+core_v0.18.2, core_v0.19.0) to also check the launcher and the patch against it
+(tests/test_compat_megatron_lm.py); without one, those tests use the megatron.training that
+megatron-core 0.17's to 0.19's wheels ship, or skip.
 """
 
 from __future__ import annotations
@@ -38,13 +41,15 @@ nox.options.error_on_missing_interpreters = True
 #: megatron-core line -> (Python, pip requirement)
 LINES = {
     "0.16": ("3.11", "megatron-core~=0.16.0"),
+    "0.17": ("3.12", "megatron-core~=0.17.0"),
     "0.18": ("3.12", "megatron-core~=0.18.0"),
     "0.19": ("3.12", "megatron-core~=0.19.0"),
 }
-#: What a line's megatron.training imports beyond megatron-core's own requirements (0.18's
-#: config container imports yaml when megatron.training is imported; the wheel does not require it).
-LINE_EXTRAS = {"0.18": ("pyyaml",)}
-#: The smaller 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the launcher and
+#: What a line's megatron.training imports beyond megatron-core's own requirements (0.17's
+#: initialize and 0.18's config container import yaml when megatron.training is imported; the
+#: wheels do not require it).
+LINE_EXTRAS = {"0.17": ("pyyaml",), "0.18": ("pyyaml",)}
+#: The smaller 0.17, 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the launcher and
 #: patch on Megatron-LM's argument parser, and the compatibility checks.
 EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py", "tests/test_moe_losses.py",
                      "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
@@ -128,3 +133,17 @@ def equivalence_018(session: nox.Session) -> None:
     """The equivalence, launcher and compatibility tests on megatron-core 0.18.x."""
     install(session, "0.18")
     run_tests(session, "0.18", EQUIVALENCE_TESTS)
+
+
+@nox.session(name="tests-0.17", python=interpreter(LINES["0.17"][0]))
+def tests_017(session: nox.Session) -> None:
+    """The whole suite on megatron-core 0.17.x (Python 3.12)."""
+    install(session, "0.17")
+    run_tests(session, "0.17", EVERY_TEST)
+
+
+@nox.session(name="equivalence-0.17", python=interpreter(LINES["0.17"][0]))
+def equivalence_017(session: nox.Session) -> None:
+    """The equivalence, launcher and compatibility tests on megatron-core 0.17.x."""
+    install(session, "0.17")
+    run_tests(session, "0.17", EQUIVALENCE_TESTS)

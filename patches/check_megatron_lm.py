@@ -6,17 +6,16 @@
     python patches/check_megatron_lm.py --args-only [--megatron-lm /path/to/Megatron-LM]
 
 Use the checkout of the release matching the installed megatron-core: core_v0.16.1 for 0.16.x,
-core_v0.18.2 for 0.18.x, core_v0.19.0 for 0.19.x. Without --megatron-lm, the megatron.training
-that megatron-core 0.18's and 0.19's wheels ship is used (0.16's wheel has none; there is no
-pretrain_gpt.py either, so only
---args-only runs). --args-only stops after step 2 and needs no torchrun
-(tests/test_compat_megatron_lm.py runs it).
+core_v0.17.1 for 0.17.x, core_v0.18.2 for 0.18.x, core_v0.19.0 for 0.19.x. Without --megatron-lm,
+the megatron.training that megatron-core 0.17's to 0.19's wheels ship is used (0.16's wheel has
+none; there is no pretrain_gpt.py either, so only --args-only runs). --args-only stops after
+step 2 and needs no torchrun (tests/test_compat_megatron_lm.py runs it).
 
 What it runs, with Megatron-LM's own code wherever the drop-in touches it:
 1. `megatron_terapipe.megatron.launch.install_hooks()`, then Megatron-LM's `megatron.training.training` is
    imported: its module-level `get_forward_backward_func` must be the patched one.
 2. Megatron-LM's `parse_args` (called as the release calls it: through `initialize_megatron`'s
-   names on 0.16, through `parse_and_validate_args` on 0.18 and 0.19, with pretrain_gpt.py's own
+   names on 0.16 and 0.17, through `parse_and_validate_args` on 0.18 and 0.19, with pretrain_gpt.py's own
    extra_args_provider) accepts --pipeline-schedule terapipe --terapipe-slices ... (argparse
    would refuse a flag of ours that collides with one of Megatron-LM's); Megatron-LM's
    `validate_args` then runs our validation and selects TeraPipe.
@@ -120,10 +119,10 @@ def check_arguments(opts: argparse.Namespace, extra_args_provider=None):
     sys.argv = _argv(opts)
     os.environ.setdefault("WORLD_SIZE", str(opts.tp * opts.pp))
     defaults = {"tokenizer_type": "GPT2BPETokenizer"}
-    if hasattr(megatron_arguments, "parse_and_validate_args"):  # 0.19: also sets the globals
+    if hasattr(megatron_arguments, "parse_and_validate_args"):  # 0.18, 0.19: also sets the globals
         args = megatron_arguments.parse_and_validate_args(
             extra_args_provider=extra_args_provider, args_defaults=defaults)
-    else:  # 0.16: initialize_megatron's names, then set_global_variables
+    else:  # 0.16, 0.17: initialize_megatron's names, then set_global_variables
         import megatron.training.initialize as megatron_initialize
         from megatron.training.global_vars import set_global_variables
 

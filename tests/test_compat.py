@@ -28,14 +28,14 @@ def test_the_installed_megatron_core_is_a_tested_line_and_every_check_passes():
     assert [(name, error) for name, error in compat_check.check_all() if error] == []
 
 
-@pytest.mark.parametrize("version", [(0, 15, 3), (0, 17, 1), (0, 20, 0)])
+@pytest.mark.parametrize("version", [(0, 15, 3), (0, 20, 0), (1, 0, 0)])
 def test_an_untested_megatron_core_is_refused_naming_the_supported_lines(monkeypatch, version):
     monkeypatch.setattr(compat, "megatron_core_version", lambda: version)
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(compat.UnsupportedMegatronError) as info:
         compat.require_tested("the RoPE offset hook")
     message = str(info.value)
-    for needle in ("the RoPE offset hook", compat.version_text(version), "0.16.x", "0.18.x",
+    for needle in ("the RoPE offset hook", compat.version_text(version), "0.16.x", "0.17.x", "0.18.x",
                    "0.19.x", "Python 3.12", compat.ALLOW_UNTESTED_ENV):
         assert needle in message
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
@@ -46,7 +46,7 @@ def test_every_private_touch_point_checks_the_version(monkeypatch):
     from megatron_terapipe.megatron.hooks import install
     from megatron_terapipe.megatron import launch
 
-    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 17, 1))
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: (0, 20, 0))
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
     checks = [install.install, launch.install_hooks, compat.cpu_mode_modules,
               compat.rng_module, compat.parallel_linear_classes,
@@ -138,7 +138,7 @@ def test_a_multi_module_collection_is_refused_when_terapipe_is_selected():
 
 def test_set_current_microbatch_comes_from_the_lines_home():
     impl = compat._set_current_microbatch_impl()
-    expected = ("megatron.core.transformer.cuda_graphs" if compat.megatron_core_version() >= (0, 18)
+    expected = ("megatron.core.transformer.cuda_graphs" if compat.megatron_core_version() >= (0, 17)
                 else "megatron.core.pipeline_parallel.schedules")
     assert impl.__module__ == expected
 
@@ -167,8 +167,8 @@ def test_the_pin_admits_exactly_the_tested_lines():
     config.read(os.path.join(ROOT, "setup.cfg"))
     lines = [line.strip() for line in config["options"]["install_requires"].splitlines()]
     pin = Requirement(next(line for line in lines if line.startswith("megatron-core")))
-    for version in ("0.16.0", "0.16.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2"):
+    for version in ("0.16.0", "0.16.1", "0.17.0", "0.17.1", "0.18.0", "0.18.2", "0.19.0", "0.19.2"):
         assert pin.specifier.contains(version), version
-    for version in ("0.15.3", "0.17.0", "0.17.1", "0.20.0"):
+    for version in ("0.15.3", "0.20.0"):
         assert not pin.specifier.contains(version), version
-    assert sorted(compat.TESTED_LINES) == [(0, 16), (0, 18), (0, 19)]
+    assert sorted(compat.TESTED_LINES) == [(0, 16), (0, 17), (0, 18), (0, 19)]

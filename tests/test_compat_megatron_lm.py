@@ -2,10 +2,10 @@
 
 Megatron-LM's code is never part of this repository. The tests use, in this order:
 - a Megatron-LM work tree named by MEGATRON_LM_PATH, when its release matches the installed
-  megatron-core line (core_v0.16.1 for 0.16.x, core_v0.18.2 for 0.18.x, core_v0.19.0 for
-  0.19.x; noxfile.py passes MEGATRON_LM_0_16 / MEGATRON_LM_0_18 / MEGATRON_LM_0_19 on as
-  MEGATRON_LM_PATH);
-- else the megatron.training that megatron-core 0.18's and 0.19's wheels ship (arguments only:
+  megatron-core line (core_v0.16.1 for 0.16.x, core_v0.17.1 for 0.17.x, core_v0.18.2 for
+  0.18.x, core_v0.19.0 for 0.19.x; noxfile.py passes MEGATRON_LM_0_16 / ..._0_17 / ..._0_18 /
+  ..._0_19 on as MEGATRON_LM_PATH);
+- else the megatron.training that megatron-core 0.17's to 0.19's wheels ship (arguments only:
   the wheel has no pretrain_gpt.py);
 - else they skip.
 Each check runs in a subprocess, so that Megatron-LM's modules and the hooks stay out of the
@@ -25,8 +25,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "patches", "check_megatron_lm.py")
-PATCHES = {(0, 16): "pretrain_gpt_terapipe.patch", (0, 18): "pretrain_gpt_terapipe_0.18.patch",
-           (0, 19): "pretrain_gpt_terapipe_0.19.patch"}
+# 0.17's pretrain_gpt.py differs from 0.16's only outside the patch's hunks: one patch for both
+PATCHES = {(0, 16): "pretrain_gpt_terapipe.patch", (0, 17): "pretrain_gpt_terapipe.patch",
+           (0, 18): "pretrain_gpt_terapipe_0.18.patch", (0, 19): "pretrain_gpt_terapipe_0.19.patch"}
 
 
 def _installed_line() -> tuple[int, int]:
@@ -69,7 +70,7 @@ def test_launcher_hooks_on_the_megatron_lm_argument_parser():
     if os.environ.get("MEGATRON_LM_PATH"):
         extra = ["--megatron-lm", _checkout()]
     elif importlib.util.find_spec("megatron.training") is not None:
-        extra = []  # megatron-core 0.18's and 0.19's wheels ship megatron.training
+        extra = []  # megatron-core 0.17's to 0.19's wheels ship megatron.training
     else:
         pytest.skip("no megatron.training: set MEGATRON_LM_PATH to a Megatron-LM work tree")
     out = _run([CHECK, "--args-only", *extra])
@@ -84,8 +85,8 @@ def test_patch_applies_to_the_matching_pretrain_gpt(tmp_path):
     shutil.copy(os.path.join(checkout, "pretrain_gpt.py"), tmp_path / "pretrain_gpt.py")
     out = subprocess.run(["git", "apply", patch], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    other = [p for line, p in PATCHES.items() if line != _installed_line()]
-    for name in other:  # the other line's patch must not apply by accident
+    other = sorted({p for p in PATCHES.values() if p != PATCHES[_installed_line()]})
+    for name in other:  # the other lines' patches must not apply by accident
         check = subprocess.run(["git", "apply", "--check", os.path.join(ROOT, "patches", name)],
                                cwd=checkout, capture_output=True, text=True)
         assert check.returncode != 0, f"{name} applies to {checkout}"

@@ -8,7 +8,7 @@ installs the hooks (`install_hooks`) and runs the script with runpy as __main__.
 
 - every `megatron.training.arguments.parse_args` call adds the TeraPipe flags to the script's
   own `extra_args_provider` (the script's parser accepts --pipeline-schedule etc.), whether
-  `initialize_megatron` (0.16) or `parse_and_validate_args` (0.19) makes it;
+  `initialize_megatron` (0.16, 0.17) or `parse_and_validate_args` (0.18, 0.19) makes it;
 - right after Megatron-LM's `validate_args` or `validate_yaml` (before torch.distributed
   starts), the TeraPipe flags
   are validated and, with --pipeline-schedule terapipe, TeraPipe is selected
@@ -129,8 +129,8 @@ _PIP_NAMES = {"yaml": "pyyaml"}
 
 def _megatron_training_missing(exc: ImportError) -> LauncherError:
     """The error for a megatron.training that does not import: no Megatron-LM on the path, or
-    a package its code imports that is not installed (0.18's imports yaml, which megatron-core's
-    wheel does not require)."""
+    a package its code imports that is not installed (0.17's and 0.18's import yaml, which
+    megatron-core's wheel does not require)."""
     top = (getattr(exc, "name", None) or "").split(".")[0]
     if top and top != "megatron":
         return LauncherError(
@@ -146,8 +146,8 @@ def install_hooks() -> None:
     """Hook Megatron-LM's argument parsing, argument validation and schedule choice.
 
     Needs Megatron-LM's `megatron.training` importable (a Megatron-LM checkout on sys.path, or
-    the copy megatron-core 0.18's and 0.19's wheels ship). The functions it wraps, which differ
-    between 0.16 and 0.18/0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it
+    the copy megatron-core 0.17's to 0.19's wheels ship). The functions it wraps, which differ
+    between 0.16/0.17 and 0.18/0.19, are listed in compat.MEGATRON_LM_ARGUMENT_HOOKS. Calling it
     again is harmless.
     """
     from .platform import compat

@@ -1,7 +1,7 @@
 """The version-sensitive part of every Megatron touch point, in one place.
 
-megatron-terapipe is tested on three megatron-core lines (`TESTED_LINES`): 0.16.x (Python 3.10
-or newer), 0.18.x and 0.19.x (Python 3.12 or newer). Public names are used where they are.
+megatron-terapipe is tested on four megatron-core lines (`TESTED_LINES`): 0.16.x (Python 3.10
+or newer), 0.17.x, 0.18.x and 0.19.x (Python 3.12 or newer). Public names are used where they are.
 Everything else it reaches into (a private attribute, a module attribute it replaces, a helper
 whose home moved) goes through a function here that calls `require_tested(touch)` first: on an
 untested megatron-core that raises `UnsupportedMegatronError` naming the touch point, the
@@ -21,8 +21,8 @@ import sys
 from typing import Any, Callable, Optional
 
 #: megatron-core lines the test matrix runs (noxfile.py), with the Python each one needs.
-TESTED_LINES = {(0, 16): "3.10", (0, 18): "3.12", (0, 19): "3.12"}
-SUPPORTED = "megatron-core 0.16.x (Python 3.10 or newer), 0.18.x or 0.19.x (Python 3.12 or newer)"
+TESTED_LINES = {(0, 16): "3.10", (0, 17): "3.12", (0, 18): "3.12", (0, 19): "3.12"}
+SUPPORTED = "megatron-core 0.16.x (Python 3.10 or newer), 0.17.x, 0.18.x or 0.19.x (Python 3.12 or newer)"
 ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 
 #: TransformerConfig fields the project reads or sets (tests/test_compat.py checks each one
@@ -139,7 +139,7 @@ def check_first_val_step(first_val_step: Optional[bool], forward_only: bool, con
 @functools.lru_cache(maxsize=None)
 def _set_current_microbatch_impl():
     require_tested("set_current_microbatch")
-    for home in ("megatron.core.transformer.cuda_graphs",  # 0.18, 0.19
+    for home in ("megatron.core.transformer.cuda_graphs",  # 0.17 to 0.19
                  "megatron.core.pipeline_parallel.schedules"):  # 0.16
         helper = getattr(importlib.import_module(home), "set_current_microbatch", None)
         if helper is not None:
@@ -364,15 +364,13 @@ def megatron_lm_argument_hooks() -> list[tuple[Any, str, str]]:
 #: Megatron-LM modules whose `torch` sees the CPU as one CUDA device under --terapipe-cpu
 #: (lm_cpu.py), per line: 0.18 split megatron.training.utils into a package and wraps models
 #: in DDP (in a side CUDA stream) in megatron.training.models.dist_utils.
-_LM_CPU_MODULES_SPLIT_UTILS = ("megatron.core.rerun_state_machine", "megatron.training.initialize",
-                               "megatron.training.training", "megatron.training.utils.common_utils",
-                               "megatron.training.models.dist_utils")
-MEGATRON_LM_CPU_MODULES = {
-    (0, 16): ("megatron.core.rerun_state_machine", "megatron.training.initialize",
-              "megatron.training.training", "megatron.training.utils"),
-    (0, 18): _LM_CPU_MODULES_SPLIT_UTILS,
-    (0, 19): _LM_CPU_MODULES_SPLIT_UTILS,
-}
+_LM_CPU_MODULES = ("megatron.core.rerun_state_machine", "megatron.training.initialize",
+                   "megatron.training.training")
+_LM_CPU_MODULES_SPLIT_UTILS = _LM_CPU_MODULES + ("megatron.training.utils.common_utils",
+                                                 "megatron.training.models.dist_utils")
+MEGATRON_LM_CPU_MODULES = {(0, 16): _LM_CPU_MODULES + ("megatron.training.utils",),
+                           (0, 18): _LM_CPU_MODULES_SPLIT_UTILS, (0, 19): _LM_CPU_MODULES_SPLIT_UTILS}
+MEGATRON_LM_CPU_MODULES[(0, 17)] = MEGATRON_LM_CPU_MODULES[(0, 16)]
 
 
 def megatron_lm_cpu_modules() -> tuple[list, Any]:

@@ -1,10 +1,10 @@
 """The version-sensitive part of the MoE router-loss touch point (moe_losses.py), checked as
 compat.py checks the others.
 
-megatron-core 0.16, 0.18 and 0.19 compute the same router losses
+megatron-core 0.16 to 0.19 compute the same router losses
 (`switch_load_balancing_loss_func`, `z_loss_func`, the same counts) but scale and log them
-differently (router.py; 0.18 scales as 0.16 does and logs through 0.19's tracker, the z-loss as
-each rank's value):
+differently (router.py; 0.17 scales and logs as 0.16 does, 0.18 scales as 0.16 does and logs
+through 0.19's tracker, the z-loss as each rank's value):
 
 - with `calculate_per_token_loss`, 0.16 multiplies a loss it attaches by the rank's token count,
   0.19 by that count x the TP x CP size; for `seq_aux_loss` 0.16's count is per sequence (the
@@ -53,6 +53,8 @@ ROUTER_LOSS_CONVENTIONS = {
                                    z_loss_logged_averaged=True, metrics_tracker=True,
                                    moe_grad_scale_func=True),
 }
+
+ROUTER_LOSS_CONVENTIONS[(0, 17)] = ROUTER_LOSS_CONVENTIONS[(0, 16)]  # 0.16's router.py plus MTP (refused)
 
 #: TransformerConfig fields read only on some lines (field -> the first line that has it).
 LINE_CONFIG_FIELDS = {"moe_grad_scale_func": (0, 19)}
