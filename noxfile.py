@@ -49,8 +49,8 @@ LINES = {
 #: initialize and 0.18's config container import yaml when megatron.training is imported; the
 #: wheels do not require it).
 LINE_EXTRAS = {"0.17": ("pyyaml",), "0.18": ("pyyaml",)}
-#: The smaller 0.17, 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the launcher and
-#: patch on Megatron-LM's argument parser, and the compatibility checks.
+#: The smaller 0.17, 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the
+#: launcher and patch on Megatron-LM's argument parser, and the compatibility checks.
 EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py", "tests/test_moe_losses.py",
                      "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
                      "tests/test_compat.py", "tests/test_attention_features.py",

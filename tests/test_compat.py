@@ -35,8 +35,8 @@ def test_an_untested_megatron_core_is_refused_naming_the_supported_lines(monkeyp
     with pytest.raises(compat.UnsupportedMegatronError) as info:
         compat.require_tested("the RoPE offset hook")
     message = str(info.value)
-    for needle in ("the RoPE offset hook", compat.version_text(version), "0.16.x", "0.17.x", "0.18.x",
-                   "0.19.x", "Python 3.12", compat.ALLOW_UNTESTED_ENV):
+    for needle in ("the RoPE offset hook", compat.version_text(version), "0.16.x", "0.17.x",
+                   "0.18.x", "0.19.x", "Python 3.12", compat.ALLOW_UNTESTED_ENV):
         assert needle in message
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
     compat.require_tested("the RoPE offset hook")  # the user's choice: no error

@@ -1,7 +1,7 @@
 """The version-sensitive part of every Megatron touch point, in one place.
 
-megatron-terapipe is tested on four megatron-core lines (`TESTED_LINES`): 0.16.x (Python 3.10
-or newer), 0.17.x, 0.18.x and 0.19.x (Python 3.12 or newer). Public names are used where they are.
+Tested megatron-core lines (`TESTED_LINES`): 0.16.x (Python 3.10 or newer), 0.17.x, 0.18.x
+and 0.19.x (Python 3.12 or newer). Public names are used where they are.
 Everything else it reaches into (a private attribute, a module attribute it replaces, a helper
 whose home moved) goes through a function here that calls `require_tested(touch)` first: on an
 untested megatron-core that raises `UnsupportedMegatronError` naming the touch point, the
@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 
 #: megatron-core lines the test matrix runs (noxfile.py), with the Python each one needs.
 TESTED_LINES = {(0, 16): "3.10", (0, 17): "3.12", (0, 18): "3.12", (0, 19): "3.12"}
-SUPPORTED = "megatron-core 0.16.x (Python 3.10 or newer), 0.17.x, 0.18.x or 0.19.x (Python 3.12 or newer)"
+SUPPORTED = ("megatron-core 0.16.x (Python 3.10 or newer), 0.17.x, 0.18.x or 0.19.x "
+             "(Python 3.12 or newer)")
 ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 
 #: TransformerConfig fields the project reads or sets (tests/test_compat.py checks each one
@@ -369,7 +370,8 @@ _LM_CPU_MODULES = ("megatron.core.rerun_state_machine", "megatron.training.initi
 _LM_CPU_MODULES_SPLIT_UTILS = _LM_CPU_MODULES + ("megatron.training.utils.common_utils",
                                                  "megatron.training.models.dist_utils")
 MEGATRON_LM_CPU_MODULES = {(0, 16): _LM_CPU_MODULES + ("megatron.training.utils",),
-                           (0, 18): _LM_CPU_MODULES_SPLIT_UTILS, (0, 19): _LM_CPU_MODULES_SPLIT_UTILS}
+                           (0, 18): _LM_CPU_MODULES_SPLIT_UTILS,
+                           (0, 19): _LM_CPU_MODULES_SPLIT_UTILS}
 MEGATRON_LM_CPU_MODULES[(0, 17)] = MEGATRON_LM_CPU_MODULES[(0, 16)]
 
 

@@ -54,7 +54,8 @@ ROUTER_LOSS_CONVENTIONS = {
                                    moe_grad_scale_func=True),
 }
 
-ROUTER_LOSS_CONVENTIONS[(0, 17)] = ROUTER_LOSS_CONVENTIONS[(0, 16)]  # 0.16's router.py plus MTP (refused)
+# 0.17's router.py is 0.16's plus multi-token prediction, which TeraPipe refuses
+ROUTER_LOSS_CONVENTIONS[(0, 17)] = ROUTER_LOSS_CONVENTIONS[(0, 16)]
 
 #: TransformerConfig fields read only on some lines (field -> the first line that has it).
 LINE_CONFIG_FIELDS = {"moe_grad_scale_func": (0, 19)}
