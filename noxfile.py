@@ -107,43 +107,24 @@ def slow_016(session: nox.Session) -> None:
     run_tests(session, "0.16", ONLY_SLOW)
 
 
-@nox.session(name="tests-0.19", python=interpreter(LINES["0.19"][0]))
-def tests_019(session: nox.Session) -> None:
-    """The whole suite on megatron-core 0.19.x (Python 3.12)."""
-    install(session, "0.19")
-    run_tests(session, "0.19", EVERY_TEST)
+def _python312_line_sessions(line: str) -> None:
+    """`tests-<line>` (the whole suite) and `equivalence-<line>` (EQUIVALENCE_TESTS) for a
+    megatron-core line on Python 3.12; written once, as the lines differ only in the pin."""
+
+    def tests(session: nox.Session) -> None:
+        install(session, line)
+        run_tests(session, line, EVERY_TEST)
+
+    def equivalence(session: nox.Session) -> None:
+        install(session, line)
+        run_tests(session, line, EQUIVALENCE_TESTS)
+
+    tests.__doc__ = f"The whole suite on megatron-core {line}.x (Python 3.12)."
+    equivalence.__doc__ = (f"The equivalence, launcher and compatibility tests on megatron-core "
+                           f"{line}.x.")
+    for name, session in (("tests", tests), ("equivalence", equivalence)):
+        nox.session(name=f"{name}-{line}", python=interpreter(LINES[line][0]))(session)
 
 
-@nox.session(name="equivalence-0.19", python=interpreter(LINES["0.19"][0]))
-def equivalence_019(session: nox.Session) -> None:
-    """The equivalence, launcher and compatibility tests on megatron-core 0.19.x."""
-    install(session, "0.19")
-    run_tests(session, "0.19", EQUIVALENCE_TESTS)
-
-
-@nox.session(name="tests-0.18", python=interpreter(LINES["0.18"][0]))
-def tests_018(session: nox.Session) -> None:
-    """The whole suite on megatron-core 0.18.x (Python 3.12)."""
-    install(session, "0.18")
-    run_tests(session, "0.18", EVERY_TEST)
-
-
-@nox.session(name="equivalence-0.18", python=interpreter(LINES["0.18"][0]))
-def equivalence_018(session: nox.Session) -> None:
-    """The equivalence, launcher and compatibility tests on megatron-core 0.18.x."""
-    install(session, "0.18")
-    run_tests(session, "0.18", EQUIVALENCE_TESTS)
-
-
-@nox.session(name="tests-0.17", python=interpreter(LINES["0.17"][0]))
-def tests_017(session: nox.Session) -> None:
-    """The whole suite on megatron-core 0.17.x (Python 3.12)."""
-    install(session, "0.17")
-    run_tests(session, "0.17", EVERY_TEST)
-
-
-@nox.session(name="equivalence-0.17", python=interpreter(LINES["0.17"][0]))
-def equivalence_017(session: nox.Session) -> None:
-    """The equivalence, launcher and compatibility tests on megatron-core 0.17.x."""
-    install(session, "0.17")
-    run_tests(session, "0.17", EQUIVALENCE_TESTS)
+for _line in ("0.19", "0.18", "0.17"):
+    _python312_line_sessions(_line)
