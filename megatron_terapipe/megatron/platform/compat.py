@@ -5,8 +5,8 @@ and 0.19.x (Python 3.12 or newer). Public names are used where they are.
 Everything else the plugin reaches into (a private attribute, a module attribute it replaces,
 a helper whose home moved) goes through a function here that calls `require_tested(touch)`
 first: on an untested megatron-core that raises `UnsupportedMegatronError` naming the touch
-point, the installed version and the supported lines, unless
-`MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON=1` says to try anyway. docs/megatron.md lists every touch point and what moved between the lines;
+point, the installed version and the supported lines, unless ALLOW_UNTESTED_ENV=1 says to try
+anyway. docs/megatron.md lists every touch point and what moved between the lines;
 `python -m megatron_terapipe.megatron.platform.compat_check` runs every check here.
 """
 
