@@ -6,17 +6,19 @@
     nox -s slow-0.16                 # only the `slow` tests (what .ci/run adds to the default)
     nox -s tests-0.19                # megatron-core 0.19.x, Python 3.12 (torch's CUDA build)
     nox -s equivalence-0.19          # 0.19: the equivalence, launcher and compatibility tests
-                                     # (what .ci/run runs after the README's 0.16 command)
     nox -s tests-0.18                # megatron-core 0.18.x, Python 3.12
-    nox -s equivalence-0.18          # 0.18: the same tests as equivalence-0.19 (in .ci/run too)
+    nox -s equivalence-0.18          # 0.18: the same tests as equivalence-0.19
     nox -s tests-0.17                # megatron-core 0.17.x, Python 3.12
-    nox -s equivalence-0.17          # 0.17: the same tests again (in .ci/run too)
+    nox -s equivalence-0.17          # 0.17: the same tests again
+    nox -s equivalence-3.12          # equivalence-0.19, -0.18 and -0.17 in one environment,
+                                     # megatron-core swapped between them (what .ci/run runs)
     nox -s tests-0.19 -- -k launch   # arguments after -- go to pytest
 
 Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
 machine keeps on disk; on 3.12 it downloads the CUDA build, which also runs without a GPU),
 then the plugin with its test extra and the session's megatron-core line, prints what the
-compatibility module finds (`python -m megatron_terapipe.megatron.platform.compat_check`) and runs pytest.
+compatibility module finds (`python -m megatron_terapipe.megatron.platform.compat_check`) and
+runs pytest.
 Virtual environments go to .nox/ (ignored by git). A Python that is not on PATH but installed
 with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_17 / MEGATRON_LM_0_18 /
 MEGATRON_LM_0_19 to a Megatron-LM work tree of the matching release (core_v0.16.1, core_v0.17.1,
@@ -51,11 +53,11 @@ LINES = {
 LINE_EXTRAS = {"0.17": ("pyyaml",), "0.18": ("pyyaml",)}
 #: The smaller 0.17, 0.18 and 0.19 runs: equivalence against Megatron's own schedule, the
 #: launcher and patch on Megatron-LM's argument parser, and the compatibility checks.
-EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py", "tests/test_moe_losses.py",
-                     "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
-                     "tests/test_compat.py", "tests/test_attention_features.py",
-                     "tests/test_schedule_fields.py", "tests/test_moe_router_fields.py",
-                     "tests/test_gpt_model_fields.py",
+EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py",
+                     "tests/test_moe_losses.py", "tests/test_virtual_runs.py",
+                     "tests/test_random_virtual_runs.py", "tests/test_compat.py",
+                     "tests/test_attention_features.py", "tests/test_schedule_fields.py",
+                     "tests/test_moe_router_fields.py", "tests/test_gpt_model_fields.py",
                      "tests/test_compat_megatron_lm.py", "tests/test_stage_layers.py")
 
 
@@ -72,11 +74,19 @@ def interpreter(version: str) -> str:
     return found[-1] if found else version
 
 
-def install(session: nox.Session, line: str) -> None:
-    session.install("torch==2.13.0")
-    session.install("-e", ".[test]", LINES[line][1], *LINE_EXTRAS.get(line, ()))
-    session.run("python", "-c", "import torch, megatron.core as m; "
-                "print('torch', torch.__version__, '| megatron-core', m.__version__)")
+def install(session: nox.Session, line: str, plugin: bool = True) -> None:
+    """torch, the plugin (unless `plugin` is False: already there) and megatron-core `line`,
+    then a check that `line` is what imports (`nox -R` skips the installs)."""
+    if plugin:
+        session.install("torch==2.13.0")
+        session.install("-e", ".[test]", LINES[line][1], *LINE_EXTRAS.get(line, ()))
+    else:
+        session.install(LINES[line][1], *LINE_EXTRAS.get(line, ()))
+    session.run("python", "-c", "import sys, torch, megatron.core as m; "
+                "print('torch', torch.__version__, '| megatron-core', m.__version__); "
+                f"sys.exit(0 if m.__version__.startswith('{line}.') else 'megatron-core ' "
+                f"+ m.__version__ + ' is installed, not {line}.x: run this session without -R "
+                "(it installs its line)')")
     session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.platform.compat_check")
 
 
@@ -126,5 +136,18 @@ def _python312_line_sessions(line: str) -> None:
         nox.session(name=f"{name}-{line}", python=interpreter(LINES[line][0]))(session)
 
 
-for _line in ("0.19", "0.18", "0.17"):
+#: The lines on Python 3.12, newest first.
+PYTHON312_LINES = tuple(sorted((line for line, (python, _) in LINES.items() if python == "3.12"),
+                               key=lambda line: tuple(map(int, line.split("."))), reverse=True))
+for _line in PYTHON312_LINES:
     _python312_line_sessions(_line)
+
+
+@nox.session(name="equivalence-3.12", python=interpreter("3.12"))
+def equivalence_python312(session: nox.Session) -> None:
+    """EQUIVALENCE_TESTS on every Python 3.12 line, newest first, in one environment: torch's
+    CUDA build (about 5 GB) installed once, megatron-core and its extras swapped between the
+    lines (pip downgrades it in place). What .ci/run runs."""
+    for line in PYTHON312_LINES:
+        install(session, line, plugin=line == PYTHON312_LINES[0])
+        run_tests(session, line, EQUIVALENCE_TESTS)

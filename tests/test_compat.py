@@ -172,3 +172,7 @@ def test_the_pin_admits_exactly_the_tested_lines():
     for version in ("0.15.3", "0.20.0"):
         assert not pin.specifier.contains(version), version
     assert sorted(compat.TESTED_LINES) == [(0, 16), (0, 17), (0, 18), (0, 19)]
+    # The sentence every refusal quotes names each tested line and the Python it needs.
+    for (major, minor), python in compat.TESTED_LINES.items():
+        assert f"{major}.{minor}.x" in compat.SUPPORTED, (major, minor)
+        assert f"Python {python} or newer" in compat.SUPPORTED, python
