@@ -5,8 +5,9 @@ The executor announces the cell it is running (context.py). While it runs, every
 and attends over the whole prefix with a bottom-right causal mask.
 
 Gradients, computed once per node (no retain_graph):
-- Each (sequence, layer) has one K/V buffer. A slice writes its K/V at its offset and attends
-  over the buffer's prefix (a view: no concatenation, one copy in memory).
+- Each (sequence, layer) of more than one slice has one K/V buffer. A slice writes its K/V at
+  its offset and attends over the buffer's prefix (a view: no concatenation, one copy in
+  memory). A sequence of one slice needs none: it attends over its own K/V, as Megatron does.
 - `_PrefixView`'s backward adds the earlier tokens' share of dK/dV to the buffer's gradient and
   returns the slice's own share plus what later slices added for its tokens. Backward runs
   slices in reverse, so by the time slice t runs its backward, every later slice has added its
@@ -87,6 +88,10 @@ class SliceAttention(torch.nn.Module):
         if active is None:
             return key, value
         cell = active.cell
+        if cell.num_token_slices == 1:
+            # A whole sequence: no earlier slice to read, no later one to serve, so no buffer
+            # (its copies, zeroed gradients and prefix sums): plain causal attention.
+            return key, value
         buf = active.cache.buffer(cell, self.layer_id, key)
         start = cell.token_start
         if active.phase == "forward":

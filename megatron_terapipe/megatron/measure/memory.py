@@ -108,20 +108,20 @@ def _slice_bytes(stage: _Stage, meter, r: int, t: int, c: int) -> float:
 
     gc.collect()  # what earlier runs left behind goes now, not during this one
     cache, kept = KVCache(seq_length=t + c), []
-    n = 2 if c else 1
     if c:
-        with running_cell(Cell(0, 0, 0, 0, r, 0, c, n), cache, "forward"):
+        with running_cell(Cell(0, 0, 0, 0, r, 0, c, 2), cache, "forward"):
             kept.append(stage.forward(r, 0, c))
     before = meter.live_bytes
-    with running_cell(Cell(0, 0, n - 1, 0, r, c, t, n), cache, "forward"):
+    # one of two slices: the K/V buffers' path (a sequence of one slice has none)
+    with running_cell(Cell(0, 0, 1 if c else 0, 0, r, c, t, 2), cache, "forward"):
         kept.append(stage.forward(r, c, t))  # its graph stays while we read the meter
     return float(meter.live_bytes - before - (cache.live_bytes() if c == 0 else 0))
 
 
 def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dict[str, float]:
-    """A sequence of one slice, forward and backward (weight gradients deferred or not): its
-    K/V buffer bytes per row, token and layer, the share of its activations the backward freed
-    before the first K/V gradient buffer, and what it left for the W action. The share is the
+    """A first slice of t tokens run alone, forward and backward (weight gradients deferred or
+    not): its K/V buffer bytes per row, token and layer, the share of its activations the
+    backward freed before the first K/V gradient buffer, and what it left for the W action. The share is the
     smaller of what was gone when the first K/V gradient buffer came and what the backward's
     highest point leaves for the planner's walk, which puts the peak right after the K/V
     gradients (the input-gradient GEMMs' outputs and the pieces kept for the W action can
@@ -132,7 +132,8 @@ def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dic
 
     gc.collect()
     cache, store = KVCache(seq_length=t), WeightGradStore() if deferred else None
-    cell, start = Cell(0, 0, 0, 0, r, 0, t, 1), meter.live_bytes
+    # one of two slices: the K/V buffers' path (a sequence of one slice has none)
+    cell, start = Cell(0, 0, 0, 0, r, 0, t, 2), meter.live_bytes
     with running_cell(cell, cache, "forward", wgrad=store):
         root, grad = stage.forward(r, 0, t)
     buffers = cache.live_bytes()

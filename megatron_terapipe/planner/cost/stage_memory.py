@@ -9,7 +9,9 @@ What a stage keeps, as the runtime keeps it (runtime/kv_cache.py, runtime/attent
 - one K/V buffer per (sequence, layer), sized to the whole sequence, from the forward of the
   sequence's first token slice until the backward of that slice (the last to read it); the
   K/V gradient buffers, as large, from the sequence's first backward (its last slice's) until
-  then too;
+  then too (a sequence of one slice has no buffers: its K and V are saved with its other
+  activations and their gradients live within a layer's backward, as in Megatron's
+  attention; the walk counts its K/V as for a buffer, and no gradient buffers);
 - with deferred weight gradients, the linear layers' inputs and output gradients from a
   backward until its sequence's W action.
 Megatron's own schedules run whole microbatches through Megatron's attention, which keeps its

@@ -96,6 +96,10 @@ class MemoryWalk:
         """`what` (cell, kv, kv_grad, hold, whole, rise, slice_rise, whole_rise) of `cell` on
         this stage, cached. rise: a backward that allocates the sequence's K/V gradients (its
         last slice's); slice_rise: any other backward."""
+        if cell.num_token_slices == 1 and what in ("kv_grad", "rise"):
+            # A sequence of one slice has no K/V buffers (runtime/attention.py): its K/V
+            # gradients live within a layer's backward, as in Megatron's attention.
+            return 0.0 if what == "kv_grad" else self.cell_value("slice_rise", cell)
         first, last, layers = (self._stage_where if type(cell) is Cell else self._where(cell))
         seq = self.seq_lengths[cell.batch_slice]
         key = _KEYS[what](cell.rows, cell.tokens, cell.context, seq, first, last, layers,
