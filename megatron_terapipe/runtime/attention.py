@@ -90,8 +90,10 @@ class SliceAttention(torch.nn.Module):
         cell = active.cell
         if cell.num_token_slices == 1:
             # A whole sequence: no earlier slice to read, no later one to serve, so no buffer
-            # (its copies, zeroed gradients and prefix sums): plain causal attention.
-            return key, value
+            # (its zeroed gradients and prefix sums): plain causal attention. Its K and V are
+            # copied as into a buffer: a view of the QKV projection's output saved for
+            # backward would keep all of that output alive.
+            return key.contiguous(), value.contiguous()
         buf = active.cache.buffer(cell, self.layer_id, key)
         start = cell.token_start
         if active.phase == "forward":

@@ -12,7 +12,8 @@ both measured or estimated without recomputation) and answers for the run with i
   activations, one input per group, and its edges (embedding, output layer) as before;
 - TeraPipe's K/V buffers stay whole (the slice attention's cache holds every layer's K/V for
   the later slices, recomputed or not; a rerun rewrites its own slice), while Megatron's
-  attention keeps its K/V among the activations, so a recomputed layer drops them;
+  attention, and TeraPipe's on a sequence of one slice (no buffer), keeps its K/V among the
+  activations, so a recomputed layer drops them;
 - a backward's highest point walks the chunk's layers from the top, as the backward runs
   them: a group's activations come back at its top layer, each layer frees its share before
   its K/V gradients appear (StageMemory.backward_rise) and the rest after.
@@ -103,6 +104,11 @@ class RecomputedMemory(StageMemory):
 
     def kv_grad_bytes(self, rows, seq_length, layers=None):
         return self.inner.kv_grad_bytes(rows, seq_length, layers)
+
+    def whole_sequence_kv_bytes(self, rows, seq_length, layers=None):
+        _, n, _, recomputed = self._chunk(layers)
+        kv = self.inner.whole_sequence_kv_bytes(rows, seq_length, layers)
+        return kv * (n - recomputed) / n  # kept with its layers' activations, as Megatron's
 
     def wgrad_hold_bytes(self, rows, tokens, first, last, layers=None):
         return self.inner.wgrad_hold_bytes(rows, tokens, first, last, layers)

@@ -11,7 +11,7 @@ What a stage keeps, as the runtime keeps it (runtime/kv_cache.py, runtime/attent
   K/V gradient buffers, as large, from the sequence's first backward (its last slice's) until
   then too (a sequence of one slice has no buffers: its K and V are saved with its other
   activations and their gradients live within a layer's backward, as in Megatron's
-  attention; the walk counts its K/V as for a buffer, and no gradient buffers);
+  attention; the walk counts its K/V as `whole_sequence_kv_bytes`, and no gradient buffers);
 - with deferred weight gradients, the linear layers' inputs and output gradients from a
   backward until its sequence's W action.
 Megatron's own schedules run whole microbatches through Megatron's attention, which keeps its
@@ -73,6 +73,12 @@ class StageMemory(ABC):
 
     def kv_grad_bytes(self, rows: int, seq_length: int, layers: Optional[float] = None) -> float:
         """One sequence's K/V gradient buffers: as large as its K/V."""
+        return self.kv_buffer_bytes(rows, seq_length, layers)
+
+    def whole_sequence_kv_bytes(self, rows: int, seq_length: int,
+                                layers: Optional[float] = None) -> float:
+        """The K/V a sequence of one slice keeps: no buffer, the copies its attention saves
+        (as large; recomputation drops a recomputed layer's, recompute_memory.py)."""
         return self.kv_buffer_bytes(rows, seq_length, layers)
 
     def wgrad_hold_bytes(self, rows: int, tokens: int, first: bool, last: bool,

@@ -50,6 +50,7 @@ class StagePeaks:
 _KEYS = {
     "cell": lambda r, t, c, s, f, l, n, d: ("cell", r, t, c, f, l, n),
     "kv": lambda r, t, c, s, f, l, n, d: ("kv", r, s, n),
+    "whole_kv": lambda r, t, c, s, f, l, n, d: ("whole_kv", r, s, n),
     "kv_grad": lambda r, t, c, s, f, l, n, d: ("kv_grad", r, s, n),
     "hold": lambda r, t, c, s, f, l, n, d: ("hold", r, t, f, l, n),
     "whole": lambda r, t, c, s, f, l, n, d: ("whole", r, t, f, l, n),
@@ -93,13 +94,14 @@ class MemoryWalk:
         return self.stage == 0, self.stage == K - 1, None
 
     def cell_value(self, what: str, cell: Cell) -> float:
-        """`what` (cell, kv, kv_grad, hold, whole, rise, slice_rise, whole_rise) of `cell` on
-        this stage, cached. rise: a backward that allocates the sequence's K/V gradients (its
-        last slice's); slice_rise: any other backward."""
-        if cell.num_token_slices == 1 and what in ("kv_grad", "rise"):
-            # A sequence of one slice has no K/V buffers (runtime/attention.py): its K/V
-            # gradients live within a layer's backward, as in Megatron's attention.
-            return 0.0 if what == "kv_grad" else self.cell_value("slice_rise", cell)
+        """`what` (cell, kv, whole_kv, kv_grad, hold, whole, rise, slice_rise, whole_rise) of
+        `cell` on this stage, cached. rise: a backward that allocates the sequence's K/V
+        gradients (its last slice's); slice_rise: any other backward."""
+        if cell.num_token_slices == 1 and what in ("kv", "kv_grad", "rise"):
+            # A sequence of one slice has no K/V buffers (runtime/attention.py): its attention
+            # saves its K/V, and their gradients live within a layer's backward, as Megatron's.
+            return (0.0 if what == "kv_grad" else
+                    self.cell_value("whole_kv" if what == "kv" else "slice_rise", cell))
         first, last, layers = (self._stage_where if type(cell) is Cell else self._where(cell))
         seq = self.seq_lengths[cell.batch_slice]
         key = _KEYS[what](cell.rows, cell.tokens, cell.context, seq, first, last, layers,
@@ -110,6 +112,7 @@ class MemoryWalk:
             value = {
                 "cell": lambda: m.cell_bytes(cell.rows, cell.tokens, cell.context, first, last, layers),
                 "kv": lambda: m.kv_buffer_bytes(cell.rows, seq, layers),
+                "whole_kv": lambda: m.whole_sequence_kv_bytes(cell.rows, seq, layers),
                 "kv_grad": lambda: m.kv_grad_bytes(cell.rows, seq, layers),
                 "hold": lambda: m.wgrad_hold_bytes(cell.rows, cell.tokens, first, last, layers),
                 "whole": lambda: m.microbatch_bytes(cell.rows, cell.tokens, first, last, layers),
