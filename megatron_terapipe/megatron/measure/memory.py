@@ -121,11 +121,11 @@ def _slice_bytes(stage: _Stage, meter, r: int, t: int, c: int) -> float:
 def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dict[str, float]:
     """A first slice of t tokens run alone, forward and backward (weight gradients deferred or
     not): its K/V buffer bytes per row, token and layer, the share of its activations the
-    backward freed before the first K/V gradient buffer, and what it left for the W action. The share is the
-    smaller of what was gone when the first K/V gradient buffer came and what the backward's
-    highest point leaves for the planner's walk, which puts the peak right after the K/V
-    gradients (the input-gradient GEMMs' outputs and the pieces kept for the W action can
-    top it later in the layer)."""
+    backward freed before the first K/V gradient buffer, and what it left for the W action.
+    The share is the smaller of what was gone when the first K/V gradient buffer came and what
+    the backward's highest point leaves for the planner's walk, which puts the peak right
+    after the K/V gradients (the input-gradient GEMMs' outputs and the pieces kept for the W
+    action can top it later in the layer)."""
     from ...runtime.context import running_cell
     from ...runtime.kv_cache import KVCache
     from ...runtime.wgrad.store import WeightGradStore
