@@ -15,10 +15,10 @@ What it runs, with Megatron-LM's own code wherever the drop-in touches it:
 1. `megatron_terapipe.megatron.launch.install_hooks()`, then Megatron-LM's `megatron.training.training` is
    imported: its module-level `get_forward_backward_func` must be the patched one.
 2. Megatron-LM's `parse_args` (called as the release calls it: through `initialize_megatron`'s
-   names on 0.16 and 0.17, through `parse_and_validate_args` on 0.18 and 0.19, with pretrain_gpt.py's own
-   extra_args_provider) accepts --pipeline-schedule terapipe --terapipe-slices ... (argparse
-   would refuse a flag of ours that collides with one of Megatron-LM's); Megatron-LM's
-   `validate_args` then runs our validation and selects TeraPipe.
+   names on 0.16 and 0.17, through `parse_and_validate_args` on 0.18 and 0.19, with
+   pretrain_gpt.py's own extra_args_provider) accepts --pipeline-schedule terapipe
+   --terapipe-slices ... (argparse would refuse a flag of ours that collides with one of
+   Megatron-LM's); Megatron-LM's `validate_args` then runs our validation and selects TeraPipe.
 3. The GPT model comes from pretrain_gpt.py's model_provider + gpt_builder with Megatron's stock
    local layer spec: the hook must give it slice-aware attention.
 4. Batches come from pretrain_gpt.py's train_valid_test_datasets_provider (MockGPTDataset, with

@@ -6,8 +6,9 @@ For each configuration TeraPipe (4 token slices) either logs the same lm loss an
 Megatron's own schedule at every iteration and the same validation loss (relative 1e-5), or
 stops before its first iteration with TeraPipe's argument error naming the flag and the way
 out; and two runs with the planner's own plans, whose W actions it places. Runs only with a
-Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1, core_v0.17.1, core_v0.18.2 or core_v0.19.0) and
-`triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of results.
+Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1, core_v0.17.1, core_v0.18.2 or
+core_v0.19.0) and `triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of
+results.
 """
 
 from __future__ import annotations
