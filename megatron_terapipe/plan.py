@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from .plan_fields import as_int_tuple as _as_int_tuple, checked_layout
+from .plan_fields import as_int_tuple as _as_int_tuple, checked_edges, checked_layout, \
+    checked_wgrad_points
 
 TokenSlices = Union[Sequence[int], Sequence[Sequence[int]]]
 
@@ -68,6 +69,9 @@ class TeraPipePlan:
         runtime refuses it, schedule/actions.py). chunk_layers: layers of each chunk when they
         differ (e.g. (2, 3) for a stage of 5 layers on 2 chunks; empty: equal chunks;
         planned and simulated only).
+    edge_slices: ((n, slices), (m, slices)): the first n and last m microbatches cut into these
+        token slices, the others whole (seq_slices of one slice; order 1f1b then keeps K - k
+        sequences in flight on stage k, as Megatron's): they fill and drain the pipeline.
     """
 
     seq_slices: TokenSlices
@@ -82,6 +86,7 @@ class TeraPipePlan:
     wgrad_after: Sequence[Sequence[int]] = ()
     virtual_placement: str = "ring"
     chunk_layers: Sequence[int] = ()
+    edge_slices: Sequence = ()
     token_slices: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=True)
 
     def __post_init__(self) -> None:
@@ -136,34 +141,14 @@ class TeraPipePlan:
             )
         object.__setattr__(self, "batch_slices", batch)
         object.__setattr__(self, "token_slices", token_slices)
-        object.__setattr__(self, "wgrad_points", self._checked_wgrad_points(token_slices))
+        object.__setattr__(self, "wgrad_points", checked_wgrad_points(self, token_slices))
+        object.__setattr__(self, "edge_slices", checked_edges(self))
         for name, value in zip(("virtual_stages", "wgrad_after", "chunk_layers"), checked_layout(self)):
             object.__setattr__(self, name, value)
         if per_batch is None:
             object.__setattr__(self, "seq_slices", flat)
         else:
             object.__setattr__(self, "seq_slices", per_batch)
-
-    def _checked_wgrad_points(self, token_slices) -> tuple[tuple[int, ...], ...]:
-        raw = self.wgrad_points or ()
-        if isinstance(raw, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in raw):
-            raise ValueError(
-                f"TeraPipePlan.wgrad_points must be one list of token slices per stage, got {raw!r}")
-        points = tuple(tuple(sorted(set(_as_int_tuple(p, "wgrad_points[k]")))) for p in raw)
-        while points and not points[-1]:
-            points = points[:-1]
-        if points and not self.defer_wgrad:
-            raise ValueError("TeraPipePlan.wgrad_points needs defer_wgrad=True (they place "
-                             "extra W actions for deferred weight gradients)")
-        most = max(len(ts) for ts in token_slices)
-        for k, p in enumerate(points):
-            bad = [j for j in p if not 0 < j < most]
-            if bad:
-                raise ValueError(
-                    f"TeraPipePlan.wgrad_points for stage {k} name token slices {bad}; they "
-                    f"must be between 1 and {most - 1} (slice 0's backward always ends with "
-                    "a W action)")
-        return points
 
     @property
     def chunk_shares(self) -> Optional[tuple[float, ...]]:
@@ -207,13 +192,8 @@ class TeraPipePlan:
         return self.wgrad_points[stage] if stage < len(self.wgrad_points) else ()
 
     # ---- derived sizes -------------------------------------------------------------------
-    @property
-    def seq_length(self) -> int:
-        return sum(self.token_slices[0])
-
-    @property
-    def num_batch_slices(self) -> int:
-        return len(self.token_slices)
+    seq_length = property(lambda self: sum(self.token_slices[0]))
+    num_batch_slices = property(lambda self: len(self.token_slices))
 
     @property
     def uniform_token_slicing(self) -> bool:
@@ -225,8 +205,20 @@ class TeraPipePlan:
 
     @property
     def num_cells(self) -> int:
-        """Cells per microbatch."""
+        """Cells per microbatch (of microbatches that edge_slices does not cut)."""
         return sum(len(ts) for ts in self.token_slices)
+
+    def slices_of(self, microbatch: int, num_microbatches: int) -> tuple[tuple[int, ...], ...]:
+        """Token slices per batch slice of one microbatch: edge_slices' for the first and
+        last ones, token_slices for the others."""
+        (first, head), (last, tail) = self.edge_slices or ((0, ()), (0, ()))
+        if microbatch < first:
+            return (head,)
+        return (tail,) if last and microbatch >= num_microbatches - last else self.token_slices
+
+    def cells_of(self, microbatch: int, num_microbatches: int) -> int:
+        """Cells of one microbatch (`slices_of`)."""
+        return sum(map(len, self.slices_of(microbatch, num_microbatches)))
 
     # ---- checks against a run ------------------------------------------------------------
     def validate(self, seq_length: int, micro_batch_size: int, multiple_of: int = 1) -> None:
@@ -240,11 +232,12 @@ class TeraPipePlan:
                 f"{sum(self.batch_slices)} rows but micro_batch_size is {micro_batch_size}: "
                 f"make batch_slices sum to {micro_batch_size}"
             )
-        grid.check_tp_multiple(self.token_slices)
+        self.check_multiple_of(multiple_of)
 
     def check_multiple_of(self, multiple_of: int) -> None:
         """Sequence parallelism splits every slice over the tensor-parallel ranks."""
-        SliceGrid(tp_multiple=max(1, multiple_of)).check_tp_multiple(self.token_slices)
+        SliceGrid(tp_multiple=max(1, multiple_of)).check_tp_multiple(
+            self.token_slices + tuple(ts for _, ts in self.edge_slices))
 
     # ---- construction and serialisation ----------------------------------------------------
     @classmethod
@@ -269,7 +262,8 @@ class TeraPipePlan:
                 ("virtual_warmup", self.virtual_warmup, None),
                 ("wgrad_after", [list(p) for p in self.wgrad_after], []),
                 ("virtual_placement", self.virtual_placement, "ring"),
-                ("chunk_layers", list(self.chunk_layers), [])) if v != default},
+                ("chunk_layers", list(self.chunk_layers), []),
+                ("edge_slices", [[n, list(ts)] for n, ts in self.edge_slices], [])) if v != default},
         }
 
     @classmethod
@@ -283,7 +277,8 @@ class TeraPipePlan:
                    virtual_warmup=data.get("virtual_warmup"),
                    wgrad_after=data.get("wgrad_after") or (),
                    virtual_placement=data.get("virtual_placement", "ring"),
-                   chunk_layers=data.get("chunk_layers") or ())
+                   chunk_layers=data.get("chunk_layers") or (),
+                   edge_slices=data.get("edge_slices") or ())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -296,6 +291,8 @@ class TeraPipePlan:
         if self.wgrad_points:
             wgrad += f" ({self.early_w_text()})"
         wgrad += " (W placed)" if self.wgrad_after else ""
+        parts += [f"{w} {n} microbatches: {list(ts)}" for w, (n, ts) in zip(("first", "last"),
+                                                                            self.edge_slices) if n]
         return f"order={self.order}{self.chunks_text()}; wgrad={wgrad}; " + "; ".join(parts)
 
     def chunks_text(self) -> str:

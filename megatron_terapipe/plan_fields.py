@@ -1,5 +1,6 @@
 """Checks of TeraPipePlan's fields that plan.py runs when a plan is made (kept apart so that
-plan.py stays readable): whole numbers, and the virtual-stage and W-placement fields."""
+plan.py stays readable): whole numbers, early W points, edge slicing, and the virtual-stage and
+W-placement fields."""
 
 from __future__ import annotations
 
@@ -18,6 +19,55 @@ def as_int_tuple(values, what: str) -> tuple[int, ...]:
         if isinstance(raw, float) and raw != int(raw):
             raise ValueError(f"{what} must be whole numbers, got {raw!r}")
     return out
+
+
+def checked_wgrad_points(plan, token_slices) -> tuple[tuple[int, ...], ...]:
+    """wgrad_points: per stage, sorted token slices between 1 and the most slices - 1."""
+    raw = plan.wgrad_points or ()
+    if isinstance(raw, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in raw):
+        raise ValueError(
+            f"TeraPipePlan.wgrad_points must be one list of token slices per stage, got {raw!r}")
+    points = tuple(tuple(sorted(set(as_int_tuple(p, "wgrad_points[k]")))) for p in raw)
+    while points and not points[-1]:
+        points = points[:-1]
+    if points and not plan.defer_wgrad:
+        raise ValueError("TeraPipePlan.wgrad_points needs defer_wgrad=True (they place "
+                         "extra W actions for deferred weight gradients)")
+    most = max(len(ts) for ts in token_slices)
+    for k, p in enumerate(points):
+        bad = [j for j in p if not 0 < j < most]
+        if bad:
+            raise ValueError(
+                f"TeraPipePlan.wgrad_points for stage {k} name token slices {bad}; they "
+                f"must be between 1 and {most - 1} (slice 0's backward always ends with "
+                "a W action)")
+    return points
+
+
+def checked_edges(plan) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """edge_slices: ((first microbatches, their token slices), (last microbatches, theirs)),
+    on a plan of whole sequences on one chunk per rank in the 1f1b order (the order then
+    counts sequences in flight: schedule/orders.py)."""
+    raw = plan.edge_slices or ()
+    if not raw:
+        return ()
+    what = "TeraPipePlan.edge_slices"
+    if isinstance(raw, (str, bytes)) or len(raw) != 2 or not all(
+            isinstance(e, (list, tuple)) and len(e) == 2 for e in raw):
+        raise ValueError(f"{what} must be ((first microbatches, [token slices]), (last "
+                         f"microbatches, [token slices])), got {raw!r}")
+    edges = tuple((as_int_tuple([n], what)[0], as_int_tuple(ts, what)) for n, ts in raw)
+    seq = sum(plan.token_slices[0])
+    if len(plan.token_slices) != 1 or len(plan.token_slices[0]) != 1 or plan.virtual_stages != 1 \
+            or plan.order != "1f1b" or plan.wgrad_points:
+        raise ValueError(f"{what} cut the first and last microbatches of a plan of whole "
+                         "sequences: use seq_slices=[sequence length], no batch slices, "
+                         "virtual_stages=1, order '1f1b' and no wgrad_points with them")
+    for n, ts in edges:
+        if n < 0 or not ts or min(ts) < 1 or sum(ts) != seq:
+            raise ValueError(f"{what} must name 0 or more microbatches and positive token "
+                             f"slices that sum to the sequence length {seq}, got {raw!r}")
+    return edges if any(n for n, _ in edges) else ()
 
 
 def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...], tuple[int, ...]]:

@@ -302,7 +302,7 @@ class StageExecutor:
         last = last_virtual_stage(cell, self.stage, self.schedule.num_stages)
         if last:
             microbatch_done = self.forwarded.get((_chunk(cell), cell.microbatch), 0) + 1 == \
-                self.schedule.plan.num_cells
+                self._cells_of(cell)
             self.loss.record(cell, output, loss_func, microbatch_done)
         else:
             self._check_output(cell, output)
@@ -319,8 +319,12 @@ class StageExecutor:
         data of that microbatch goes."""
         key = (_chunk(cell), cell.microbatch)
         self.forwarded[key] = self.forwarded.get(key, 0) + 1
-        if self.forwarded[key] == self.schedule.plan.num_cells:
+        if self.forwarded[key] == self._cells_of(cell):
             self.chunk_data[key[0]].release(cell.microbatch)
+
+    def _cells_of(self, cell: Cell) -> int:
+        """Cells of the cell's microbatch (a plan's edge_slices cut some differently)."""
+        return self.schedule.plan.cells_of(cell.microbatch, self.schedule.num_microbatches)
 
     def _check_output(self, cell: Cell, output: Any) -> None:
         expected = self.activation_shape(cell)

@@ -347,12 +347,18 @@ class ScheduleError(ValueError):
 
 
 def microbatch_cells(plan: TeraPipePlan, microbatch: int, micro_batch_size: int,
-                     chunk: Optional[int] = None) -> list[Cell]:
+                     chunk: Optional[int] = None,
+                     num_microbatches: Optional[int] = None) -> list[Cell]:
     """Cells of one microbatch in forward order: batch slice by batch slice, tokens in order.
-    `chunk`: the VirtualCells of that model chunk (plans with virtual stages)."""
+    `chunk`: the VirtualCells of that model chunk (plans with virtual stages).
+    `num_microbatches`: of the iteration, which a plan with edge_slices needs."""
+    if plan.edge_slices and num_microbatches is None:
+        raise ValueError("a plan with edge_slices cuts microbatches by their place in the "
+                         "iteration: give num_microbatches")
+    slicing = plan.slices_of(microbatch, num_microbatches or 0)
     cells = []
     row = 0
-    for b, (rows, token_slices) in enumerate(zip(plan.rows(micro_batch_size), plan.token_slices)):
+    for b, (rows, token_slices) in enumerate(zip(plan.rows(micro_batch_size), slicing)):
         start = 0
         for t, length in enumerate(token_slices):
             if chunk is None:
@@ -370,6 +376,7 @@ def microbatch_cells_all(plan: TeraPipePlan, num_microbatches: int, micro_batch_
     """Every cell a stage runs: per microbatch, and with virtual stages per chunk (chunk-major
     within a microbatch)."""
     if plan.virtual_stages == 1:
-        return [c for m in range(num_microbatches) for c in microbatch_cells(plan, m, micro_batch_size)]
+        return [c for m in range(num_microbatches)
+                for c in microbatch_cells(plan, m, micro_batch_size, None, num_microbatches)]
     return [c for m in range(num_microbatches) for chunk in range(plan.virtual_stages)
-            for c in microbatch_cells(plan, m, micro_batch_size, chunk)]
+            for c in microbatch_cells(plan, m, micro_batch_size, chunk, num_microbatches)]

@@ -20,8 +20,8 @@ def build_schedule(plan: TeraPipePlan, num_microbatches: int, num_stages: int,
     _check_sizes(plan, num_microbatches, num_stages, micro_batch_size)
     V = plan.virtual_stages
     chunks = [None] if V == 1 else list(range(V))
-    per_chunk = [[microbatch_cells(plan, m, micro_batch_size, c) for m in range(num_microbatches)]
-                 for c in chunks]
+    per_chunk = [[microbatch_cells(plan, m, micro_batch_size, c, num_microbatches)
+                  for m in range(num_microbatches)] for c in chunks]
     # Every stage shares the same Action objects (stages differ in order only).
     forwards = [[[Action(ActionKind.F, c) for c in cells] for cells in per_mb] for per_mb in per_chunk]
     backwards = [[[Action(ActionKind.B, f.cell) for f in fs] for fs in per_mb] for per_mb in forwards]

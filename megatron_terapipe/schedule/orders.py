@@ -42,7 +42,10 @@ def one_forward_one_backward(forwards: PerMicrobatch, backwards: PerMicrobatch, 
     alternates one forward and one backward, then drains the backwards. Backwards go
     microbatch by microbatch, each microbatch's cells in reverse. Because the warm-up covers a
     whole microbatch, the last stage knows a microbatch's total token count before it runs the
-    first backward of that microbatch (exact loss normalisation)."""
+    first backward of that microbatch (exact loss normalisation). Microbatches cut into
+    different numbers of cells (a plan's edge_slices) take `sequences_in_flight`."""
+    if len({len(cells) for cells in forwards}) > 1:
+        return sequences_in_flight(forwards, backwards, stage, num_stages)
     flat_forwards = [f for cells in forwards for f in cells]
     flat_backwards = [b for cells in backwards for b in reversed(cells)]
     warmup = min(len(flat_forwards), len(forwards[0]) - 1 + (num_stages - stage - 1))
@@ -51,6 +54,32 @@ def one_forward_one_backward(forwards: PerMicrobatch, backwards: PerMicrobatch, 
     for f, b in zip(flat_forwards[warmup:], flat_backwards[:steady]):
         order += [f, b]
     return order + flat_backwards[steady:]
+
+
+def sequences_in_flight(forwards: PerMicrobatch, backwards: PerMicrobatch, stage: int,
+                        num_stages: int) -> list:
+    """1F1B counted in sequences, for microbatches cut differently: stage k runs a forward
+    while it keeps at most K - k sequences' tokens in flight (Megatron's 1F1B for whole
+    sequences), else the next backward. A sequence counts until its first slice's backward
+    (its W frees the slices' activations together); before the backward of a cut sequence,
+    one slice fewer, which its K/V gradients take. A microbatch's forwards all run before
+    its first backward."""
+    flat_forwards = [f for cells in forwards for f in cells]
+    flat_backwards = [b for cells in backwards for b in reversed(cells)]
+    whole = sum(f.cell.tokens for f in forwards[0])
+    order, in_flight, i = [], 0, 0
+    for b in flat_backwards:
+        limit = (num_stages - stage) * whole - (b.cell.tokens if b.cell.num_token_slices > 1 else 0)
+        while i < len(flat_forwards) and (
+                flat_forwards[i].cell.microbatch <= b.cell.microbatch
+                or in_flight + flat_forwards[i].cell.tokens <= limit):
+            order.append(flat_forwards[i])
+            in_flight += flat_forwards[i].cell.tokens
+            i += 1
+        order.append(b)
+        if b.cell.token_slice == 0:
+            in_flight -= whole
+    return order + flat_forwards[i:]
 
 
 #: per chunk, per microbatch, its actions in forward cell order: [chunk][microbatch][cell]

@@ -99,11 +99,12 @@ def forward_backward_terapipe(
 def _transport_and_memory(models: list, config, device: torch.device, plan: TeraPipePlan,
                           num_microbatches: int, groups, micro_batch_size: int,
                           forward_only: bool, p2p_communicator):
-    """The stage's transport (a ring with virtual stages) and the plan's schedule and buffers,
-    with each chunk's MoE loss counters started for the iteration."""
+    """The stage's transport (a ring with virtual stages; sends that do not wait for an
+    edge-sliced plan) and the plan's schedule and buffers, with each chunk's MoE loss counters
+    started for the iteration."""
     pp = groups.pp
     transport = make_transport(pp, config, device, p2p_communicator, ring=len(models) > 1,
-                               tp_group=groups.tp)
+                               tp_group=groups.tp, sends_wait=not plan.edge_slices)
     memory = plan_memory(models[0], config, device, plan, num_microbatches,
                          pp.size() if pp is not None else 1, micro_batch_size, forward_only,
                          transport.lowering)

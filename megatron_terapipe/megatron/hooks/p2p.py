@@ -103,15 +103,17 @@ def check_shared_link(lowered: LoweredSchedule) -> None:
 
 
 def make_transport(pp_group, config, device: torch.device, p2p_communicator=None,
-                   ring: bool = False, tp_group=None) -> Transport:
+                   ring: bool = False, tp_group=None, sends_wait: bool = True) -> Transport:
     """Megatron's communicator where it works (CUDA), the device-aware torch path elsewhere;
     no transport for a one-stage pipeline. `ring`: virtual stages, where the last stage sends
     forward to the first (its next model chunk) and the first backward to the last. With
     config.terapipe.scatter_gather and TP > 1, each message goes over it in TP parts, gathered
-    in `tp_group` (runtime/scatter_gather.py; the rules refuse it with sequence parallelism)."""
+    in `tp_group` (runtime/scatter_gather.py; the rules refuse it with sequence parallelism).
+    sends_wait=False: Megatron's communicator sends as on the ring, without waiting for the
+    receiver (edge-sliced plans: a stage sends ahead of its neighbour's receives)."""
     from .selection import run_config
 
-    transport = _stage_transport(pp_group, config, device, p2p_communicator, ring)
+    transport = _stage_transport(pp_group, config, device, p2p_communicator, ring, sends_wait)
     if (run_config(config).scatter_gather and tp_group is not None and tp_group.size() > 1
             and pp_group is not None and pp_group.size() > 1):
         return ScatterGatherTransport(transport, tp_group)
@@ -119,7 +121,7 @@ def make_transport(pp_group, config, device: torch.device, p2p_communicator=None
 
 
 def _stage_transport(pp_group, config, device: torch.device, p2p_communicator,
-                     ring: bool) -> Transport:
+                     ring: bool, sends_wait: bool = True) -> Transport:
     if pp_group is None or pp_group.size() == 1:
         return Transport()
     rank, size = pp_group.rank(), pp_group.size()
@@ -134,6 +136,7 @@ def _stage_transport(pp_group, config, device: torch.device, p2p_communicator,
     if choice in ("torch", "host"):
         return TorchTransport(pp_group, config.pipeline_dtype or torch.float32, device, ring=ring,
                               host_staged=choice == "host")
+    ring = ring or not sends_wait  # the ring's sends: they do not wait
     if p2p_communicator is None or ring:
         # Shapes come from the plan, so the communicator's shape handshake is never needed;
         # on the ring sends do not wait, which Megatron's batched calls cannot do.

@@ -90,7 +90,7 @@ class CellCosts:
         # (first stage, last stage, kind, id(cell)) -> seconds: the stages between the first
         # and the last time their cells alike; ids hold while the schedule lives, as this does
         self._by_cell: dict[tuple, float] = {}
-        self._sequences: dict[int, list[tuple[int, int]]] = {}
+        self._sequences: dict[tuple, list[tuple[int, int]]] = {}
 
     def w_slices(self) -> dict[tuple[int, Cell], tuple[int, ...]]:
         """(stage, W cell) -> token slices whose weight gradients it computes: as the
@@ -216,14 +216,17 @@ class CellCosts:
         return layers + self._received(kind, c, first, last)
 
     def _sequence(self, cell: Cell) -> list[tuple[int, int]]:
-        """(tokens, context) of every token slice of the cell's batch slice."""
-        out = self._sequences.get(cell.batch_slice)
+        """(tokens, context) of every token slice of the cell's sequence (its microbatch's
+        slicing: edge_slices cut some differently)."""
+        slices = self.schedule.plan.slices_of(cell.microbatch, self.schedule.num_microbatches)
+        key = (cell.batch_slice, slices[cell.batch_slice])
+        out = self._sequences.get(key)
         if out is None:
             out, start = [], 0
-            for t in self.token_slices[cell.batch_slice]:
+            for t in slices[cell.batch_slice]:
                 out.append((t, start))
                 start += t
-            self._sequences[cell.batch_slice] = out
+            self._sequences[key] = out
         return out
 
     def transfer(self, stage: int, action: Action) -> float:
