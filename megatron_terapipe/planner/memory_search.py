@@ -9,7 +9,9 @@ state) held against a per-GPU budget.
    (both modes when it is automatic: deferring holds more). The fastest that fits wins.
 3. Refinement (hill climb, fewer cells) polishes it; a step counts only if it still fits.
 4. With `SearchSpace.place_wgrad`, the chosen plan's W actions are placed where its stages
-   would wait (wgrad_placement.py), within the budget, when that is faster.
+   would wait (wgrad_placement.py), within the budget, when that is faster; with many
+   microbatches, whole sequences with the first and last ones cut (edge_search.py) are
+   tried too, and win when faster.
 If nothing fits, MemoryBudgetError names the smallest peak found and what to change.
 """
 
@@ -25,6 +27,7 @@ from ..schedule import build_schedule
 from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from .evaluate.list_estimate import ListCaches, ListEstimate, estimate_lists, shared_caches
+from .edge_search import with_edge_slices
 from .hill_climb import fewer_cells
 from .hill_climb import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
@@ -167,7 +170,10 @@ def search_within_budget(cost_model: CostModel, space: SearchSpace,
     with `space.place_wgrad`, its W actions then placed (step 4). Raises MemoryBudgetError
     when none fits."""
     result = _fitting(cost_model, space, budget)
-    return with_placed_wgrad(cost_model, space, budget, result) if space.place_wgrad else result
+    if not space.place_wgrad:
+        return result
+    placed = with_placed_wgrad(cost_model, space, budget, result)
+    return with_edge_slices(cost_model, space, budget, placed)
 
 
 def with_placed_wgrad(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,

@@ -29,7 +29,9 @@ def compact_slices(lengths: Sequence[int]) -> str:
 def slices_text(plan: TeraPipePlan) -> list[str]:
     """The plan's token (and batch) slices, compactly, one line per differing batch slice."""
     if plan.num_batch_slices == 1:
-        return [f"  token slices: {compact_slices(plan.token_slices[0])}"]
+        return [f"  token slices: {compact_slices(plan.token_slices[0])}"] + [
+            f"  {w} {n} microbatches: {compact_slices(ts)}"
+            for w, (n, ts) in zip(("first", "last"), plan.edge_slices) if n]
     rows = plan.batch_slices or ()
     if plan.uniform_token_slicing:
         return [f"  batch slices: {list(rows)} rows, each cut into "

@@ -188,6 +188,8 @@ def plan_note(plan: TeraPipePlan) -> str:
         f" x {plan.num_batch_slices} batch slices" if plan.num_batch_slices > 1 else "") + (
         " +W" if plan.defer_wgrad else "")
     note += ", early W" if plan.wgrad_points else ""
+    note += "".join(f", {w} {n} cut in {len(ts)}" for w, (n, ts) in zip(("first", "last"),
+                                                                         plan.edge_slices) if n)
     note += ", W placed" if plan.wgrad_after else ""
     note += f", groups of {plan.virtual_group}" if plan.virtual_group else ""
     return note + (f", warm-up {plan.virtual_warmup}" if plan.virtual_warmup is not None else "")
