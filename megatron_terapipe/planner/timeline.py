@@ -20,8 +20,10 @@ def short_plan_text(plan, limit: int = 110) -> str:
     slices = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     rows = plan.batch_slices or ("all",)
     shown = ", ".join(str(r) for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    edges = "".join(f"; {w} {n} microbatches in {len(ts)}" for w, (n, ts)
+                    in zip(("first", "last"), plan.edge_slices) if n)
     return (f"order={plan.order}{plan.chunks_text()}; {len(rows)} batch slice(s) of [{shown}] "
-            f"rows; {slices} token slices each{'; W placed' if plan.wgrad_after else ''}")
+            f"rows; {slices} token slices each{edges}{'; W placed' if plan.wgrad_after else ''}")
 
 
 def chrome_trace(result: SimulationResult) -> dict:

@@ -50,6 +50,9 @@ class PlanReport:
         for r, ts in zip(rows, plan.token_slices):
             who = f"{r} rows" if r is not None else "all rows"
             out.append(f">   token slices ({who}) ... {' '.join(map(str, ts))}")
+        for which, (n, ts) in zip(("first", "last"), plan.edge_slices):
+            if n:  # edge slicing: these microbatches fill and drain the pipeline in slices
+                out.append(f">   {which} {n} microbatches ...... {' '.join(map(str, ts))}")
         out.append(">   one microbatch to scale:")
         out.extend(f">     {row}" for row in slice_picture(plan, PICTURE_WIDTH))
         out.append(f">   order ..................... {plan.order}")
