@@ -263,7 +263,8 @@ class TeraPipePlan:
                 ("wgrad_after", [list(p) for p in self.wgrad_after], []),
                 ("virtual_placement", self.virtual_placement, "ring"),
                 ("chunk_layers", list(self.chunk_layers), []),
-                ("edge_slices", [[n, list(ts)] for n, ts in self.edge_slices], [])) if v != default},
+                ("edge_slices", [[n, list(ts)] for n, ts in self.edge_slices], []))
+                if v != default},
         }
 
     @classmethod
