@@ -5,7 +5,8 @@ PP=2, mock data, a small fp32 GPT (harness/megatron_lm.py), 3 iterations and one
 For each configuration TeraPipe (4 token slices) either logs the same lm loss and grad norm as
 Megatron's own schedule at every iteration and the same validation loss (relative 1e-5), or
 stops before its first iteration with TeraPipe's argument error naming the flag and the way
-out; and two runs with the planner's own plans, whose W actions it places. Runs only with a
+out; two runs with the planner's own plans, whose W actions it places; and one with edge
+slicing by hand (--terapipe-edge-slices). Runs only with a
 Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1, core_v0.17.1, core_v0.18.2 or
 core_v0.19.0) and `triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of
 results.
@@ -180,6 +181,21 @@ def test_planned_w_places_equal_1f1b(config):
     assert ours.returncode == 0, ours.log[-4000:]
     assert "W actions placed in the stages' waits" in ours.log, ours.log[-4000:]
     _assert_equal_to_1f1b(config, ours)
+
+
+EDGE = Config("edge slicing by hand (8 microbatches)", 2, ("--global-batch-size", "8"))
+
+
+def test_edge_slices_equal_1f1b():
+    """Whole sequences with the first 2 microbatches cut into 4 slices and the last into 2
+    (--terapipe-edge-slices), equal to Megatron's 1F1B."""
+    flags = ["--pipeline-schedule", "terapipe", "--terapipe-edge-slices", "2", "4", "1", "2"]
+    ours = pretrain(CHECKOUT, EDGE.nproc, [*EDGE.flags, *flags], free_port())
+    assert ours.returncode == 0, ours.log[-4000:]
+    for line in ("first 2 microbatches ...... 16 16 16 16", "last 1 microbatches ...... 32 32",
+                 "token slices (all rows) ... 64"):
+        assert line in ours.log, ours.log[-4000:]
+    _assert_equal_to_1f1b(EDGE, ours)
 
 
 def _assert_equal_to_1f1b(config: Config, ours) -> None:

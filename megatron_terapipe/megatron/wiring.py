@@ -68,4 +68,6 @@ def _slices_text(flags: TeraPipeSettings) -> str:
         return f"--terapipe-slices {' '.join(map(str, flags.slices))}"
     if flags.num_slices is not None:
         return f"--terapipe-num-slices {flags.num_slices}"
+    if flags.edge_slices is not None:
+        return f"--terapipe-edge-slices {' '.join(map(str, flags.edge_slices))}"
     return f"DP slicer on the {flags.cost_model} cost model at the first iteration"

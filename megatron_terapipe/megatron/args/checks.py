@@ -34,9 +34,12 @@ def validate_terapipe_args(args) -> RunSettings:
         _check_auto(run)
     if flags.order not in ORDERS:
         _fail(f"--terapipe-order must be one of {', '.join(ORDERS)}, got {flags.order!r}")
-    if flags.slices and flags.num_slices is not None:
-        _fail("--terapipe-slices and --terapipe-num-slices are mutually exclusive: give explicit "
-              "slice lengths or a number of uniform slices, not both")
+    if sum((bool(flags.slices), flags.num_slices is not None, flags.edge_slices is not None)) > 1:
+        _fail("--terapipe-slices, --terapipe-num-slices and --terapipe-edge-slices are mutually "
+              "exclusive: give explicit slice lengths, a number of uniform slices, or edge "
+              "slicing, one of them")
+    if flags.edge_slices is not None:
+        _check_edge_slices(run)
     seq = run.shape.seq_length
     if seq is None or seq <= 0:
         _fail(f"--pipeline-schedule terapipe needs a positive --seq-length (got {seq})")
@@ -81,6 +84,21 @@ def _check_memory_flags(flags: TeraPipeSettings) -> None:
               "model's estimate")
 
 
+def _check_edge_slices(run: RunSettings) -> None:
+    """--terapipe-edge-slices: counts, the 1f1b order and one model chunk per rank."""
+    first, n_first, last, n_last = run.terapipe.edge_slices
+    if min(first, last) < 0 or min(n_first, n_last) < 1:
+        _fail("--terapipe-edge-slices FIRST SLICES LAST LAST_SLICES takes microbatch counts of 0 "
+              f"or more and slice counts of 1 or more, got {first} {n_first} {last} {n_last}")
+    if run.terapipe.order != "1f1b":
+        _fail("--terapipe-edge-slices runs whole sequences in the 1f1b order (it keeps K - k "
+              "sequences in flight, as Megatron's 1F1B): use --terapipe-order 1f1b, or drop it")
+    if run.support.virtual_stages > 1:
+        _fail("--terapipe-edge-slices runs one model chunk per rank: drop "
+              "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
+              "or give --terapipe-slices / --terapipe-num-slices for virtual stages")
+
+
 def _check_auto(run: RunSettings) -> None:
     """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself."""
     if run.support.virtual_stages > 1:
@@ -89,7 +107,8 @@ def _check_auto(run: RunSettings) -> None:
               "or keep them with --pipeline-schedule 1f1b")
     if run.terapipe.slices_given:
         _fail("--pipeline-schedule auto plans the token slices itself: drop --terapipe-slices / "
-              "--terapipe-num-slices, or use --pipeline-schedule terapipe")
+              "--terapipe-num-slices / --terapipe-edge-slices, or use --pipeline-schedule "
+              "terapipe")
     if run.shape.microbatch_group is not None:
         _fail("--pipeline-schedule auto chooses the virtual pipeline stages and their microbatch "
               "groups itself: drop --microbatch-group-size-per-virtual-pipeline-stage, or keep it "

@@ -39,6 +39,11 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     slices.add_argument("--terapipe-num-slices", type=int, default=None, metavar="N",
                         help="cut each sequence into N near-equal slices (multiples of "
                              "--terapipe-granularity)")
+    slices.add_argument("--terapipe-edge-slices", type=int, nargs=4, default=None,
+                        metavar=("FIRST", "SLICES", "LAST", "LAST_SLICES"),
+                        help="whole sequences, but the first FIRST microbatches cut into SLICES "
+                             "near-equal slices and the last LAST into LAST_SLICES (edge "
+                             "slicing, as the planner chooses it; 1f1b order, one model chunk)")
     _add_wgrad_args(group)
     group.add_argument("--terapipe-cost-model", default=DEFAULTS.cost_model,
                        metavar="{analytic,profile,PATH}",

@@ -196,6 +196,12 @@ def fixed_plan(flags: TeraPipeSettings, grid: SliceGrid,
             grid.check_sum(flags.slices, seq_length, against=f"the sequence has {seq_length}")
             grid.check_tp_multiple([flags.slices])
             return "--terapipe-slices", TeraPipePlan(seq_slices=list(flags.slices), order=flags.order)
+        if flags.edge_slices is not None:
+            first, n_first, last, n_last = flags.edge_slices
+            cut = [list(grid.uniform(seq_length, n).seq_slices) for n in (n_first, n_last)]
+            return (f"--terapipe-edge-slices {first} {n_first} {last} {n_last} (uniform)",
+                    TeraPipePlan([seq_length], order=flags.order,
+                                 edge_slices=((first, cut[0]), (last, cut[1]))))
         if flags.num_slices is None:
             return None
         return (f"--terapipe-num-slices {flags.num_slices} (uniform)",

@@ -57,6 +57,10 @@ def _int_or_none(value) -> Optional[int]:
     return None if value is None else int(value)
 
 
+def _ints_or_none(values) -> Optional[tuple[int, ...]]:
+    return None if values is None else tuple(int(v) for v in values)
+
+
 def _size(args, name: str) -> Optional[float]:
     """The bytes a size flag gives (None: unset); a malformed size names its flag."""
     text = getattr(args, name, None)
@@ -76,6 +80,7 @@ class TeraPipeSettings:
     order: str = "1f1b"
     slices: Optional[tuple[int, ...]] = None  # --terapipe-slices
     num_slices: Optional[int] = None
+    edge_slices: Optional[tuple[int, int, int, int]] = None  # --terapipe-edge-slices
     defer_wgrad: Optional[bool] = True  # --terapipe-defer-wgrad on / off; None: auto
     wgrad_placement: bool = True  # --terapipe-wgrad-placement auto (True) / off
     cost_model: str = "analytic"  # analytic, profile or a layer-profile file
@@ -100,6 +105,7 @@ class TeraPipeSettings:
             order=_flag(args, "terapipe_order", d.order),
             slices=tuple(int(s) for s in slices) if slices else None,
             num_slices=_int_or_none(getattr(args, "terapipe_num_slices", None)),
+            edge_slices=_ints_or_none(getattr(args, "terapipe_edge_slices", None)),
             defer_wgrad=DEFER_WGRAD.get(_flag(args, "terapipe_defer_wgrad", "on")),
             wgrad_placement=_flag(args, "terapipe_wgrad_placement", "auto") == "auto",
             cost_model=_flag(args, "terapipe_cost_model", d.cost_model),
@@ -127,14 +133,15 @@ class TeraPipeSettings:
 
     @property
     def slices_given(self) -> bool:
-        """Whether the flags fix the slices (--terapipe-slices or --terapipe-num-slices)."""
-        return bool(self.slices) or self.num_slices is not None
+        """Whether the flags fix the slices (--terapipe-slices, -num-slices or -edge-slices)."""
+        return bool(self.slices) or self.num_slices is not None or self.edge_slices is not None
 
     def given_flags(self) -> list[str]:
         """The flags that only mean something with --pipeline-schedule terapipe or auto."""
         return [flag for flag, given in (
             ("--terapipe-slices", bool(self.slices)),
             ("--terapipe-num-slices", self.num_slices is not None),
+            ("--terapipe-edge-slices", self.edge_slices is not None),
             ("--terapipe-memory-budget", self.memory_budget is not None),
             ("--terapipe-cuda-graphs", self.cuda_graphs),
             ("--terapipe-scatter-gather-p2p", self.scatter_gather)) if given]
