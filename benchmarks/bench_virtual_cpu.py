@@ -19,7 +19,10 @@ vocab 1024), the same weights and batches in every row:
    (planner.search_virtual: slicing, group, warm-up and W places, both orders, no budget);
 5. terapipe_v2_uniform: the best near-equal slicing on 2 chunks in that plan's order and W
    mode, with Megatron's default group and warm-up and W actions in their default places
-   (left out where it is the planner's plan).
+   (left out where it is the planner's plan);
+6. terapipe_v1_edges: TeraPipe on one chunk with edge slicing (whole sequences, the first and
+   last microbatches cut, W placed: planner.edge_search's walk on the profile here), where
+   there are at least 2 microbatches per stage.
 Every row runs once to warm up (its losses checked against Megatron 1F1B's), then in `--rounds`
 interleaved rounds, the order rotating every round; a row's speedup is the median over rounds
 of Megatron 1F1B's time in the same round over its own (likewise against the interleaved
@@ -40,6 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -100,6 +104,20 @@ def uniform_virtual_plan(cost, model: TinyGPT, M: int, like: TeraPipePlan) -> Te
     return best
 
 
+def edge_plan(cost, model: TinyGPT, M: int) -> Optional[TeraPipePlan]:
+    """The edge walk's plan on one chunk, W placed (no budget); None below 2K microbatches."""
+    from megatron_terapipe.planner import SearchSpace
+    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+    from megatron_terapipe.planner.edge_search import applies, best_edge_plan
+
+    space = SearchSpace(model.seq_length, 1, STAGES, M, granularity=GRANULARITY,
+                        place_wgrad=True)
+    if not applies(space):
+        return None
+    plan, seconds, _ = best_edge_plan(cost, space, MemoryBudget(None))
+    return replace(plan, predicted_time=seconds)
+
+
 def profile_in_run(model: TinyGPT, cache: str):
     """The simulator's profile, measured in the rows' conditions (virtual_runs_bench.
     profile_in_run_worker: both stage processes at once, pinned, CPU mode, medians): a profile
@@ -131,6 +149,9 @@ def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
     same = replace(uniform, predicted_time=None) == replace(planned, predicted_time=None)
     if not same:
         rows.append(Row(f"terapipe_v{CHUNKS}_uniform", TERAPIPE, CHUNKS, uniform))
+    edges = edge_plan(cost, model, M)
+    if edges is not None:
+        rows.append(Row("terapipe_v1_edges", TERAPIPE, 1, edges))
     notes = {"one_chunk_plan": info, "virtual_search_timed": timed,
              "uniform_v2_is_the_planned_plan": same}
     return rows, notes

@@ -10,7 +10,9 @@ cut into token slices.
 - exact: every loss and every parameter gradient equal to Megatron's no-pipelining run
   (harness tolerances FP32: max-normalised 1e-5, rtol 1e-4 / atol 1e-6; losses rtol / atol
   1e-6), on 2 and 4 gloo processes, with and without deferred weight gradients, W places
-  moved, Megatron's P2P, TP 2 with sequence parallelism and DDP.
+  moved, Megatron's P2P, TP 2 with sequence parallelism and DDP;
+- the planner's walk (planner/edge_search.py): what brute force over its bounds finds, within
+  the budget.
 """
 
 import random
@@ -129,3 +131,34 @@ def test_edge_sliced_runs_match_megatron_four_processes():
     results = spawn(4, "harness:run_cases", CASES_4, timeout=600)
     for case in CASES_4:
         check_case(results, case)
+
+
+def test_the_walk_finds_what_brute_force_finds():
+    """On small questions (analytic H100 model) the planner's walk ends at the fastest of every
+    edge slicing within its bounds, each with its W actions placed; and the budget holds."""
+    import itertools
+
+    from megatron_terapipe.planner import (AnalyticCostModel, ModelDims, SearchSpace,
+                                           hardware_preset)
+    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+    from megatron_terapipe.planner import edge_search
+
+    dims = ModelDims(num_layers=8, hidden_size=2048, num_attention_heads=16, vocab_size=32000)
+    cost = AnalyticCostModel(dims, hardware_preset("h100"), 4)
+    space = SearchSpace(4096, 1, 4, 8, granularity=64, place_wgrad=True)
+    plan, seconds, edges = edge_search.best_edge_plan(cost, space, MemoryBudget(None))
+    timer = edge_search._Timer(cost, space, MemoryBudget(None))
+    lows, highs = edge_search._bounds(space)
+    every = itertools.product(*(range(lo, hi + 1) for lo, hi in zip(lows, highs)))
+    assert seconds == min(timer(e)[1] for e in every)
+    assert plan.edge_slices and seconds < timer((0, 2, 0, 2))[1]  # it cuts, and that pays
+    budget = MemoryBudget(0.9 * max(estimate_peaks(cost, space, plan)))
+    held, _, _ = edge_search.best_edge_plan(cost, space, budget)
+    assert held is not None and budget.fits(estimate_peaks(cost, space, held))
+
+
+def estimate_peaks(cost, space, plan):
+    from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
+
+    schedule = build_schedule(plan, space.num_microbatches, space.num_stages, 1)
+    return estimate_lists(schedule, cost, with_times=False).peak_memory_bytes

@@ -7,7 +7,8 @@ costs, while the middle runs whole, as Megatron's 1F1B (the order keeps K - k se
 flight on stage k: schedule/orders.py).
 
 The search walks (first microbatches cut, their slices, last microbatches cut, theirs) from
-(2, 2, 2, 2) to the best neighbour (one of them one more or one fewer) until none is faster,
+(2, 2, 2, 2) (within its bounds: a quarter of the microbatches at each end, 2 to 8 slices) to
+the best neighbour (one of them one more or one fewer) until none is faster,
 every candidate with its W actions placed (wgrad_placement.py) and held to the budget. Each
 candidate is one simulation per placement policy, so the walk runs only where it can pay:
 1f1b, deferred weight gradients, one chunk per rank, at least 2K microbatches.
@@ -34,7 +35,8 @@ MOST_SLICES = 8
 def applies(space: SearchSpace) -> bool:
     """Whether the walk runs for this space (module docstring)."""
     return (space.place_wgrad and space.order == "1f1b" and space.defer_wgrad is not False
-            and space.num_microbatches >= 2 * space.num_stages and space.num_stages > 1)
+            and space.num_microbatches >= 2 * space.num_stages and space.num_stages > 1
+            and space.seq_length // space.unit >= 2)
 
 
 def edge_plan(space: SearchSpace, edges: Edges) -> TeraPipePlan:
@@ -46,10 +48,21 @@ def edge_plan(space: SearchSpace, edges: Edges) -> TeraPipePlan:
                         edge_slices=((first, cut[0]), (last, cut[1])))
 
 
-def _neighbours(edges: Edges, space: SearchSpace) -> list[Edges]:
+def _bounds(space: SearchSpace) -> tuple[Edges, Edges]:
+    """(lows, highs) of the walk: up to a quarter of the microbatches cut at each end, into
+    2 to MOST_SLICES slices (as many as whole slicing units allow)."""
     most = min(MOST_SLICES, space.seq_length // space.unit)
-    highs = (space.num_microbatches // 4, most, space.num_microbatches // 4, most)
-    lows = (0, 2, 0, 2)
+    quarter = space.num_microbatches // 4
+    return (0, 2, 0, 2), (quarter, most, quarter, most)
+
+
+def _start(space: SearchSpace) -> Edges:
+    lows, highs = _bounds(space)
+    return tuple(max(lo, min(v, hi)) for v, lo, hi in zip(START, lows, highs))
+
+
+def _neighbours(edges: Edges, space: SearchSpace) -> list[Edges]:
+    lows, highs = _bounds(space)
     out = []
     for i in range(4):
         for step in (-1, 1):
@@ -84,20 +97,27 @@ class _Timer:
                           cache=self.caches.costs)
 
 
+def best_edge_plan(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget
+                   ) -> tuple[Optional[TeraPipePlan], float, Edges]:
+    """(plan with its W places, seconds, edges) where the walk ends (module docstring); the
+    plan None (seconds inf) when no candidate fits the budget."""
+    timer = _Timer(cost_model, space, budget)
+    best = _start(space)
+    while True:
+        step = min(_neighbours(best, space), key=lambda e: timer(e)[1], default=best)
+        if timer(step)[1] >= timer(best)[1]:
+            break
+        best = step
+    return (*timer(best), best)
+
+
 def with_edge_slices(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                      result: SearchResult) -> SearchResult:
     """`result` with an edge-sliced plan as one more step where one is faster (module
     docstring); `result` itself otherwise."""
     if not applies(space):
         return result
-    timer = _Timer(cost_model, space, budget)
-    best = START
-    while True:
-        step = min(_neighbours(best, space), key=lambda e: timer(e)[1], default=best)
-        if timer(step)[1] >= timer(best)[1]:
-            break
-        best = step
-    plan, seconds = timer(best)
+    plan, seconds, best = best_edge_plan(cost_model, space, budget)
     if plan is None or seconds >= result.chosen.time:
         return result
     step = Candidate(f"edges cut ({best[0]} x{best[1]}, {best[2]} x{best[3]})", plan,
