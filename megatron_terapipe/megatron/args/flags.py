@@ -33,17 +33,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "--terapipe-memory-budget, chosen at start-up")
     group.add_argument("--terapipe-order", choices=ORDERS, default=DEFAULTS.order,
                        help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
-    slices = group.add_mutually_exclusive_group()
-    slices.add_argument("--terapipe-slices", type=int, nargs="+", default=None, metavar="TOKENS",
-                        help="explicit token slice lengths, summing to --seq-length")
-    slices.add_argument("--terapipe-num-slices", type=int, default=None, metavar="N",
-                        help="cut each sequence into N near-equal slices (multiples of "
-                             "--terapipe-granularity)")
-    slices.add_argument("--terapipe-edge-slices", type=int, nargs=4, default=None,
-                        metavar=("FIRST", "SLICES", "LAST", "LAST_SLICES"),
-                        help="whole sequences, but the first FIRST microbatches cut into SLICES "
-                             "near-equal slices and the last LAST into LAST_SLICES (edge "
-                             "slicing, as the planner chooses it; 1f1b order, one model chunk)")
+    _add_slice_args(group)
     _add_wgrad_args(group)
     group.add_argument("--terapipe-cost-model", default=DEFAULTS.cost_model,
                        metavar="{analytic,profile,PATH}",
@@ -80,6 +70,21 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="write Chrome traces: the simulated plan to PATH's "
                             "'.simulated.json' sibling, the measured second iteration to PATH")
     return parser
+
+
+def _add_slice_args(group) -> None:
+    """The three ways to fix the slices, one at a time (else the planner chooses)."""
+    slices = group.add_mutually_exclusive_group()
+    slices.add_argument("--terapipe-slices", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="explicit token slice lengths, summing to --seq-length")
+    slices.add_argument("--terapipe-num-slices", type=int, default=None, metavar="N",
+                        help="cut each sequence into N near-equal slices (multiples of "
+                             "--terapipe-granularity)")
+    slices.add_argument("--terapipe-edge-slices", type=int, nargs=4, default=None,
+                        metavar=("FIRST", "SLICES", "LAST", "LAST_SLICES"),
+                        help="whole sequences, but the first FIRST microbatches cut into SLICES "
+                             "near-equal slices and the last LAST into LAST_SLICES (edge "
+                             "slicing, as the planner chooses it; 1f1b order, one model chunk)")
 
 
 def _add_wgrad_args(group) -> None:

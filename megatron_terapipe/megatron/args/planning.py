@@ -58,10 +58,12 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     searched = None
     if fixed is None:
         searched = _search(given, chunks, shape)
+        plan = searched.plan
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
+        if plan.edge_slices:  # the planner's edge walk beat the DP slicer's plan
+            source = f"edge slicing (granularity {flags.granularity}), simulator-checked"
         if chunks > 1:
             source += f", on {chunks} virtual stages per rank"
-        plan = searched.plan
     else:
         source, plan = fixed
         plan = replace(plan, virtual_stages=chunks, virtual_group=group)
