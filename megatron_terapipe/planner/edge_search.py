@@ -120,7 +120,8 @@ def with_edge_slices(cost_model: CostModel, space: SearchSpace, budget: MemoryBu
     plan, seconds, best = best_edge_plan(cost_model, space, budget)
     if plan is None or seconds >= result.chosen.time:
         return result
-    step = Candidate(f"edges cut ({best[0]} x{best[1]}, {best[2]} x{best[3]})", plan,
-                     space.simulate(plan, cost_model))
+    name = (f"edges cut ({best[0]} x{best[1]}, {best[2]} x{best[3]})" if plan.edge_slices
+            else "no token slicing")  # the walk may end with no edge cut
+    step = Candidate(name, plan, space.simulate(plan, cost_model))
     plan = replace(plan, predicted_time=step.time)
     return replace(result, plan=plan, chosen=step, steps=(*result.steps, step))
