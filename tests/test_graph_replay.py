@@ -102,13 +102,15 @@ PP2_RUNS = [ReplayRun(f"{order}_defer_{'on' if defer else 'off'}", order=order, 
     # Megatron's communicator hands back receive buffers that require grad (as the GPU pipeline
     # benchmark's host-staged one does): the graphs' pooled copies of them must stay leaves
     ReplayRun("megatron_transport", transport="megatron"),
+    # edge slicing: microbatches of 2, 1 and 3 cells, the 1f1b order counting sequences
+    ReplayRun("edge_slices", edges=((1, (8, 8)), (1, (4, 4, 8)))),
 ]
 
 
 @pytest.mark.parametrize("run", PP2_RUNS, ids=[r.name for r in PP2_RUNS])
 def test_replayed_training_equals_eager_pp2(pp2_replays, run):
-    # per stage: 3 microbatches x 4 token slices x (F, B), and a W per microbatch when deferring
-    graphs = 3 * 4 * 2 + (3 if run.defer_wgrad else 0)
+    # per stage: each cell's F and B (3 microbatches x 4 token slices), a W per microbatch
+    graphs = run.cells() * 2 + (3 if run.defer_wgrad else 0)
     for rank_result in pp2_replays:
         _assert_replays_match(rank_result[run.name], run.name, graphs)
 

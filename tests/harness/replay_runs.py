@@ -36,6 +36,14 @@ class ReplayRun:
     model: tuple[tuple[str, Any], ...] = ()  # TinyGPT fields other than its defaults
     device: str = "cpu"  # "cuda": the stage on the GPU, graphs of torch.cuda.CUDAGraph
     transport: str = ""  # "megatron": Megatron's P2P communicator (its receive buffers need grad)
+    edges: tuple = ()  # TeraPipePlan.edge_slices: whole sequences, these microbatches cut
+
+    def cells(self) -> int:
+        """Cells per stage in an iteration."""
+        if not self.edges:
+            return self.microbatches * self.slices
+        (first, head), (last, tail) = self.edges
+        return len(head) * first + len(tail) * last + self.microbatches - first - last
 
 
 class _Counted:
@@ -100,8 +108,10 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
 
         config.terapipe = replace(getattr(config, "terapipe", None) or TeraPipeConfig(),
                                   transport=run.transport)
-    plan = TeraPipePlan(TeraPipePlan.uniform(model_cfg.seq_length, run.slices).seq_slices,
-                        order=run.order, defer_wgrad=run.defer_wgrad)
+    slices = [model_cfg.seq_length] if run.edges else \
+        TeraPipePlan.uniform(model_cfg.seq_length, run.slices).seq_slices
+    plan = TeraPipePlan(slices, order=run.order, defer_wgrad=run.defer_wgrad,
+                        edge_slices=run.edges)
     if graphs is None:
         configure(config, plan)
     else:
