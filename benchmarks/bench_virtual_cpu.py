@@ -31,12 +31,7 @@ sharing the measured parallel capacity (Megatron's interleaved 1F1B as the plann
 schedule/interleaved.py). That profile is measured in the rows' conditions (both stage
 processes at once, pinned, medians: `profile_in_run`); the predictions from a profile measured
 alone (the fastest of 3 runs, as before 2026-11-27) are kept beside them
-(`predicted_alone_profile_s`). This shared machine's speed drifts (the same cells ran 1.3-1.5x
-the in-run profile's time an hour after it), so a fixed workload (virtual_runs_bench.
-speed_probe_seconds) is timed on both stages around the profile and at the start of every
-round, and each row's prediction is also given scaled by its round's probe time over the
-profile's (`predicted_drift_corrected_over_measured`, the median over rounds; the unscaled
-`predicted_over_measured` beside it). The JSON (`--out`) starts with its provenance.
+(`predicted_alone_profile_s`). The JSON (`--out`) starts with its provenance.
 """
 
 from __future__ import annotations
@@ -64,7 +59,7 @@ from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from pipeline_runs import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, Row,  # noqa: E402
-                                VirtualSpeedCase, loss_difference, speed_drift)
+                                VirtualSpeedCase, loss_difference)
 
 STAGES, CHUNKS, GRANULARITY = 2, 2, 64
 TARGET_OVER_1F1B = 1.20  # issue 34's measured target at 4 microbatches
@@ -123,20 +118,17 @@ def edge_plan(cost, model: TinyGPT, M: int) -> Optional[TeraPipePlan]:
     return replace(plan, predicted_time=seconds)
 
 
-def profile_in_run(model: TinyGPT, cache: str) -> tuple:
+def profile_in_run(model: TinyGPT, cache: str):
     """The simulator's profile, measured in the rows' conditions (virtual_runs_bench.
     profile_in_run_worker: both stage processes at once, pinned, CPU mode, medians): a profile
     measured alone, the fastest of 3 runs, put every row 9-13% under its measured time
-    (2026-11-27), with the pipeline's cells 7-14% slower than it. Returns the profile and
-    the speed probe's seconds around it (virtual_runs_bench.speed_probe_seconds)."""
+    (2026-11-27), with the pipeline's cells 7-14% slower than it."""
     paths = [cache.replace(".json", f"_in_run_rank{r}.json") for r in range(STAGES)]
     print(f"profiling it again in the rows' conditions ({STAGES} processes at once, medians of "
           f"{PROFILE_REPEATS}) ...", flush=True)
-    done = spawn(STAGES, "virtual_runs_bench:profile_in_run_worker", model, GRANULARITY,
-                 model.num_layers // STAGES, paths, PROFILE_REPEATS, timeout=1800)
-    probe = statistics.mean(d["probe_s"] for d in done)  # the machine's speed as it profiled
-    return profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu",
-                              paths[0]), probe
+    spawn(STAGES, "virtual_runs_bench:profile_in_run_worker", model, GRANULARITY,
+          model.num_layers // STAGES, paths, PROFILE_REPEATS, timeout=1800)
+    return profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", paths[0])
 
 
 def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
@@ -194,14 +186,10 @@ def plan_text(row: Row) -> str:
 
 
 def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: int,
-                capacity: float, cost_alone=None, probe_reference: Optional[float] = None
-                ) -> list[dict]:
+                capacity: float, cost_alone=None) -> list[dict]:
     """Per row: the measured times (each round's slower stage), ratios per round, predictions
-    (from `cost`, and from `cost_alone`, a profile measured alone, when given); with
-    `probe_reference` (the probe's seconds at profile time) also the prediction scaled by
-    each round's `speed_drift`, over that round's time (the median over rounds)."""
+    (from `cost`, and from `cost_alone`, a profile measured alone, when given)."""
     rounds = len(per_rank[0][rows[0].label])
-    drift = speed_drift(per_rank, probe_reference)
     runs = {r.label: [max(p[r.label][i] for p in per_rank) for i in range(rounds)] for r in rows}
     losses = next(p for p in per_rank if p["last_stage"])
     base, interleaved = runs[rows[0].label], runs[rows[1].label]
@@ -218,9 +206,6 @@ def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: 
             "speedup_vs_megatron_interleaved": statistics.median(
                 i / t for i, t in zip(interleaved, times)),
             "predicted_s": sim, "predicted_over_measured": sim / measured,
-            "predicted_drift_corrected_over_measured": (None if drift is None else
-                                                        statistics.median(
-                sim * d / t for d, t in zip(drift, times))),
             "predicted_dedicated_s": predicted(cost, row, model, M, float(STAGES)),
             "predicted_alone_profile_s": (None if cost_alone is None else
                                           predicted(cost_alone, row, model, M, capacity)),
@@ -259,17 +244,8 @@ def targets(rows: list[dict], limit: float) -> dict:
             "speedup_vs_megatron_interleaved": best["speedup_vs_megatron_interleaved"],
             "faster_than_megatron_interleaved": best["speedup_vs_megatron_interleaved"] > 1.0,
             "simulator_tolerance": SIMULATOR_TOLERANCE,
-            "simulator_within_tolerance": _within(rows, "predicted_over_measured"),
-            "simulator_drift_corrected_within_tolerance": _within(
-                rows, "predicted_drift_corrected_over_measured")}
-
-
-def _within(rows: list[dict], key: str) -> Optional[bool]:
-    """Every row's prediction over measured time within SIMULATOR_TOLERANCE (None: not
-    measured)."""
-    if any(r[key] is None for r in rows):
-        return None
-    return all(abs(r[key] - 1.0) <= SIMULATOR_TOLERANCE for r in rows)
+            "simulator_within_tolerance": all(
+                abs(r["predicted_over_measured"] - 1.0) <= SIMULATOR_TOLERANCE for r in rows)}
 
 
 def print_table(rows: list[dict], capacity: float, unit: str = "cores") -> None:
@@ -277,13 +253,11 @@ def print_table(rows: list[dict], capacity: float, unit: str = "cores") -> None:
           "median over rounds of that Megatron row's time in the same round over this row's; "
           f"simulated: the stages sharing {capacity:.2f} {unit})")
     print(f"{'row':<26} {'V':>2} {'plan':<34} {'measured s':>10} {'simulated s':>11} "
-          f"{'sim/meas':>8} {'drift-corr.':>11} {'alone/meas':>10} {'vs 1F1B':>8} "
-          f"{'vs interl.':>10} {'loss diff':>9}")
+          f"{'sim/meas':>8} {'alone/meas':>10} {'vs 1F1B':>8} {'vs interl.':>10} {'loss diff':>9}")
     for r in rows:
         print(f"{r['config']:<26} {r['chunks']:>2} {r['plan_text'][:34]:<34} "
               f"{r['measured_s']:>10.3f} {r['predicted_s']:>11.3f} "
               f"{r['predicted_over_measured']:>8.3f} "
-              f"{_ratio(r['predicted_drift_corrected_over_measured'], 1.0):>11} "
               f"{_ratio(r['predicted_alone_profile_s'], r['measured_s']):>10} "
               f"{r['speedup_vs_megatron_1f1b']:>7.3f}x "
               f"{r['speedup_vs_megatron_interleaved']:>9.3f}x "
@@ -303,13 +277,7 @@ def print_headline(goal: dict, M: int) -> None:
           f"{goal['speedup_vs_megatron_interleaved']:.3f}x over Megatron interleaved "
           f"({'faster' if goal['faster_than_megatron_interleaved'] else 'NOT faster'}); "
           f"simulator within {goal['simulator_tolerance']:.0%} of every row: "
-          f"{'yes' if goal['simulator_within_tolerance'] else 'NO'} (with the profile scaled "
-          f"by each round's speed drift: "
-          f"{_yes_no(goal['simulator_drift_corrected_within_tolerance'])})")
-
-
-def _yes_no(value: Optional[bool]) -> str:
-    return "not measured" if value is None else ("yes" if value else "NO")
+          f"{'yes' if goal['simulator_within_tolerance'] else 'NO'}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -359,16 +327,16 @@ def main(argv=None) -> int:
                   f"{bubble_free_limit(cost_alone, model, M, cores):.3f}x over Megatron 1F1B "
                   "(simulated)")
         return 0
-    cost, probe_reference = profile_in_run(model, cache)
+    cost = profile_in_run(model, cache)
     capacity = parallel_capacity(hidden=args.hidden_size, tokens=args.seq_length)
     print(f"two single-thread processes get {capacity:.2f} cores' worth of compute", flush=True)
     rows, notes = make_rows(cost, model, M)
     for row in rows:
         print(f"  {row.label}: {plan_text(row)}", flush=True)
     print(f"running {len(rows)} rows in {args.rounds} interleaved rounds ...", flush=True)
-    case = VirtualSpeedCase(model, M, args.rounds, CHUNKS, rows, probe=True)
+    case = VirtualSpeedCase(model, M, args.rounds, CHUNKS, rows)
     per_rank = spawn(STAGES, "virtual_runs_bench:virtual_speed_worker", case, timeout=3600)
-    speed = result_rows(rows, per_rank, cost, model, M, capacity, cost_alone, probe_reference)
+    speed = result_rows(rows, per_rank, cost, model, M, capacity, cost_alone)
     goal = targets(speed, bubble_free_limit(cost, model, M, capacity))
     results = {"provenance": origin,
                "setup": {"stages": STAGES, "chunks": CHUNKS, "num_microbatches": M,
@@ -376,9 +344,7 @@ def main(argv=None) -> int:
                          "seq_length": model.seq_length, "hidden_size": model.hidden_size,
                          "num_layers": model.num_layers, "num_attention_heads": 8,
                          "vocab_size": model.vocab_size, "granularity": GRANULARITY},
-               "machine": {"device": "cpu", "parallel_capacity": capacity,
-                           "speed_probe_at_profile_s": probe_reference,
-                           "speed_drift_per_round": speed_drift(per_rank, probe_reference)},
+               "machine": {"device": "cpu", "parallel_capacity": capacity},
                "speed": speed, "targets": goal, "planning": notes,
                "wall_seconds": time.perf_counter() - started}
     with open(args.out, "w") as f:

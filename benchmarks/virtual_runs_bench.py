@@ -53,7 +53,6 @@ class VirtualSpeedCase:
     device: str = "cpu"
     host_staged: bool = False
     mps: bool = False
-    probe: bool = False  # time speed_probe_seconds at the start of every round (both ranks)
 
 
 def full_model_state(model_cfg: TinyGPT) -> dict:
@@ -209,10 +208,6 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
             out["busy:" + row.label] = []
             out["received:" + row.label] = runs[-1].receives  # by the torch transport
     for round_ in range(case.rounds):
-        if case.probe:  # the machine's speed in this round, both stages at once
-            dist.barrier(group=host)
-            out.setdefault("probe", []).append(
-                speed_probe_seconds(case.model.hidden_size, case.model.seq_length))
         # Rotate the order every round (as pipeline_runs.speed_worker does), so each row
         # follows each other one about equally often.
         shift = round_ % len(case.rows)
@@ -232,35 +227,12 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     return out
 
 
-def speed_probe_seconds(hidden: int, tokens: int, loops: int = 2) -> float:
-    """Seconds per step of a fixed stage-like workload (a transformer MLP's forward and
-    backward at the model's width and sequence length) in this process as it is now: the
-    machine's speed, timed beside the profile and every round of rows (on this shared
-    machine the same cells ran 1.3-1.5x the in-run profile's time an hour after it)."""
-    generator = torch.Generator().manual_seed(0)
-    w1 = torch.randn(hidden, 4 * hidden, generator=generator, requires_grad=True)
-    w2 = torch.randn(4 * hidden, hidden, generator=generator, requires_grad=True)
-    x = torch.randn(tokens, hidden, generator=generator, requires_grad=True)
-
-    def step() -> None:
-        (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
-
-    step()
-    start = time.perf_counter()
-    for _ in range(loops):
-        step()
-    return (time.perf_counter() - start) / loops
-
-
 def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granularity: int,
-                          layers_per_stage: int, paths: list, repeats: int) -> dict:
+                          layers_per_stage: int, paths: list, repeats: int) -> str:
     """Every stage's process measures the same layer profile at once, pinned to its core in
     CPU mode as the rows run, so each profile is measured with the other core busy, as the
     pipeline's cells are; the median of `repeats` runs (the rows' times are medians too).
-    Returns this rank's profile file and the speed probe's seconds, the mean of one probe
-    before the profile and one after it (both ranks at once)."""
-    import torch.distributed as dist
-
+    Returns this rank's profile file."""
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
     from pipeline_runs import profile_cost_model
 
@@ -268,28 +240,9 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     pin_to_core(rank, world_size)
     if os.path.exists(paths[rank]):
         os.remove(paths[rank])  # measured now, never an older run's
-    probes = []
-    for when in ("before", "after"):
-        if when == "after":
-            profile_cost_model(model_cfg, granularity, layers_per_stage, "cpu", paths[rank],
-                               statistic="median", repeats=repeats)
-        dist.barrier()
-        probes.append(speed_probe_seconds(model_cfg.hidden_size, model_cfg.seq_length))
-    return {"path": paths[rank], "probe_s": sum(probes) / len(probes)}
-
-
-def speed_drift(per_rank: list[dict], probe_reference: Optional[float]) -> Optional[list[float]]:
-    """Per round, the speed probe's seconds (the ranks' mean) over its seconds when the profile
-    was measured: how much slower the machine ran that round than the profile saw it."""
-    if probe_reference is None or "probe" not in per_rank[0]:
-        return None
-    rounds = zip(*(p["probe"] for p in per_rank))
-    return [_mean(seconds) / probe_reference for seconds in rounds]
-
-
-def _mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
+    profile_cost_model(model_cfg, granularity, layers_per_stage, "cpu", paths[rank],
+                       statistic="median", repeats=repeats)
+    return paths[rank]
 
 
 def loss_difference(losses: list, reference: list) -> float:

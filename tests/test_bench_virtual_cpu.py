@@ -80,32 +80,6 @@ def test_targets_are_read_off_the_rows():
     assert bench.targets(rows, 1.2)["simulator_within_tolerance"] is False
 
 
-def test_drift_scales_each_rounds_prediction_by_its_probe_over_the_profiles():
-    """Each round's prediction is the simulator's time times that round's speed probe (the
-    ranks' mean) over the probe at profile time, compared with that round's measured time;
-    without probes there is no corrected figure and its target is not judged."""
-    per_rank = _per_rank()
-    per_rank[0]["probe"], per_rank[1]["probe"] = [0.2, 0.3, 0.2], [0.2, 0.5, 0.4]
-    rows = bench.result_rows(ROWS, per_rank, _cost(), MODEL, 4, 2.0, None, 0.2)
-    assert bench.speed_drift(per_rank, 0.2) == pytest.approx([1.0, 2.0, 1.5])
-    tera = rows[2]
-    expected = statistics.median(tera["predicted_s"] * d / t
-                                 for d, t in zip([1.0, 2.0, 1.5], tera["runs_s"]))
-    assert tera["predicted_drift_corrected_over_measured"] == pytest.approx(expected)
-    assert expected != pytest.approx(tera["predicted_over_measured"])
-    goal = bench.targets(rows, 1.2)
-    assert goal["simulator_drift_corrected_within_tolerance"] is bench._within(
-        rows, "predicted_drift_corrected_over_measured")
-    unprobed = bench.result_rows(ROWS, _per_rank(), _cost(), MODEL, 4, 2.0, None, 0.2)
-    assert unprobed[2]["predicted_drift_corrected_over_measured"] is None
-    assert bench.targets(unprobed, 1.2)["simulator_drift_corrected_within_tolerance"] is None
-    for r in rows:
-        r["predicted_drift_corrected_over_measured"] = 1.08
-    assert bench.targets(rows, 1.2)["simulator_drift_corrected_within_tolerance"] is True
-    rows[0]["predicted_drift_corrected_over_measured"] = 0.88
-    assert bench.targets(rows, 1.2)["simulator_drift_corrected_within_tolerance"] is False
-
-
 def test_the_no_bubble_limit_falls_as_the_stages_share_fewer_cores():
     """Equal stages, no transfers: on dedicated cores a schedule with no bubble gains
     (M + K - 1) / M over 1F1B; stages sharing cores lose less to 1F1B's bubble (a waiting stage
