@@ -228,11 +228,16 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
 
 
 def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granularity: int,
-                          layers_per_stage: int, paths: list, repeats: int) -> str:
+                          layers_per_stage: int, paths: list, repeats: int,
+                          warm_case: Optional[VirtualSpeedCase] = None) -> str:
     """Every stage's process measures the same layer profile at once, pinned to its core in
     CPU mode as the rows run, so each profile is measured with the other core busy, as the
     pipeline's cells are; the median of `repeats` runs (the rows' times are medians too).
-    Returns this rank's profile file."""
+    `warm_case`: first build its models and run its rows `rounds` times, so the profile is
+    measured in the state the rows' processes run in (on 2026-11-28 one layer measured
+    10-25% slower in a process after pipeline iterations than in a fresh one, as slow as the
+    pipeline's cells). Returns this rank's profile file."""
+    from harness import make_batches, release_model_parallel
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
     from pipeline_runs import profile_cost_model
 
@@ -240,8 +245,21 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     pin_to_core(rank, world_size)
     if os.path.exists(paths[rank]):
         os.remove(paths[rank])  # measured now, never an older run's
+    models = None
+    if warm_case is not None:
+        batches = make_batches(warm_case.num_microbatches, 1, model_cfg.seq_length,
+                               model_cfg.vocab_size, masked_rows=False)
+        models, configs = build_models(warm_case, world_size)
+        run = _runner(warm_case, models, batches, [], _transfers(warm_case, configs))
+        for _ in range(warm_case.rounds):
+            for row in warm_case.rows:
+                run(row)
+                _zero_grads(models[row.chunks])
     profile_cost_model(model_cfg, granularity, layers_per_stage, "cpu", paths[rank],
                        statistic="median", repeats=repeats)
+    if models is not None:
+        del models
+        release_model_parallel()
     return paths[rank]
 
 
