@@ -126,7 +126,7 @@ def profile_in_run(model: TinyGPT, cache: str, M: int):
     WARM_ROUNDS iterations of Megatron's two schedules in the same processes): a profile
     measured alone, the fastest of 3 runs, put every row 9-13% under its measured time
     (2026-11-27), with the pipeline's cells 7-14% slower than it; one measured in fresh
-    processes, 10-20% under (2026-11-28)."""
+    processes, 10-24% under (2026-11-28)."""
     paths = [cache.replace(".json", f"_in_run_rank{r}.json") for r in range(STAGES)]
     print(f"profiling it again in the rows' conditions ({STAGES} processes at once, after "
           f"{WARM_ROUNDS} rounds of Megatron's schedules, medians of {PROFILE_REPEATS}) ...",
