@@ -139,14 +139,20 @@ def profile_in_run(model: TinyGPT, cache: str, M: int):
     return profile_cost_model(model, GRANULARITY, model.num_layers // STAGES, "cpu", paths[0])
 
 
-def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
-    """The timed rows and what the planners said on the way."""
+def check_interleaved_runs(model: TinyGPT, M: int) -> None:
+    """Megatron's own conditions on its interleaved schedule, before any process starts (the
+    in-run profile runs it first)."""
     from megatron_terapipe.schedule import build_interleaved_schedule
 
-    try:  # Megatron's own conditions on its interleaved schedule, before any process starts
+    try:
         build_interleaved_schedule(model.seq_length, M, STAGES, CHUNKS, 1)
     except ValueError as exc:
         raise SystemExit(f"--microbatches {M}: Megatron's interleaved 1F1B cannot run it ({exc})")
+
+
+def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
+    """The timed rows and what the planners said on the way."""
+    check_interleaved_runs(model, M)
     plans, info = plans_for(cost, model, M, GRANULARITY, STAGES)
     planned, timed = virtual_plan(cost, model, M, plans["terapipe_dp"])
     uniform = uniform_virtual_plan(cost, model, M, planned)
@@ -323,6 +329,8 @@ def main(argv=None) -> int:
     model = TinyGPT(num_layers=2 * STAGES, hidden_size=args.hidden_size, num_attention_heads=8,
                     vocab_size=1024, seq_length=args.seq_length)
     M = args.microbatches
+    if not args.limits:  # the rows run Megatron's interleaved schedule
+        check_interleaved_runs(model, M)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     cache = os.path.join(os.path.dirname(args.out),
                          f"profile_cpu_h{model.hidden_size}_s{model.seq_length}.json")
