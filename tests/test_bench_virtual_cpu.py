@@ -112,3 +112,11 @@ def test_megatron_1f1b_is_predicted_as_the_planner_times_it():
     table = compare_schedules(_cost(), space, MemoryBudget(None), 2, orders=("1f1b",))
     megatron = next(o for o in table.options if o.name == "Megatron 1F1B")
     assert predict(_cost(), None, MODEL, 4, 2.0, 2) == pytest.approx(megatron.time, rel=1e-12)
+
+
+def test_a_microbatch_count_megatrons_interleaved_schedule_refuses_stops_before_any_work():
+    """The in-run profile runs Megatron's interleaved schedule first: a count it refuses ends
+    the run at once, naming the option."""
+    with pytest.raises(SystemExit, match="--microbatches 1: Megatron's interleaved 1F1B cannot"):
+        bench.check_interleaved_runs(MODEL, 1)
+    bench.check_interleaved_runs(MODEL, 4)  # runs
