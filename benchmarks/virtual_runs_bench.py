@@ -163,6 +163,19 @@ def _runner(case: VirtualSpeedCase, models: dict[int, list], batches: list, runs
     return run
 
 
+def _rows_runner(case: VirtualSpeedCase, world_size: int, runs: list):
+    """The case's models (build_models), each chunk count's transfers, and run(row) on the
+    case's batches on its device (TeraPipe's run records appended to `runs`)."""
+    from harness import make_batches
+
+    batches = [{k: (v.to(case.device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+               for b in make_batches(case.num_microbatches, 1, case.model.seq_length,
+                                     case.model.vocab_size, masked_rows=False)]
+    models, configs = build_models(case, world_size)
+    transfers = _transfers(case, configs)
+    return models, transfers, _runner(case, models, batches, runs, transfers)
+
+
 def _zero_grads(chunks: list) -> None:
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
@@ -175,7 +188,7 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from harness import make_batches, release_model_parallel, report_values
+    from harness import release_model_parallel, report_values
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
 
     if case.mps:
@@ -185,14 +198,9 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     if case.device == "cpu":
         enable_cpu_mode()
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
-    batches = [{k: (v.to(case.device) if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
-               for b in make_batches(case.num_microbatches, 1, case.model.seq_length,
-                                     case.model.vocab_size, masked_rows=False)]
-    models, configs = build_models(case, world_size)
-    last_stage = parallel_state.is_pipeline_last_stage()
     runs: list = []  # TeraPipe's run records
-    transfers = _transfers(case, configs)
-    run = _runner(case, models, batches, runs, transfers)
+    models, transfers, run = _rows_runner(case, world_size, runs)
+    last_stage = parallel_state.is_pipeline_last_stage()
     # Host barriers over gloo: with NCCL for CUDA tensors a plain barrier could go to NCCL,
     # which refuses two ranks on one GPU.
     host = dist.new_group(backend="gloo")
@@ -237,7 +245,7 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     measured in the state the rows' processes run in (in one run on 2026-11-28 a layer
     measured up to a third slower in the stage processes after pipeline iterations than
     fresh, near the pipeline's cells). Returns this rank's profile file."""
-    from harness import make_batches, release_model_parallel
+    from harness import release_model_parallel
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
     from pipeline_runs import profile_cost_model
 
@@ -247,10 +255,7 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
         os.remove(paths[rank])  # measured now, never an older run's
     models = None
     if warm_case is not None:
-        batches = make_batches(warm_case.num_microbatches, 1, model_cfg.seq_length,
-                               model_cfg.vocab_size, masked_rows=False)
-        models, configs = build_models(warm_case, world_size)
-        run = _runner(warm_case, models, batches, [], _transfers(warm_case, configs))
+        models, _, run = _rows_runner(warm_case, world_size, [])
         for _ in range(warm_case.rounds):
             for row in warm_case.rows:
                 run(row)
