@@ -50,7 +50,9 @@ class _FakeCuda:
 
 def test_device_clock_times_gpu_spans_and_doubles_a_short_hold():
     cuda = _FakeCuda(host_slow_tries=2)
-    clock = DeviceClock(cuda, hold_cycles=1000)
+    # the host's queueing takes no time here: the holds are the doubling's alone (with the
+    # real clock, a loaded CI machine took over 1 ms to queue and sized a longer hold, 3112)
+    clock = DeviceClock(cuda, hold_cycles=1000, now=lambda: 0.0)
     calls = []
 
     def region():
