@@ -1,0 +1,106 @@
+"""Random edge-sliced plans: whole sequences with the first and last microbatches cut.
+
+test_edge_slices.py runs seven hand-picked shapes of `TeraPipePlan.edge_slices`; here a seeded
+`random.Random` (the same draws every run) draws any number of first and last microbatches
+(they may overlap or cover every microbatch), any slicing of each, deferred weight gradients or
+not, W actions at random places at or after their backwards, and any microbatch count:
+- 300 draws on 2 to 4 stages: each schedule passes `validate` (deadlock-free) and the
+  simulator times every one of its actions;
+- some run on 2 processes (PP=2: DDP, deallocated outputs, Megatron's P2P, micro batch 1 or
+  2) and on 4 (PP=4, or TP=2 x PP=2 with and without sequence parallelism), every parameter
+  gradient and every reported loss equal to Megatron's no-pipelining run on the full model at
+  the equivalence suite's fp32 tolerances (harness.compare.FP32: max-normalised 1e-5, rtol 1e-4
+  / atol 1e-6; losses rtol / atol 1e-6).
+TERAPIPE_RANDOM_SEED and TERAPIPE_RANDOM_RUNS draw other or more runs (docs/tests.md).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from harness import Case, TinyGPT, check_case, spawn
+from megatron_terapipe import TeraPipePlan, build_schedule, validate
+from megatron_terapipe.planner import simulate
+from test_random_virtual_runs import COST, RUNS, SEED, SEQ, _composition, w_places
+
+
+def _slicing(rng: random.Random, multiple: int) -> tuple[int, ...]:
+    units = SEQ // multiple
+    return tuple(u * multiple for u in _composition(rng, units, rng.randint(1, min(4, units))))
+
+
+def draw_edge_plan(rng: random.Random, K: int, M: int, rows: int,
+                   multiple: int = 1) -> TeraPipePlan:
+    """A random edge-sliced plan for M microbatches of `rows` rows on K stages."""
+    first = rng.randint(0, min(3, M))
+    last = rng.randint(0 if first else 1, min(3, M))
+    plan = TeraPipePlan([SEQ], defer_wgrad=rng.random() < 0.8,
+                        edge_slices=((first, _slicing(rng, multiple)),
+                                     (last, _slicing(rng, multiple))))
+    if plan.defer_wgrad and rng.random() < 0.5:
+        plan = replace(plan, wgrad_after=w_places(rng, plan, M, K, rows))
+    return plan
+
+
+def _case(rng: random.Random, name: str, world: int) -> Case:
+    M, rows = rng.randint(1, 6), rng.choice([1, 2])
+    if world == 2:
+        shape = dict(pp=2, model=TinyGPT(num_layers=rng.choice([2, 4, 6])),
+                     ddp=rng.random() < 0.3, deallocate_outputs=rng.random() < 0.3,
+                     transport=rng.choice([None, "megatron"]))
+    elif rng.random() < 0.5:
+        shape = dict(pp=4, model=TinyGPT(num_layers=rng.choice([4, 8])), ddp=rng.random() < 0.3)
+    else:
+        parallel = rng.random() < 0.5
+        shape = dict(pp=2, tp=2, model=TinyGPT(sequence_parallel=parallel),
+                     ddp=parallel or rng.random() < 0.3)
+    multiple = 2 if shape["model"].sequence_parallel else 1
+    plan = draw_edge_plan(rng, shape["pp"], M, rows, multiple)
+    return Case(name, plan, num_microbatches=M, micro_batch_size=rows, **shape)
+
+
+def random_cases(world: int, count: int, seed: int) -> list[Case]:
+    rng = random.Random(seed * 100 + world)
+    return [_case(rng, f"random_edges_{world}_{seed}_{i}", world) for i in range(count)]
+
+
+CASES_2 = random_cases(2, max(1, RUNS // 2), SEED)
+CASES_4 = random_cases(4, max(1, RUNS // 3), SEED)
+
+
+def test_random_edge_plans_validate_and_simulate():
+    """Many more draws than run: every schedule is deadlock-free, the simulator (which replays
+    the same action lists) times every action, and the cut microbatches are the drawn ones."""
+    rng = random.Random(SEED)
+    for _ in range(300):
+        K, M, rows = rng.choice([2, 3, 4]), rng.randint(1, 9), rng.choice([1, 2])
+        plan = draw_edge_plan(rng, K, M, rows)
+        schedule = build_schedule(plan, M, K, rows)
+        validate(schedule)
+        result = simulate(schedule, COST)
+        assert len(result.timeline) == sum(map(len, schedule.stages)), plan
+        forwards = [a for a in schedule.stages[0] if a.kind == "F"]
+        assert len(forwards) == sum(plan.cells_of(m, M) for m in range(M)), plan
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return spawn(2, "harness:run_cases", CASES_2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return spawn(4, "harness:run_cases", CASES_4, timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=[c.name for c in CASES_2])
+def test_random_edge_plans_on_two_processes(world2, case):
+    check_case(world2, case)
+
+
+@pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
+def test_random_edge_plans_on_four_processes(world4, case):
+    check_case(world4, case)
