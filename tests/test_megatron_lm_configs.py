@@ -128,6 +128,14 @@ MOE_LOSSES = [
              "1e-2", "1e-2", "--moe-z-loss-coeff", "1e-3"),
             ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
              "z_loss")), "--moe-aux-loss-coeff"),
+    # TeraPipe's cells on Megatron's model chunks against its interleaved 1F1B, with every loss
+    (Config("MoE + all three load-balancing losses + z-loss, virtual pipeline (PP=2 x V=2)", 2,
+            (*MOE, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+             "--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "global_aux_loss",
+             "--moe-aux-loss-coeff", "1e-2", "1e-2", "1e-2", "--moe-z-loss-coeff", "1e-3"),
+            ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+             "z_loss"), log_has=(">   virtual stages ............ 2 model chunks per stage",)),
+     "--moe-aux-loss-coeff"),
 ]
 if moe_losses.line_problem() is None:
     EQUAL += [config for config, _ in MOE_LOSSES]

@@ -51,6 +51,15 @@ CASES_2 = [MoECase(f"{loss}_{plan}", PLANS[plan], num_microbatches=2, model=mode
     MoECase("all_losses_padding_mask", PLANS["1f1b_w"], padding=True, model=MoEGPT(**ALL_AUX)),
     MoECase("all_losses_padding_mask_per_token", PLANS["gpipe"], padding=True,
             model=MoEGPT(calculate_per_token_loss=True, **ALL_AUX)),
+    # Megatron's model chunks (one layer each): each chunk's routers count their own cells.
+    MoECase("all_losses_virtual_1f1b_w", TeraPipePlan([5, 7, 4], virtual_stages=2),
+            num_microbatches=4, model=MoEGPT(**ALL_AUX)),
+    MoECase("all_losses_virtual_gpipe_per_token", TeraPipePlan([8, 8], order="gpipe",
+                                                               virtual_stages=2, defer_wgrad=False),
+            model=MoEGPT(calculate_per_token_loss=True, **ALL_AUX)),
+    # Whole sequences, the first and last microbatches cut (edge slicing).
+    MoECase("all_losses_edge_slices", TeraPipePlan([16], edge_slices=((1, (5, 7, 4)), (1, (8, 8)))),
+            num_microbatches=4, model=MoEGPT(**ALL_AUX)),
 ]
 CONTROL = MoECase("control_losses_per_cell", PLANS["1f1b_w"], model=MoEGPT(**ALL_AUX),
                   per_cell_losses=True)
@@ -74,6 +83,11 @@ CASES_4 = [
             model=MoEGPT(expert_bias=True, aux_coeffs=(0.0,))),
     MoECase("dp2_pp2_expert_bias_aux_loss_ddp", PLANS["gpipe"], ddp=True, num_microbatches=2,
             model=MoEGPT(expert_bias=True)),
+    # Model chunks with DDP per chunk, the experts split over two data-parallel ranks.
+    MoECase("dp2_pp2_ep2_virtual_ddp", TeraPipePlan([6, 6, 4], virtual_stages=2), ep=2, ddp=True,
+            num_microbatches=2, model=MoEGPT(**ALL_AUX)),
+    MoECase("tp2_pp2_sequence_parallel_virtual_ddp", TeraPipePlan([6, 6, 4], virtual_stages=2),
+            tp=2, ddp=True, model=MoEGPT(sequence_parallel=True, **ALL_AUX)),
 ]
 
 

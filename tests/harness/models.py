@@ -69,14 +69,16 @@ class TinyGPT:
             normalization=self.normalization,
             **extra, **dict(self.spec_and_config), **dict(self.config_extra))
 
-    def build(self, config, spec, pre_process: bool = True, post_process: bool = True):
+    def build(self, config, spec, pre_process: bool = True, post_process: bool = True,
+              vp_stage: Optional[int] = None):
         from megatron.core.models.gpt import GPTModel
 
+        chunk = {} if vp_stage is None else {"vp_stage": vp_stage}  # model chunk c of V
         return GPTModel(config, spec, vocab_size=self.vocab_size,
                         max_sequence_length=self.seq_length, pre_process=pre_process,
                         post_process=post_process,
                         position_embedding_type=self.position_embedding_type,
-                        share_embeddings_and_output_weights=not self.untie)
+                        share_embeddings_and_output_weights=not self.untie, **chunk)
 
 
 def seed(value: int) -> None:

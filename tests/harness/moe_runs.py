@@ -116,41 +116,49 @@ def _baseline_spec(case: MoECase, config):
         layer_specs=[layer] * config.num_layers, layer_norm=TorchNorm))
 
 
-def _terapipe_spec(case: MoECase, config):
+def _terapipe_spec(case: MoECase, config, vp_stage: Optional[int] = None):
     from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     if config.sequence_parallel:
-        return get_gpt_decoder_block_spec(config, **case.model.spec_kwargs)
+        return get_gpt_decoder_block_spec(config, vp_stage=vp_stage, **case.model.spec_kwargs)
     return get_gpt_layer_spec(**case.model.spec_kwargs)
 
 
 def _wrap(case: MoECase, config, model):
+    return _wrap_chunks(case, config, [model])[0]
+
+
+def _wrap_chunks(case: MoECase, config, chunks: list) -> list:
+    """Megatron DDP per model chunk, as Megatron-LM wraps them (bucketing on the first only)."""
     if not case.ddp:
-        return model
+        return chunks
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.no_sync_func = model.no_sync
+    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(), chunk,
+                                      disable_bucketing=c > 0) for c, chunk in enumerate(chunks)]
+    no_sync = [chunk.no_sync for chunk in chunks]
+    config.no_sync_func = no_sync[0] if len(chunks) == 1 else no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    model.zero_grad_buffer()
-    return model
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    return chunks
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    inner = unwrap(model)
+def _grads(*chunks) -> dict[str, torch.Tensor]:
     out = {}
-    for name, param in inner.named_parameters():
-        grad = getattr(param, "main_grad", None)
-        grad = param.grad if grad is None else grad
-        out[global_name(inner, name)] = (torch.zeros_like(param) if grad is None else grad).detach().float().clone()
+    for inner in map(unwrap, chunks):
+        for name, param in inner.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            grad = torch.zeros_like(param) if grad is None else grad
+            out[global_name(inner, name)] = grad.detach().float().clone()
     return out
 
 
-def _buffers(model) -> dict[str, torch.Tensor]:
-    inner = unwrap(model)
-    return {global_name(inner, name): buf.detach().clone() for name, buf in inner.named_buffers()
-            if name.rsplit(".", 1)[-1] in ROUTER_BUFFERS}
+def _buffers(*chunks) -> dict[str, torch.Tensor]:
+    return {global_name(inner, name): buf.detach().clone() for inner in map(unwrap, chunks)
+            for name, buf in inner.named_buffers() if name.rsplit(".", 1)[-1] in ROUTER_BUFFERS}
 
 
 def _tracker_values() -> dict[str, torch.Tensor]:
@@ -240,28 +248,44 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp, case.ep)
-    model = case.model.build(config, _terapipe_spec(case, config),
-                             pre_process=parallel_state.is_pipeline_first_stage(),
-                             post_process=parallel_state.is_pipeline_last_stage())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(state[global_name(model, name)])
-    model = _wrap(case, config, model)
+    V = case.plan.virtual_stages
+    if V > 1:  # V model chunks per rank, as Megatron builds them for its interleaved 1F1B
+        config.virtual_pipeline_model_parallel_size = V
+        config.microbatch_group_size_per_vp_stage = case.pp
+    chunks = _wrap_chunks(case, config, [_stage_chunk(case, config, state, c if V > 1 else None)
+                                         for c in range(V)])
     configure(config, case.plan)
     if case.per_cell_losses:
         original, moe_losses.install_moe_losses = moe_losses.install_moe_losses, lambda m: 0
     try:
         losses = forward_backward_terapipe(
-            forward_step_func=_forward_step(case), data_iterator=iter(batches), model=[model],
+            forward_step_func=_forward_step(case), model=chunks,
+            data_iterator=[iter(batches) for _ in chunks] if V > 1 else iter(batches),
             num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
             micro_batch_size=case.micro_batch_size)
     finally:
         if case.per_cell_losses:
             moe_losses.install_moe_losses = original
-    result = {"losses": report_values(losses), "grads": _grads(model), "buffers": _buffers(model),
+    result = {"losses": report_values(losses), "grads": _grads(*chunks),
+              "buffers": _buffers(*chunks),
               "logged": _logged(parallel_state.get_pipeline_model_parallel_group())}
-    del model, config
+    del chunks, config
     return result
+
+
+def _stage_chunk(case: MoECase, config, state: dict, vp_stage: Optional[int]):
+    """This rank's stage (or its model chunk `vp_stage`) with the baseline's weights."""
+    from megatron.core import parallel_state
+
+    edges = dict(ignore_virtual=False, vp_stage=vp_stage) if vp_stage is not None else {}
+    model = case.model.build(config, _terapipe_spec(case, config, vp_stage),
+                             pre_process=parallel_state.is_pipeline_first_stage(**edges),
+                             post_process=parallel_state.is_pipeline_last_stage(**edges),
+                             vp_stage=vp_stage)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[global_name(model, name)])
+    return model
 
 
 def run_moe_case(rank: int, case: MoECase, solo_group) -> dict[str, Any]:
@@ -288,8 +312,8 @@ THREADS_AFTER_RELEASE = "threads after each release"
 
 def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str, Any]:
     """Worker body: every case, with Megatron's process groups initialised once per run of
-    consecutive cases with the same TP / PP / EP (a gloo group costs a rendezvous to make and
-    a collection to release)."""
+    consecutive cases with the same TP / PP / EP / virtual stages (a gloo group costs a
+    rendezvous to make and a collection to release)."""
     import itertools
 
     import torch.distributed as dist
@@ -299,8 +323,13 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
 
     enable_cpu_mode()
     results: dict[str, Any] = {THREADS_AFTER_RELEASE: []}
-    for (tp, pp, ep), same_layout in itertools.groupby(cases, lambda c: (c.tp, c.pp, c.ep)):
-        parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
+    def layout(case: MoECase) -> tuple[int, int, int, Optional[int]]:
+        V = case.plan.virtual_stages
+        return case.tp, case.pp, case.ep, V if V > 1 else None
+
+    for (tp, pp, ep, V), same_layout in itertools.groupby(cases, layout):
+        parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=V,
+                                                 expert_model_parallel_size=ep)
         solo_group, _ = dist.new_subgroups(group_size=1)
         for case in same_layout:
             results[case.name] = run_moe_case(rank, case, solo_group)
