@@ -12,7 +12,7 @@ HONOURED = {  # exact in the equivalence tests (tests/test_equivalence.py unless
     "calculate_per_token_loss": "[pp2_per_token_loss]",
     "sequence_parallel": "[tp2_pp2_sequence_parallel*]",
     "virtual_pipeline_model_parallel_size": "tests/test_virtual_runs.py",
-    "pipeline_model_parallel_layout": "Megatron-LM's matrix (tests/test_megatron_lm_configs.py)",
+    "pipeline_model_parallel_layout": "tests/test_stage_split_runs.py, Megatron-LM's matrix",
     "position_embedding_type": "rope and learned_absolute; mrope refused (hooks/rope.py)",
     "rotary_base": "the RoPE table, at each slice's offset (hooks/rope.py)",
     "rotary_interleaved": "[w_pp2_attention_per_token_options]",

@@ -34,6 +34,9 @@ class TinyGPT:
     # options the layer spec function and the config both take, e.g. (("qk_layernorm", True),)
     spec_and_config: tuple[tuple[str, Any], ...] = ()
     config_extra: tuple[tuple[str, Any], ...] = ()  # more TransformerConfig fields, as given
+    # how the layers split over the stages (e.g. (("num_layers_in_first_pipeline_stage", 1),)):
+    # pipelined configs only, the no-pipelining baseline holds every layer
+    stage_split: tuple[tuple[str, Any], ...] = ()
     seed: int = 1234
 
     @property
@@ -67,7 +70,8 @@ class TinyGPT:
             sequence_parallel=self.sequence_parallel and tp > 1,  # the TP=1 baseline has none
             calculate_per_token_loss=self.calculate_per_token_loss,
             normalization=self.normalization,
-            **extra, **dict(self.spec_and_config), **dict(self.config_extra))
+            **extra, **dict(self.spec_and_config), **dict(self.config_extra),
+            **(dict(self.stage_split) if pp > 1 else {}))
 
     def build(self, config, spec, pre_process: bool = True, post_process: bool = True,
               vp_stage: Optional[int] = None):
