@@ -60,6 +60,11 @@ CASES_2 = [
     Case("pp2_gpipe_batch_slices", Plan([8, 8], batch_slices=[2, 1], order="gpipe"),
          micro_batch_size=3, num_microbatches=4),
     Case("pp2_dataset_causal_mask", UNEVEN, with_mask=True),
+    # Megatron-LM's packed sequences (--reset-attention-mask --reset-position-ids): documents
+    # packed in each row, a block-diagonal causal mask and positions from each document's start
+    Case("pp2_packed_documents", UNEVEN, packed=True, num_microbatches=4),
+    Case("w_pp2_packed_documents_learned_abs_gpipe", TeraPipePlan([3, 9, 4], order="gpipe"),
+         packed=True, model=TinyGPT(position_embedding_type="learned_absolute")),
     Case("pp2_legacy_two_tuple_loss", UNEVEN, legacy_loss=True),
     Case("pp2_per_token_loss", UNEVEN, model=TinyGPT(calculate_per_token_loss=True)),
     Case("pp2_grouped_query_attention", UNEVEN, model=TinyGPT(num_query_groups=2)),
@@ -98,6 +103,8 @@ CASES_4 = [
     Case("tp2_pp2_sequence_parallel_gpipe_learned_abs", Plan([2, 10, 4], order="gpipe"),
          tp=2, pp=2, ddp=True,
          model=TinyGPT(sequence_parallel=True, position_embedding_type="learned_absolute")),
+    Case("w_tp2_pp2_sequence_parallel_packed_documents", TeraPipePlan([6, 6, 4]), tp=2, pp=2,
+         ddp=True, packed=True, model=TinyGPT(sequence_parallel=True)),
     Case("dp2_pp2_ddp_1f1b", UNEVEN, pp=2, ddp=True, num_microbatches=2),
     Case("dp2_pp2_ddp_gpipe", Plan([5, 7, 4], order="gpipe"), pp=2, ddp=True,
          num_microbatches=3),

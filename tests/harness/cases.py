@@ -29,6 +29,7 @@ class Case:
     overlap_grad_reduce: bool = False  # DDP launches bucket all-reduces from gradient hooks
     forward_only: bool = False
     with_mask: bool = False
+    packed: bool = False  # documents packed in each row: block-diagonal masks, reset positions
     legacy_loss: bool = False
     slice_spec: bool = True  # False: build with Megatron's stock spec (TeraPipe must refuse)
     transport: Optional[str] = None  # "megatron": Megatron's P2PCommunicator, as on GPUs
@@ -192,7 +193,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
         raise ValueError("data parallel cases need ddp=True")
     batches = make_batches(case.num_microbatches * dp, case.micro_batch_size,
                            case.model.seq_length, case.model.vocab_size, seed=7,
-                           with_mask=case.with_mask)
+                           with_mask=case.with_mask, packed=case.packed)
     ref_losses, ref_grads, full_state = baseline(case, batches)
     config, model = _terapipe_model(case, full_state)
     configure(config, case.plan)

@@ -128,8 +128,10 @@ def in_precision(config, model):
 
 
 def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0,
-                 with_mask: bool = False, masked_rows: bool = True) -> list[dict[str, torch.Tensor]]:
-    """Megatron-GPTDataset-style dicts of [b, s] tensors, with zeros in the loss masks."""
+                 with_mask: bool = False, masked_rows: bool = True,
+                 packed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Megatron-GPTDataset-style dicts of [b, s] tensors, with zeros in the loss masks;
+    `packed`: documents packed in each row (`packed_documents`)."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(num):
@@ -146,8 +148,28 @@ def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: i
         }
         if with_mask:
             batch["attention_mask"] = torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool).triu(1)
+        if packed:
+            batch["attention_mask"], batch["position_ids"] = packed_documents(
+                gen, micro_batch_size, seq_length)
         batches.append(batch)
     return batches
+
+
+def packed_documents(gen: torch.Generator, rows: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What Megatron-LM's dataset gives with --reset-attention-mask --reset-position-ids: each
+    row holds 1 to 4 documents (random lengths), a token attends to the earlier tokens of its
+    own document only ([b, 1, s, s], True: masked) and its position counts from its document's
+    start."""
+    masks, positions = [], []
+    at = torch.arange(seq_length)
+    for _ in range(rows):
+        cuts = torch.randperm(seq_length - 1, generator=gen)[:int(torch.randint(0, 4, (1,), generator=gen))] + 1
+        document = torch.bucketize(at, cuts.sort().values, right=True)
+        starts = torch.tensor([0, *cuts.sort().values.tolist()])[document]
+        visible = (document[:, None] == document[None, :]) & (at[None, :] <= at[:, None])
+        masks.append(~visible)
+        positions.append(at - starts)
+    return torch.stack(masks).unsqueeze(1), torch.stack(positions)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
