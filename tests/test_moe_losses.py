@@ -19,7 +19,7 @@ import pytest
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.hooks import moe_losses
-from harness import FP32, max_relative_error, spawn
+from harness import FP32, WorkerError, max_relative_error, spawn
 from harness.moe_runs import THREADS_AFTER_RELEASE, MoECase, MoEGPT, check_moe_case
 from test_arguments import MOE_LOSSES, parse
 
@@ -83,6 +83,10 @@ CASES_4 = [
             model=MoEGPT(expert_bias=True, aux_coeffs=(0.0,))),
     MoECase("dp2_pp2_expert_bias_aux_loss_ddp", PLANS["gpipe"], ddp=True, num_microbatches=2,
             model=MoEGPT(expert_bias=True)),
+    # Padding with per-token losses: Megatron scales each loss by its group's valid tokens
+    # (its count is all-reduced in place), here the data-parallel ranks' for global_aux_loss.
+    MoECase("dp2_pp2_padding_per_token_ddp", PLANS["1f1b_w"], ddp=True, padding=True,
+            num_microbatches=2, model=MoEGPT(calculate_per_token_loss=True, **ALL_AUX)),
     # Model chunks with DDP per chunk, the experts split over two data-parallel ranks.
     MoECase("dp2_pp2_ep2_virtual_ddp", TeraPipePlan([6, 6, 4], virtual_stages=2), ep=2, ddp=True,
             num_microbatches=2, model=MoEGPT(**ALL_AUX)),
@@ -139,6 +143,18 @@ def test_losses_of_each_cell_alone_differ_from_megatron(world2):
         routers = {name: pair for name, pair in grads.items() if name.endswith("router.weight")}
         assert len(routers) == 2, sorted(routers)  # two MoE layers per stage
         assert max_relative_error(routers)[0] > 100 * FP32.max_normalised, routers
+
+
+@exact_line
+def test_a_whole_padding_mask_on_a_later_sequence_parallel_stage_is_named():
+    """Megatron-Core's GPTModel splits a padding mask over the TP ranks under sequence
+    parallelism on the first pipeline stage only: a later stage's router gets the whole mask
+    (Megatron's own schedules fail there with a reshape error). TeraPipe names it."""
+    case = MoECase("tp2_pp2_sequence_parallel_padding", TeraPipePlan([6, 6, 4]), tp=2,
+                   padding=True, model=MoEGPT(sequence_parallel=True, **ALL_AUX))
+    with pytest.raises(WorkerError, match="the MoE padding mask holds 12 tokens but this "
+                                          "router routes 6: under sequence parallelism"):
+        spawn(4, "harness.moe_runs:run_moe_cases", [case], timeout=300)
 
 
 @pytest.mark.parametrize("extra", MOE_LOSSES)

@@ -85,13 +85,15 @@ class SwitchTerm:
     scores: Optional[torch.Tensor] = None
     counts_for_loss: Optional[torch.Tensor] = None  # counts, or global_aux_loss's running mean
     local_tokens: Optional[torch.Tensor] = None  # per Megatron TP rank (per-token scaling)
+    padded: bool = False  # the router got a padding mask (see finish)
     complete: bool = False
 
     def add(self, routing_map: torch.Tensor, scores: torch.Tensor, rows: slice, seq: int,
-            counter: Callable[..., tuple]) -> None:
+            counter: Callable[..., tuple], padded: bool = False) -> None:
         """Add one cell's tokens ([seq x rows, E], flattened as the router does). `counter` is
         Megatron's get_tokens_per_expert_and_token_count bound to this loss's group and
-        padding; `rows`: the cell's rows in the microbatch."""
+        padding (`padded`); `rows`: the cell's rows in the microbatch."""
+        self.padded = self.padded or padded
         if self.kind != "seq_aux_loss":
             counts, _, total = counter(routing_map, topk=self.shape.topk)
             self._add(counts, scores.sum(dim=0), total, None)
@@ -113,7 +115,12 @@ class SwitchTerm:
 
     def finish(self, router, owner_tokens: torch.Tensor) -> None:
         """The microbatch's last cell ran: per-row totals become Megatron's per-sequence ones,
-        global_aux_loss adds the counts to the router's running mean (as its forward would)."""
+        global_aux_loss adds the counts to the router's running mean (as its forward would).
+        With a padding mask Megatron's per-token count is the loss group's total, not the
+        rank's: get_tokens_per_expert_and_token_count all-reduces the rank's counts in place
+        (mappings._reduce on a contiguous tensor) before it sums them for the local count."""
+        if self.padded:
+            owner_tokens = torch.zeros_like(owner_tokens) + self.total_tokens
         self.local_tokens = owner_tokens
         if self.kind == "seq_aux_loss":
             self.total_tokens = self.total_tokens / self.shape.micro_batch_size

@@ -202,6 +202,7 @@ class RouterLosses:
             compute_routing_scores_for_aux_loss, get_tokens_per_expert_and_token_count)
 
         router, cell = self.router, active.cell
+        check_padding_mask(logits, padding_mask)
         losses = self.losses_of(cell.microbatch)
         seq, rows = logits.shape[0], slice(cell.row_start, cell.row_end)
         owners = self.owners(active, seq)
@@ -221,7 +222,7 @@ class RouterLosses:
                     counter = functools.partial(get_tokens_per_expert_and_token_count,
                                                 reduce_group=self._group(term.kind),
                                                 with_padding_mask=mask is not None)
-                    term.add(routing_map, scores, rows, seq, counter)
+                    term.add(routing_map, scores, rows, seq, counter, padded=mask is not None)
         losses.tokens += cell.rows * cell.tokens
         if losses.tokens == self.tokens_per_microbatch:
             self._finish(losses)
@@ -249,6 +250,19 @@ class RouterLosses:
                 losses.z.tokens, losses.z.complete = losses.owner_tokens, True
                 compat_moe.record_z_loss(router, losses.z.value() / losses.z.coeff, layers)
         losses.complete = True
+
+
+def check_padding_mask(logits: torch.Tensor, padding_mask: Optional[torch.Tensor]) -> None:
+    """A padding mask with as many tokens as the router routes ([seq, rows, experts] logits)."""
+    routed = logits.shape[0] * logits.shape[1]
+    if padding_mask is not None and padding_mask.numel() != routed:
+        raise ValueError(
+            f"TeraPipe: the MoE padding mask holds {padding_mask.numel()} tokens but this router "
+            f"routes {routed}: under sequence parallelism Megatron-Core's GPTModel splits the "
+            "padding mask over the tensor-parallel ranks on the first pipeline stage only, so "
+            "the MoE layers of later stages get the whole mask (Megatron's own pipeline "
+            "schedules fail there too): give the model no padding_mask, or run without "
+            "sequence parallelism")
 
 
 def _hook(router, state: RouterLosses) -> None:
