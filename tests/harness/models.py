@@ -155,7 +155,8 @@ def make_batches(num: int, micro_batch_size: int, seq_length: int, vocab_size: i
     return batches
 
 
-def packed_documents(gen: torch.Generator, rows: int, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def packed_documents(gen: torch.Generator, rows: int,
+                     seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What Megatron-LM's dataset gives with --reset-attention-mask --reset-position-ids: each
     row holds 1 to 4 documents (random lengths), a token attends to the earlier tokens of its
     own document only ([b, 1, s, s], True: masked) and its position counts from its document's
@@ -163,9 +164,10 @@ def packed_documents(gen: torch.Generator, rows: int, seq_length: int) -> tuple[
     masks, positions = [], []
     at = torch.arange(seq_length)
     for _ in range(rows):
-        cuts = torch.randperm(seq_length - 1, generator=gen)[:int(torch.randint(0, 4, (1,), generator=gen))] + 1
-        document = torch.bucketize(at, cuts.sort().values, right=True)
-        starts = torch.tensor([0, *cuts.sort().values.tolist()])[document]
+        count = int(torch.randint(0, 4, (1,), generator=gen))  # documents after the first
+        cuts = (torch.randperm(seq_length - 1, generator=gen)[:count] + 1).sort().values
+        document = torch.bucketize(at, cuts, right=True)
+        starts = torch.tensor([0, *cuts.tolist()])[document]
         visible = (document[:, None] == document[None, :]) & (at[None, :] <= at[:, None])
         masks.append(~visible)
         positions.append(at - starts)
