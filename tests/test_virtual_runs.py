@@ -61,6 +61,10 @@ CASES_2 = [
     # Megatron's interleaved 1F1B on the same chunks (its groups: K microbatches)
     VirtualCase("w_v2_against_megatron_interleaved", plan(), num_microbatches=4,
                 reference="interleaved"),
+    # Megatron-LM's packed sequences: block-diagonal causal masks, positions reset per document
+    VirtualCase("w_v2_packed_documents", plan(), packed=True, num_microbatches=4),
+    VirtualCase("w_v2_packed_documents_against_megatron_interleaved", plan(), packed=True,
+                num_microbatches=4, reference="interleaved"),
 ]
 
 CASES_4 = [

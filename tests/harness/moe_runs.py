@@ -323,6 +323,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
 
     enable_cpu_mode()
     results: dict[str, Any] = {THREADS_AFTER_RELEASE: []}
+
     def layout(case: MoECase) -> tuple[int, int, int, Optional[int]]:
         V = case.plan.virtual_stages
         return case.tp, case.pp, case.ep, V if V > 1 else None

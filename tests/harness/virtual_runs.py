@@ -40,6 +40,7 @@ class VirtualCase:
     transport: Optional[str] = None
     deallocate_outputs: bool = False
     scatter_gather: bool = False  # config.terapipe.scatter_gather: messages in TP parts
+    packed: bool = False  # documents packed in each row (models.packed_documents)
     reference: str = "no_pipelining"
     tolerance: Tolerance = FP32
     # what harness.check_case reads of every case
@@ -134,7 +135,8 @@ def run_virtual_case(rank: int, world_size: int, case: VirtualCase) -> dict[str,
     enable_cpu_mode()
     dp = world_size // (case.tp * case.pp)
     batches = make_batches(case.num_microbatches * dp, case.micro_batch_size,
-                           case.model.seq_length, case.model.vocab_size, seed=7)
+                           case.model.seq_length, case.model.vocab_size, seed=7,
+                           packed=case.packed)
     ref_losses, ref_grads, full_state = baseline(case, batches)
     parallel_state.initialize_model_parallel(
         case.tp, case.pp, virtual_pipeline_model_parallel_size=case.chunks)
