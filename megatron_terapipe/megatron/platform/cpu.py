@@ -4,18 +4,20 @@ Megatron-Core assumes CUDA in a handful of places that matter for training on on
 buffers allocated on `torch.cuda.current_device()` (P2P receive buffers, DDP grad buffers, the
 global memory buffer), `torch.cuda.synchronize()` in P2P shape exchange, token counters created
 with `device="cuda"` in the built-in schedules, CUDA stream queries in the DDP grad sync
-(0.19), and the CUDA RNG tracker seeding. CPU mode points these at the CPU (the modules it
-touches are listed and version-checked in compat.py), and keeps freed host memory in the process as CUDA's caching allocator keeps
-device memory (`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU
-job.
+(0.19), the CUDA RNG tracker seeding, and the distributed optimizer's check that parameters are
+CUDA tensors (by `Tensor.type()` name, in its constructor). CPU mode points these at the CPU
+(the modules it touches are listed and version-checked in compat.py), and keeps freed host
+memory in the process as CUDA's caching allocator keeps device memory
+(`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import types
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -167,10 +169,43 @@ def enable_cpu_mode() -> None:
     patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _moe_on_cpu({m.__name__: m for m in modules})
+    # The distributed optimizer's constructor accepts parameters by CUDA type name only.
+    from megatron.core.optimizer import DistributedOptimizer
+
+    patch_for_cpu(DistributedOptimizer, "__init__",
+                  _naming_cpu_tensors_cuda(DistributedOptimizer.__init__))
     p2p = p2p_module()  # sends keep their storage until waited on (cpu_p2p.py)
     patch_for_cpu(p2p, "torch", P2PTorchProxy(p2p.torch))
     keep_freed_host_memory()
     _ENABLED = True
+
+
+@contextlib.contextmanager
+def _cpu_tensors_named_cuda() -> Iterator[None]:
+    """`Tensor.type()` names a CPU tensor by its CUDA type ('torch.cuda.FloatTensor'), as
+    Megatron-Core's optimizers check parameter types by name; with arguments it is unchanged."""
+    original = torch.Tensor.type
+
+    def type_name(self, *args: Any, **kwargs: Any):
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda or not isinstance(name, str):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _naming_cpu_tensors_cuda(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any):
+        with _cpu_tensors_named_cuda():
+            return function(*args, **kwargs)
+
+    return wrapped
 
 
 def _moe_on_cpu(modules: dict[str, types.ModuleType]) -> None:

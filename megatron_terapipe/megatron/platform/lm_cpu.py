@@ -27,15 +27,13 @@ before reporting and the save waits for them forever), which is checked before t
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import gc
 import importlib
 import importlib.util
 import os
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -127,10 +125,6 @@ def enable_megatron_lm_cpu_mode() -> None:
     # their parameters for the TP all-reduce); spec.TorchNorm marks them.
     norm = compat.local_spec_torch_norm()
     patch_for_cpu(norm, "__new__", _sequence_parallel_torch_norm(norm.__new__))
-    # --use-distributed-optimizer: its constructor accepts parameters by CUDA type name only.
-    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    optimizer = distrib.DistributedOptimizer
-    patch_for_cpu(optimizer, "__init__", _naming_cpu_tensors_cuda(optimizer.__init__))
     # --save / --load: checkpointing's CUDA RNG state, its "cuda" iteration tensor and the RNG
     # tracker states it checks (the module docstring).
     checkpointing = compat_checkpoints.megatron_lm_checkpointing()
@@ -185,34 +179,6 @@ def _sequence_parallel_torch_norm(original: Callable) -> Callable:
         return original(cls, config, hidden_size, eps, *args, **kwargs)
 
     return new
-
-
-@contextlib.contextmanager
-def _cpu_tensors_named_cuda() -> Iterator[None]:
-    """`Tensor.type()` names a CPU tensor by its CUDA type ('torch.cuda.FloatTensor'), as
-    Megatron-Core's optimizers check parameter types by name; with arguments it is unchanged."""
-    original = torch.Tensor.type
-
-    def type_name(self, *args: Any, **kwargs: Any):
-        name = original(self, *args, **kwargs)
-        if args or kwargs or self.is_cuda or not isinstance(name, str):
-            return name
-        return name.replace("torch.", "torch.cuda.", 1)
-
-    torch.Tensor.type = type_name
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
-
-
-def _naming_cpu_tensors_cuda(function: Callable) -> Callable:
-    @functools.wraps(function)
-    def wrapped(*args: Any, **kwargs: Any):
-        with _cpu_tensors_named_cuda():
-            return function(*args, **kwargs)
-
-    return wrapped
 
 
 def apply_cpu_settings(args) -> list[str]:
