@@ -10,7 +10,8 @@ interleaved 1F1B on V=2 chunks) on one side, `forward_backward_terapipe` on the 
 
 Asserted on every rank, every iteration: every parameter's main_grad after the schedule (the
 reduce-scattered buffer) within the equivalence suite's fp32 tolerances (harness.compare.FP32:
-max-normalised 1e-5, rtol 1e-4 / atol 1e-6) and every reported loss within rtol / atol 1e-6;
+max-normalised 1e-5, rtol 1e-4 / atol 1e-6), every reported loss within rtol / atol 1e-6 and
+the gradient norm of the optimizer's step (over all ranks) within rel 1e-5;
 so iteration 2 and 3 also check that the optimizer steps and the parameter all-gathers gave both
 sides the same weights. After the last step every parameter (all-gathered) within rtol 1e-5 /
 atol 5e-3 x lr of Megatron's (Adam's steps, see PARAM_ATOL_IN_LR), and changed from the start
@@ -60,13 +61,15 @@ def test_distributed_optimizer_steps_equal_megatrons(world4, case):
         for i in range(case.iterations):
             check_gradients({n: (g, ref["grads"][i][n]) for n, g in got["grads"][i].items()},
                             FP32, f"{where}, iteration {i}")
+            assert got["grad_norms"][i] == pytest.approx(ref["grad_norms"][i], rel=1e-5) != 0, where
             if result["last_stage"]:
                 check_losses(got["losses"][i], ref["losses"][i], FP32, f"{where}, iteration {i}")
         saw_last |= result["last_stage"]
         assert got["params"].keys() == ref["params"].keys(), where
         for name, param in got["params"].items():
             torch.testing.assert_close(param, ref["params"][name], rtol=PARAM_RTOL,
-                                       atol=PARAM_ATOL_IN_LR * case.lr, msg=lambda m, n=name: f"{where}: {n}: {m}")
-        moved = [n for n, p in got["params"].items() if not torch.equal(p, got["start"][n])]
-        assert len(moved) == len(got["params"]), f"{where}: steps left {len(got['params']) - len(moved)} parameters"
+                                       atol=PARAM_ATOL_IN_LR * case.lr,
+                                       msg=lambda m, n=name: f"{where}: {n}: {m}")
+        still = [n for n, p in got["params"].items() if torch.equal(p, got["start"][n])]
+        assert not still, f"{where}: the steps left {still} unchanged"
     assert saw_last, case.name

@@ -11,9 +11,11 @@ overlapped parameter gather off for the first iteration and on after it, as Mega
 `train` sets them. The reference is `forward_backward_pipelining_without_interleaving` on one
 chunk and `..._with_interleaving` on V chunks; the other side is `forward_backward_terapipe`.
 
-Per iteration each side records its reported losses and every parameter's main_grad after the schedule (the reduce-scattered buffers: the
-rank's own shard holds the data-parallel sum, the rest its local gradients); after the last
-step every parameter, all-gathered. Both sides' float32 copies go back to the test.
+Per iteration each side records its reported losses, the gradient norm the optimizer's step
+returns (over every rank) and every parameter's main_grad after the schedule (the
+reduce-scattered buffers: the rank's own shard holds the data-parallel sum, the rest its local
+gradients); after the last step every parameter, all-gathered. Both sides' float32 copies go
+back to the test.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def train(case: OptimizerCase, full_state: dict, batches: list, terapipe: bool) 
     config, chunks = _chunks(case, full_state, terapipe)
     chunks, optimizer, param_sync_func = _train_setup(case, config, chunks)
     schedule = _schedule(case, config, terapipe)
-    record: dict[str, Any] = {"losses": [], "grads": [], "start": _params(chunks),
+    record: dict[str, Any] = {"losses": [], "grads": [], "grad_norms": [], "start": _params(chunks),
                               "optimizers": [type(o).__name__ for o in
                                              getattr(optimizer, "chained_optimizers", [optimizer])]}
     for i, iteration_batches in enumerate(batches):
@@ -161,8 +163,9 @@ def train(case: OptimizerCase, full_state: dict, batches: list, terapipe: bool) 
                           seq_length=case.model.seq_length,
                           micro_batch_size=case.micro_batch_size)
         record["grads"].append(_grads(chunks))
-        ok, _, _ = optimizer.step()
+        ok, grad_norm, _ = optimizer.step()  # the norm over all ranks, clipping or not
         assert ok, f"{case.name}: the optimizer skipped iteration {i}"
+        record["grad_norms"].append(float(grad_norm))
         record["losses"].append(report_values(losses) if losses else [])
     if case.overlap_param_gather:
         for chunk in chunks:  # Megatron-LM's end of training: the last gather, finished
