@@ -159,7 +159,7 @@ def build_model(args: argparse.Namespace, device: torch.device):
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, bf16=args.bf16,
-                        params_dtype=dtype, clip_grad=0.0 if cpu else 1.0), [model])
+                        params_dtype=dtype, clip_grad=1.0), [model])
     config.no_sync_func = model.no_sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss

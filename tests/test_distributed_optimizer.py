@@ -15,7 +15,9 @@ the gradient norm of the optimizer's step (over all ranks) within rel 1e-5;
 so iteration 2 and 3 also check that the optimizer steps and the parameter all-gathers gave both
 sides the same weights. After the last step every parameter (all-gathered) within rtol 1e-5 /
 atol 5e-3 x lr of Megatron's (Adam's steps, see PARAM_ATOL_IN_LR), and changed from the start
-(the steps happened). Megatron's distributed optimizer takes Adam only.
+(the steps happened). Megatron's distributed optimizer takes Adam only. Two cases clip the
+gradients at Megatron-LM's default `--clip-grad 1.0` (every iteration's norm is above it, which
+the test checks), on CPU through CPU mode's wrapper of `clip_grad_by_total_norm_fp32`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ CASES = [
     OptimizerCase("dp2_pp2_gpipe_overlapped_reduce_and_gather",
                   TeraPipePlan([4, 4, 8], order="gpipe", defer_wgrad=False),
                   overlap_grad_reduce=True, overlap_param_gather=True),
-    OptimizerCase("dp2_pp2_1f1b_deferred_overlapped_reduce_and_gather", TeraPipePlan([8, 8]),
+    OptimizerCase("dp2_pp2_1f1b_deferred_overlapped_reduce_and_gather_clipped",
+                  TeraPipePlan([8, 8]), clip_grad=1.0,
                   overlap_grad_reduce=True, overlap_param_gather=True),
-    OptimizerCase("dp2_pp2_v2_overlapped_reduce_and_gather",
+    OptimizerCase("dp2_pp2_v2_overlapped_reduce_and_gather_clipped",
                   TeraPipePlan([8, 8], virtual_stages=2), model=TinyGPT(num_layers=4),
-                  overlap_grad_reduce=True, overlap_param_gather=True),
+                  clip_grad=1.0, overlap_grad_reduce=True, overlap_param_gather=True),
 ]
 # Adam divides each element's step by that element's running gradient RMS, so a float32
 # rounding difference d in a gradient element g moves its step by about lr * d / |g|: elements
@@ -62,6 +65,7 @@ def test_distributed_optimizer_steps_equal_megatrons(world4, case):
             check_gradients({n: (g, ref["grads"][i][n]) for n, g in got["grads"][i].items()},
                             FP32, f"{where}, iteration {i}")
             assert got["grad_norms"][i] == pytest.approx(ref["grad_norms"][i], rel=1e-5) != 0, where
+            assert got["grad_norms"][i] > case.clip_grad, f"{where}: clipping did not act"
             if result["last_stage"]:
                 check_losses(got["losses"][i], ref["losses"][i], FP32, f"{where}, iteration {i}")
         saw_last |= result["last_stage"]

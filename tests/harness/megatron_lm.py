@@ -23,7 +23,7 @@ MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "12
          "--seq-length", "64", "--max-position-embeddings", "64",
          "--micro-batch-size", "1", "--global-batch-size", "4", "--lr", "1e-3",
          "--log-interval", "1", "--eval-iters", "1",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0.0",
+         "--attention-dropout", "0", "--hidden-dropout", "0",
          "--pipeline-model-parallel-size", "2", "--terapipe-cpu"]
 
 ITERATION = re.compile(r"iteration\s+(\d+)/.*lm loss: ([0-9.E+-]+).*grad norm: ([0-9.]+)")

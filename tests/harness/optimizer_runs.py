@@ -44,6 +44,7 @@ class OptimizerCase:
     iterations: int = 3
     model: TinyGPT = field(default_factory=TinyGPT)
     lr: float = 1e-3
+    clip_grad: float = 0.0  # clip by the total norm above this (0: no clipping)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     # what harness.baseline reads of a case (the full model's weights come from it)
@@ -96,8 +97,8 @@ def _train_setup(case: OptimizerCase, config, chunks):
               for c, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=case.lr, weight_decay=0.01,
-                        clip_grad=0.0,  # clipping asserts CUDA gradients (as --terapipe-cpu says)
-                        use_distributed_optimizer=True, params_dtype=torch.float32),
+                        clip_grad=case.clip_grad, use_distributed_optimizer=True,
+                        params_dtype=torch.float32),
         chunks)
 
     def one_or_list(functions: list):

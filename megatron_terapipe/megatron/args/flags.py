@@ -64,7 +64,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "whose messages are split already")
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
-                            "(launcher only; needs --clip-grad 0.0; see megatron/platform/lm_cpu.py)")
+                            "(launcher only; see megatron/platform/lm_cpu.py)")
     _add_memory_args(group)
     group.add_argument("--terapipe-trace", default=None, metavar="PATH",
                        help="write Chrome traces: the simulated plan to PATH's "

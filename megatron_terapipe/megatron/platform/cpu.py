@@ -4,10 +4,10 @@ Megatron-Core assumes CUDA in a handful of places that matter for training on on
 buffers allocated on `torch.cuda.current_device()` (P2P receive buffers, DDP grad buffers, the
 global memory buffer), `torch.cuda.synchronize()` in P2P shape exchange, token counters created
 with `device="cuda"` in the built-in schedules, CUDA stream queries in the DDP grad sync
-(0.19), the CUDA RNG tracker seeding, and the distributed optimizer's check that parameters are
-CUDA tensors (by `Tensor.type()` name, in its constructor). CPU mode points these at the CPU
-(the modules it touches are listed and version-checked in compat.py), and keeps freed host
-memory in the process as CUDA's caching allocator keeps device memory
+(0.19), the CUDA RNG tracker seeding, and the checks of the distributed optimizer's constructor
+and of gradient clipping that tensors are CUDA ones (by `Tensor.type()` name). CPU mode points
+these at the CPU (the modules it touches are listed and version-checked in compat.py), and keeps
+freed host memory in the process as CUDA's caching allocator keeps device memory
 (`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU job.
 """
 
@@ -169,11 +169,7 @@ def enable_cpu_mode() -> None:
     patch_for_cpu(tp_random, "_set_cuda_rng_state", lambda *a, **k: None)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _moe_on_cpu({m.__name__: m for m in modules})
-    # The distributed optimizer's constructor accepts parameters by CUDA type name only.
-    from megatron.core.optimizer import DistributedOptimizer
-
-    patch_for_cpu(DistributedOptimizer, "__init__",
-                  _naming_cpu_tensors_cuda(DistributedOptimizer.__init__))
+    _optimizers_on_cpu({m.__name__: m for m in modules})
     p2p = p2p_module()  # sends keep their storage until waited on (cpu_p2p.py)
     patch_for_cpu(p2p, "torch", P2PTorchProxy(p2p.torch))
     keep_freed_host_memory()
@@ -206,6 +202,21 @@ def _naming_cpu_tensors_cuda(function: Callable) -> Callable:
             return function(*args, **kwargs)
 
     return wrapped
+
+
+def _optimizers_on_cpu(modules: dict[str, types.ModuleType]) -> None:
+    """The distributed optimizer's constructor and gradient clipping accept parameters and
+    gradients by CUDA type name only ('torch.cuda.FloatTensor'); inside them CPU tensors are
+    named so (the optimizers' steps already run on CPU through the modules' `torch`)."""
+    from megatron.core.optimizer import DistributedOptimizer
+
+    patch_for_cpu(DistributedOptimizer, "__init__",
+                  _naming_cpu_tensors_cuda(DistributedOptimizer.__init__))
+    optimizer = modules["megatron.core.optimizer.optimizer"]  # clips through its imported name
+    if not callable(getattr(optimizer, "clip_grad_by_total_norm_fp32", None)):
+        raise compat.moved("CPU mode", "optimizer.clip_grad_by_total_norm_fp32 is gone")
+    patch_for_cpu(optimizer, "clip_grad_by_total_norm_fp32",
+                  _naming_cpu_tensors_cuda(optimizer.clip_grad_by_total_norm_fp32))
 
 
 def _moe_on_cpu(modules: dict[str, types.ModuleType]) -> None:

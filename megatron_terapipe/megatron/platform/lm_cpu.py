@@ -18,9 +18,9 @@ synchronisation are no-ops, the "CUDA" RNG state is the CPU one). Nothing else c
 
 Flags the switch sets, because nothing else runs on CPU: `--distributed-backend gloo`,
 `--transformer-impl local`, `--no-gradient-accumulation-fusion`, `--no-persist-layer-norm`,
-`--no-masked-softmax-fusion`, `--no-bias-gelu-fusion`, `--no-bias-dropout-fusion`. The user must
-pass `--clip-grad 0.0`: Megatron-Core's `clip_grad_by_total_norm_fp32` asserts CUDA tensors, and
-turning gradient clipping off is a change of training the user should make knowingly. `--save`
+`--no-masked-softmax-fusion`, `--no-bias-gelu-fusion`, `--no-bias-dropout-fusion`. Gradient
+clipping (`--clip-grad`, 1.0 by default) runs as on a GPU: `enable_cpu_mode` lets Megatron-Core's
+`clip_grad_by_total_norm_fp32` take CPU gradients. `--save`
 needs `psutil` (Megatron-Core's torch_dist writer processes import it; without it they die
 before reporting and the save waits for them forever), which is checked before training.
 """
@@ -184,11 +184,6 @@ def _sequence_parallel_torch_norm(original: Callable) -> Callable:
 def apply_cpu_settings(args) -> list[str]:
     """Set the flags CPU runs need (CPU_SETTINGS) on Megatron-LM's parsed args; returns the
     `> ...` log lines naming what changed. Raises ValueError for what the user must choose."""
-    if float(getattr(args, "clip_grad", 0.0) or 0.0) > 0.0:
-        raise ValueError(
-            f"--terapipe-cpu: Megatron-Core's gradient clipping asserts CUDA tensors "
-            f"(clip_grad_by_total_norm_fp32), and --clip-grad is {args.clip_grad}: pass "
-            "--clip-grad 0.0 to train on CPU without clipping")
     if getattr(args, "save", None) and getattr(args, "ckpt_format", "torch_dist") == "torch_dist" \
             and importlib.util.find_spec("psutil") is None:
         raise ValueError(
