@@ -3,7 +3,8 @@
 Megatron-LM's own, unmodified `pretrain_gpt.py` through the launcher on CPU (`--terapipe-cpu`),
 PP=2, mock data, a small fp32 GPT (harness/megatron_lm.py), 3 iterations and one validation.
 For each configuration TeraPipe (4 token slices) either logs the same lm loss and grad norm as
-Megatron's own schedule at every iteration and the same validation loss (relative 1e-5), or
+Megatron's own schedule at every iteration and the same validation loss (relative 1e-5; bf16
+rows 1e-3), or
 stops before its first iteration with TeraPipe's argument error naming the flag and the way
 out; two runs with the planner's own plans, whose W actions it places; and one with edge
 slicing by hand (--terapipe-edge-slices). Runs only with a
@@ -49,6 +50,9 @@ class Config:
     moe_logs: tuple[str, ...] = ()  # the MoE losses its iteration lines must carry
     log_has: tuple[str, ...] = ()  # what TeraPipe's start-up report must say besides
     terapipe_flags: tuple[str, ...] = ()  # given to TeraPipe's run only
+    # lm loss and grad norm (logged with 3 decimals) against 1f1b's; bf16 rounds each side's
+    # sums to 8 mantissa bits (measured: losses 1.3e-5 apart, norms equal as logged)
+    rel: float = 1e-5
 
 
 EQUAL = [
@@ -82,6 +86,9 @@ EQUAL = [
     Config("DP=2 + distributed optimizer", 4, ("--use-distributed-optimizer",)),
     Config("DP=2 + distributed optimizer + overlapped reduce and param gather", 4,
            ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")),
+    Config("bf16", 2, ("--bf16",), rel=1e-3),
+    Config("bf16, DP=2 + distributed optimizer", 4, ("--bf16", "--use-distributed-optimizer"),
+           rel=1e-3),
     Config("MoE (4 experts, top-2, alltoall)", 2, tuple(MOE)),
     Config("MoE + aux-loss-free balancing (expert bias)", 2,
            (*MOE, "--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")),
@@ -208,15 +215,15 @@ def test_edge_slices_equal_1f1b():
 
 def _assert_equal_to_1f1b(config: Config, ours) -> None:
     """Megatron's own schedule on the same flags: every iteration's lm loss and grad norm, the
-    validation loss and the MoE losses equal to `ours` (relative 1e-5)."""
+    validation loss and the MoE losses equal to `ours` (relative `config.rel`)."""
     theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
                       free_port())
     assert theirs.returncode == 0, theirs.log[-4000:]
     assert [i for i, _, _ in ours.iterations] == [1, 2, 3], ours.log[-4000:]
     for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
-        assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} loss"
-        assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
-    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+        assert loss == pytest.approx(ref_loss, rel=config.rel), f"iteration {i} loss"
+        assert norm == pytest.approx(ref_norm, rel=config.rel), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=config.rel)
     for i, (mine, ref) in enumerate(zip(ours.moe_losses, theirs.moe_losses), start=1):
         # megatron-core 0.19's tracker also prints, as 0, the names its training log tracks
         # from --moe-router-load-balancing-type by substring ("aux_loss" in "seq_aux_loss")

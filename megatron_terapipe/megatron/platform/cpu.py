@@ -205,16 +205,18 @@ def _naming_cpu_tensors_cuda(function: Callable) -> Callable:
 
 
 def _optimizers_on_cpu(modules: dict[str, types.ModuleType]) -> None:
-    """The distributed optimizer's constructor and gradient clipping accept parameters and
-    gradients by CUDA type name only ('torch.cuda.FloatTensor'); inside them CPU tensors are
-    named so (the optimizers' steps already run on CPU through the modules' `torch`)."""
+    """The constructors of the distributed optimizer and of the 16-bit one (bf16/fp16 without
+    it), and gradient clipping, accept parameters and gradients by CUDA type name only
+    ('torch.cuda.FloatTensor', 'torch.cuda.BFloat16Tensor'); inside them CPU tensors are named
+    so (the optimizers' steps already run on CPU through the modules' `torch`)."""
     from megatron.core.optimizer import DistributedOptimizer
 
-    patch_for_cpu(DistributedOptimizer, "__init__",
-                  _naming_cpu_tensors_cuda(DistributedOptimizer.__init__))
     optimizer = modules["megatron.core.optimizer.optimizer"]  # clips through its imported name
-    if not callable(getattr(optimizer, "clip_grad_by_total_norm_fp32", None)):
-        raise compat.moved("CPU mode", "optimizer.clip_grad_by_total_norm_fp32 is gone")
+    for name in ("clip_grad_by_total_norm_fp32", "Float16OptimizerWithFloat16Params"):
+        if not callable(getattr(optimizer, name, None)):
+            raise compat.moved("CPU mode", f"optimizer.{name} is gone")
+    for cls in (DistributedOptimizer, optimizer.Float16OptimizerWithFloat16Params):
+        patch_for_cpu(cls, "__init__", _naming_cpu_tensors_cuda(cls.__init__))
     patch_for_cpu(optimizer, "clip_grad_by_total_norm_fp32",
                   _naming_cpu_tensors_cuda(optimizer.clip_grad_by_total_norm_fp32))
 
