@@ -4,11 +4,11 @@ Megatron-Core assumes CUDA in a handful of places that matter for training on on
 buffers allocated on `torch.cuda.current_device()` (P2P receive buffers, DDP grad buffers, the
 global memory buffer), `torch.cuda.synchronize()` in P2P shape exchange, token counters created
 with `device="cuda"` in the built-in schedules, CUDA stream queries in the DDP grad sync
-(0.19), the CUDA RNG tracker seeding, and the checks of the distributed optimizer's constructor
-and of gradient clipping that tensors are CUDA ones (by `Tensor.type()` name). CPU mode points
-these at the CPU (the modules it touches are listed and version-checked in compat.py), and keeps
-freed host memory in the process as CUDA's caching allocator keeps device memory
-(`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU job.
+(0.19), the CUDA RNG tracker seeding, and the checks of the optimizers' constructors
+(distributed and 16-bit) and of gradient clipping that tensors are CUDA ones (by `Tensor.type()`
+name). CPU mode points these at the CPU (the modules it touches are listed and version-checked
+in compat.py), and keeps freed host memory in the process as CUDA's caching allocator keeps
+device memory (`keep_freed_host_memory`). It is opt-in and process-wide; never call it in a GPU job.
 """
 
 from __future__ import annotations
