@@ -4,7 +4,11 @@ every rank: the worst max|g - g_ref| / max|g_ref| of any parameter's main_grad i
 iteration (references below 1e-8 left out, as harness.check_gradients does; asserted 1e-5), the
 largest relative difference of the step's gradient norm (asserted 1e-5), and the largest
 difference of any weight after the last step in units of the learning rate (asserted 5e-3) and
-relative to the largest change of any weight over the steps.
+relative to the largest change of any weight over the steps. For the bf16 cases, which the test
+holds to bf16's bounds: the first iteration's worst gradient error (asserted 5e-2), the later
+iterations' (not asserted: the weights have rounded apart), the worst relative loss difference
+(asserted rtol 5e-4 / atol 1e-3) and the weights' worst share of one bf16 ulp + 2 lr per step
+(asserted 1).
 Run: python benchmarks/grad_errors_distributed_optimizer.py
 """
 import os
@@ -31,10 +35,37 @@ def errors(results: list, case) -> tuple[float, float, float, float]:
     return grad, norm, weight / case.lr, weight / change
 
 
+def bf16_errors(results: list, case) -> tuple[float, float, float, float]:
+    first = later = loss = bound = 0.0
+    for rank_result in results:
+        result = rank_result[case.name]
+        ref, got = result["megatron"], result["terapipe"]
+        for i in range(case.iterations):
+            for name, g in got["grads"][i].items():
+                scale = float(ref["grads"][i][name].abs().max())
+                if scale > 1e-8:
+                    error = float((g - ref["grads"][i][name]).abs().max()) / scale
+                    first, later = (max(first, error), later) if i == 0 else (first, max(later, error))
+            if result["last_stage"]:
+                for a, b in zip(got["losses"][i], ref["losses"][i]):
+                    loss = max(loss, abs(a[0] / b[0] - 1))
+        for name, w in got["params"].items():
+            q = ref["params"][name]
+            allowed = 2 * case.iterations * case.lr + q.abs() * 2 ** -7
+            bound = max(bound, float(((w - q).abs() / allowed).max()))
+    return first, later, loss, bound
+
+
 def main() -> None:
     results = spawn(4, "harness.optimizer_runs:run_optimizer_cases", dist.CASES, timeout=900)
     for case in dist.CASES:
         grad, norm, in_lr, of_change = errors(results, case)
+        if case.model.bf16:
+            first, later, loss, bound = bf16_errors(results, case)
+            print(f"{case.name:60s} bf16: iteration 0 grad {first:.1e}  later grads {later:.1e}  "
+                  f"grad norm {norm:.1e}  losses {loss:.1e}  weights {bound:.2f} of the bound",
+                  flush=True)
+            continue
         print(f"{case.name:60s} worst grad {grad:.1e}  grad norm {norm:.1e}  "
               f"weights {in_lr:.1e} lr ({of_change:.1e} of the largest change)", flush=True)
 

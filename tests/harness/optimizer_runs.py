@@ -3,8 +3,9 @@ schedule on the same layout, weights and batches, iteration by iteration.
 
 Each side builds this rank's model chunks from the full model's weights, wraps them in Megatron's
 DDP with `use_distributed_optimizer=True` (gradients reduce-scattered over the data-parallel
-group, parameters all-gathered after each step) and builds Megatron's optimizer with
-`get_megatron_optimizer`, then runs a few iterations as Megatron-LM's `train_step` does (zero the
+group, parameters all-gathered after each step; or without it, `distributed_optimizer=False`),
+bf16 models in a Float16Module with fp32 gradient buffers as Megatron-LM's `--bf16` has them,
+and builds Megatron's optimizer with `get_megatron_optimizer`, then runs a few iterations as Megatron-LM's `train_step` does (zero the
 grad buffers, one forward-backward, `optimizer.step()`; Adam, the one optimizer Megatron's
 distributed optimizer takes: torch's AdamW on CPU), with the forward pre-hooks of an
 overlapped parameter gather off for the first iteration and on after it, as Megatron-LM's
@@ -27,7 +28,7 @@ import torch
 
 from .cases import baseline
 from .compare import global_name, load_full_state, report_values, unwrap
-from .models import TinyGPT, forward_step, make_batches, seed
+from .models import TinyGPT, forward_step, in_precision, make_batches, seed
 from .process_groups import release_model_parallel
 
 
@@ -47,6 +48,7 @@ class OptimizerCase:
     clip_grad: float = 0.0  # clip by the total norm above this (0: no clipping)
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
+    distributed_optimizer: bool = True  # False: Megatron's other optimizers (bf16: its 16-bit one)
     # what harness.baseline reads of a case (the full model's weights come from it)
     legacy_loss: bool = False
     forward_only: bool = False
@@ -79,7 +81,7 @@ def _chunks(case: OptimizerCase, full_state: dict, terapipe: bool):
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=V == 1, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=V == 1, vp_stage=vp))
         load_full_state(chunk, full_state)
-        chunks.append(chunk)
+        chunks.append(in_precision(config, chunk))  # bf16: a Float16Module, as Megatron-LM wraps
     return config, chunks
 
 
@@ -90,15 +92,20 @@ def _train_setup(case: OptimizerCase, config, chunks):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    bf16 = case.model.bf16
+    # bf16: gradients accumulate and reduce in fp32, as Megatron-LM's --bf16 sets
+    # (accumulate_allreduce_grads_in_fp32)
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=case.overlap_grad_reduce,
+        use_distributed_optimizer=case.distributed_optimizer, grad_reduce_in_fp32=bf16,
+        overlap_grad_reduce=case.overlap_grad_reduce,
         overlap_param_gather=case.overlap_param_gather)
     chunks = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=c > 0)
               for c, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=case.lr, weight_decay=0.01,
-                        clip_grad=case.clip_grad, use_distributed_optimizer=True,
-                        params_dtype=torch.float32),
+                        clip_grad=case.clip_grad,
+                        use_distributed_optimizer=case.distributed_optimizer, bf16=bf16,
+                        params_dtype=torch.bfloat16 if bf16 else torch.float32),
         chunks)
 
     def one_or_list(functions: list):
