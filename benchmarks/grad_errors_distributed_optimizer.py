@@ -7,7 +7,7 @@ difference of any weight after the last step in units of the learning rate (asse
 relative to the largest change of any weight over the steps. For the bf16 cases, which the test
 holds to bf16's bounds: the first iteration's worst gradient error (asserted 5e-2), the later
 iterations' (not asserted: the weights have rounded apart), the worst relative loss difference
-(asserted rtol 5e-4 / atol 1e-3) and the weights' worst share of one bf16 ulp + 2 lr per step
+in the first iteration (asserted rtol 5e-4 / atol 1e-3) and in later ones (asserted rtol 2e-3) and the weights' worst share of one bf16 ulp + 2 lr per step
 (asserted 1).
 Run: python benchmarks/grad_errors_distributed_optimizer.py
 """
@@ -35,8 +35,9 @@ def errors(results: list, case) -> tuple[float, float, float, float]:
     return grad, norm, weight / case.lr, weight / change
 
 
-def bf16_errors(results: list, case) -> tuple[float, float, float, float]:
-    first = later = loss = bound = 0.0
+def bf16_errors(results: list, case) -> tuple[float, float, list[float], float]:
+    first = later = bound = 0.0
+    loss = [0.0, 0.0]  # the first iteration, later ones
     for rank_result in results:
         result = rank_result[case.name]
         ref, got = result["megatron"], result["terapipe"]
@@ -48,7 +49,7 @@ def bf16_errors(results: list, case) -> tuple[float, float, float, float]:
                     first, later = (max(first, error), later) if i == 0 else (first, max(later, error))
             if result["last_stage"]:
                 for a, b in zip(got["losses"][i], ref["losses"][i]):
-                    loss = max(loss, abs(a[0] / b[0] - 1))
+                    loss[i > 0] = max(loss[i > 0], abs(a[0] / b[0] - 1))
         for name, w in got["params"].items():
             q = ref["params"][name]
             allowed = 2 * case.iterations * case.lr + q.abs() * 2 ** -7
@@ -63,7 +64,8 @@ def main() -> None:
         if case.model.bf16:
             first, later, loss, bound = bf16_errors(results, case)
             print(f"{case.name:60s} bf16: iteration 0 grad {first:.1e}  later grads {later:.1e}  "
-                  f"grad norm {norm:.1e}  losses {loss:.1e}  weights {bound:.2f} of the bound",
+                  f"grad norm {norm:.1e}  losses {loss[0]:.1e} / later {loss[1]:.1e}  "
+                  f"weights {bound:.2f} of the bound",
                   flush=True)
             continue
         print(f"{case.name:60s} worst grad {grad:.1e}  grad norm {norm:.1e}  "

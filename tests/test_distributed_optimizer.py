@@ -27,6 +27,8 @@ says which). Megatron-LM's `--bf16` itself is a row of the Megatron-LM matrix.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -70,11 +72,13 @@ def world4():
 # bf16 (Megatron-LM's --bf16): the first iteration's gradients at the bf16 tolerance (BF16,
 # measured 1.1e-2 to 1.5e-2 max-normalised). After a step the two sides' bf16 weights round
 # apart (one ulp is 2**-8 to 2**-7 of a weight) and later gradients with them (measured up to
-# 0.14), so later iterations check the losses (BF16) and the gradient norm (rel 5e-3, measured
-# at most 9.8e-4); after the last step each weight within one bf16 ulp of Megatron's plus 2 x lr
-# per step (Adam moves an element by about lr per step, either way; measured at most 0.58 of
-# that bound).
+# 0.14), so later iterations check the losses (rel 2e-3, measured at most 2.6e-4; the first
+# iteration's at BF16, measured 7.1e-5) and the gradient norm (rel 5e-3, measured at most
+# 9.8e-4); after the last step each weight within one bf16 ulp of Megatron's plus 2 x lr per
+# step (Adam moves an element by about lr per step, either way; measured at most 0.58 of that
+# bound).
 BF16_GRAD_NORM_REL = 5e-3
+BF16_LATER = replace(BF16, loss_rtol=2e-3)
 
 
 def check_iteration(case, got, ref, i: int, last_stage: bool, where: str) -> None:
@@ -86,8 +90,8 @@ def check_iteration(case, got, ref, i: int, last_stage: bool, where: str) -> Non
     assert got["grad_norms"][i] == pytest.approx(ref["grad_norms"][i], rel=rel) != 0, where
     assert got["grad_norms"][i] > case.clip_grad, f"{where}: clipping did not act"
     if last_stage:
-        check_losses(got["losses"][i], ref["losses"][i], BF16 if bf16 else FP32,
-                     f"{where}, iteration {i}")
+        loss_tolerance = (BF16 if i == 0 else BF16_LATER) if bf16 else FP32
+        check_losses(got["losses"][i], ref["losses"][i], loss_tolerance, f"{where}, iteration {i}")
 
 
 def check_weights(case, got, ref, where: str) -> None:
