@@ -5,7 +5,8 @@ Each side builds this rank's model chunks from the full model's weights, wraps t
 DDP with `use_distributed_optimizer=True` (gradients reduce-scattered over the data-parallel
 group, parameters all-gathered after each step; or without it, `distributed_optimizer=False`),
 bf16 models in a Float16Module with fp32 gradient buffers as Megatron-LM's `--bf16` has them,
-and builds Megatron's optimizer with `get_megatron_optimizer`, then runs a few iterations as Megatron-LM's `train_step` does (zero the
+and builds Megatron's optimizer with `get_megatron_optimizer`, then runs a few iterations as
+Megatron-LM's `train_step` does (zero the
 grad buffers, one forward-backward, `optimizer.step()`; Adam, the one optimizer Megatron's
 distributed optimizer takes: torch's AdamW on CPU), with the forward pre-hooks of an
 overlapped parameter gather off for the first iteration and on after it, as Megatron-LM's
