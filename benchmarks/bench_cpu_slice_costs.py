@@ -7,10 +7,12 @@ the per-cell costs behind issue 34's CPU line (docs/benchmarks.md, "Measured on 
 One torch thread (as each pipeline stage runs in the CPU benchmarks), hidden 512, 8 heads,
 seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one warm-up:
 1. Attention of one sequence cut into K equal token slices, forward and backward summed over
-   the slices, computed as the slice attention computes it on CPU (runtime/attention.py): the
-   first slice with SDPA's causal flag, every later one over its whole prefix with the additive
-   bottom-right mask (CPU SDPA has no bottom-right causal flag, so a masked call computes every
-   block of the query x key rectangle, the masked triangle included).
+   the slices, the first slice with SDPA's causal flag and every later one over its whole
+   prefix in two ways: `masked`, SDPA with the additive bottom-right mask (CPU SDPA has no
+   bottom-right causal flag, so a masked call computes every block of the query x key
+   rectangle, the masked triangle included; the slice attention's CPU path before 2026-11-29
+   and still where there is dropout), and `prefix`, the prefix and the slice's own causal
+   block merged by log-sum-exps (runtime/prefix_attention.py: what it computes on CPU now).
 2. One GPT layer (Megatron's, with the slice-aware spec) on the whole sequence: its backward
    with the weight gradients inside, against the backward without them plus the W action that
    computes them (measure/layers.py, as the planner's profile measures them).
@@ -42,12 +44,15 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
-def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int) -> dict:
-    """Forward and backward ms of one sequence's attention in `slices` equal slices."""
+def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int,
+                 method: str) -> dict:
+    """Forward and backward ms of one sequence's attention in `slices` equal slices, the later
+    slices `masked` or `prefix` (module docstring)."""
     import torch
     import torch.nn.functional as F
 
     from megatron_terapipe.runtime.attention import _lower_right_mask
+    from megatron_terapipe.runtime.prefix_attention import prefix_causal_attention
 
     d, sq = hidden // heads, seq // slices
     k, v = (torch.randn(1, heads, seq, d) for _ in range(2))
@@ -59,6 +64,8 @@ def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int) -
         end = (i + 1) * sq
         if i == 0:
             return F.scaled_dot_product_attention(q[0], k[:, :, :sq], v[:, :, :sq], is_causal=True)
+        if method == "prefix":
+            return prefix_causal_attention(q[i], k[:, :, :end], v[:, :, :end], d ** -0.5)
         return F.scaled_dot_product_attention(q[i], k[:, :, :end], v[:, :, :end],
                                               attn_mask=masks[i])
 
@@ -73,7 +80,8 @@ def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int) -
 
     fwd = _median_seconds(forward, repeats)
     both = _median_seconds(forward_backward, repeats)
-    return {"slices": slices, "forward_ms": 1e3 * fwd, "backward_ms": 1e3 * (both - fwd)}
+    return {"slices": slices, "method": method, "forward_ms": 1e3 * fwd,
+            "backward_ms": 1e3 * (both - fwd)}
 
 
 def deferral_ms(seq: int, hidden: int, heads: int, repeats: int) -> dict:
@@ -106,14 +114,17 @@ def main(argv=None) -> None:
     origin = provenance(script_command(__file__, argv))
     print(describe(origin))
     shape = (args.seq_length, args.hidden_size, args.num_attention_heads)
-    rows = [attention_ms(*shape, K, args.repeats) for K in (1, 2, 4, 8)]
+    rows = [attention_ms(*shape, 1, args.repeats, "whole")]
+    rows += [attention_ms(*shape, K, args.repeats, method)
+             for K in (2, 4, 8) for method in ("masked", "prefix")]
     whole = rows[0]["forward_ms"] + rows[0]["backward_ms"]
     print(f"attention of one sequence of {args.seq_length} tokens (hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads), one thread, medians of {args.repeats}:")
     for row in rows:
         total = row["forward_ms"] + row["backward_ms"]
-        print(f"  {row['slices']} slice(s): forward {row['forward_ms']:6.1f} ms, backward "
-              f"{row['backward_ms']:6.1f} ms, {total / whole:.2f}x the whole sequence's")
+        print(f"  {row['slices']} slice(s), {row['method']:6s}: forward {row['forward_ms']:6.1f} "
+              f"ms, backward {row['backward_ms']:6.1f} ms, {total / whole:.2f}x the whole "
+              "sequence's")
     layer = deferral_ms(*shape, args.repeats)
     split = layer["backward_without_wgrad_ms"] + layer["w_action_ms"]
     print(f"one layer, whole sequence: forward {layer['forward_ms']:.1f} ms, backward "

@@ -2,7 +2,8 @@
 
 The executor announces the cell it is running (context.py). While it runs, every
 `SliceAttention` module appends the slice's keys and values to a per-sequence, per-layer cache
-and attends over the whole prefix with a bottom-right causal mask.
+and attends over the whole prefix with a bottom-right causal mask (on CPU: the prefix and the
+slice's own causal block, merged: prefix_attention.py).
 
 Gradients, computed once per node (no retain_graph):
 - Each (sequence, layer) of more than one slice has one K/V buffer. A slice writes its K/V at
@@ -26,11 +27,14 @@ import torch.nn.functional as F
 
 from .context import active_cell
 from .kv_cache import KVBuffer
+from .prefix_attention import prefix_attention_available, prefix_causal_attention
 
 try:  # bottom-right aligned causal bias lets SDPA pick flash/efficient kernels on GPU
     from torch.nn.attention.bias import causal_lower_right
 except ImportError:  # pragma: no cover - older torch
     causal_lower_right = None
+
+_PREFIX_ATTENTION = prefix_attention_available()
 
 
 class _PrefixView(torch.autograd.Function):
@@ -149,6 +153,10 @@ class SliceAttention(torch.nn.Module):
             # GPU: flash/efficient kernels apply the bottom-right causal mask without building it.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk),
                                                  dropout_p=dropout, scale=self.softmax_scale)
+        elif dropout == 0.0 and _PREFIX_ATTENTION:
+            # CPU: the prefix and the slice's own causal block, merged (prefix_attention.py),
+            # without computing the scores a mask would hide.
+            out = prefix_causal_attention(q, k, v, self.softmax_scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right_mask(sq, sk, q),
                                                  dropout_p=dropout, scale=self.softmax_scale)
