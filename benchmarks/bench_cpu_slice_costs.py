@@ -13,7 +13,10 @@ seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one wa
    rectangle, the masked triangle included; the slice attention's CPU path before 2026-11-29
    and still where there is dropout), and `prefix`, the prefix and the slice's own causal
    block merged by log-sum-exps (runtime/prefix_attention.py: what it computes on CPU now).
-2. One GPT layer (Megatron's, with the slice-aware spec) on the whole sequence: its backward
+2. One slice over its prefix (twice or three times its length), forward + backward, masked
+   against split, by the slice's length: where the split pays (prefix_attention.py,
+   SPLIT_ABOVE_TOKENS).
+3. One GPT layer (Megatron's, with the slice-aware spec) on the whole sequence: its backward
    with the weight gradients inside, against the backward without them plus the W action that
    computes them (measure/layers.py, as the planner's profile measures them).
 """
@@ -84,6 +87,31 @@ def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int,
             "backward_ms": 1e3 * (both - fwd)}
 
 
+def split_against_mask(heads: int, head_dim: int, repeats: int) -> list[dict]:
+    """Forward + backward ms of one slice over a prefix of 1 or 2 slices before it, masked and
+    split, for slice lengths around the CPU kernel's 512-key blocks."""
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_terapipe.runtime.attention import _lower_right_mask
+    from megatron_terapipe.runtime.prefix_attention import prefix_causal_attention
+
+    rows = []
+    for queries in (128, 256, 384, 512, 640, 768, 1024):
+        for keys in (2 * queries, 3 * queries):
+            q = torch.randn(1, heads, queries, head_dim, requires_grad=True)
+            k, v = (torch.randn(1, heads, keys, head_dim, requires_grad=True) for _ in range(2))
+            grad = torch.randn(1, heads, queries, head_dim)
+            mask = _lower_right_mask(queries, keys, q)
+            masked = _median_seconds(lambda: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask).backward(grad), repeats)
+            split = _median_seconds(lambda: prefix_causal_attention(
+                q, k, v, head_dim ** -0.5).backward(grad), repeats)
+            rows.append({"queries": queries, "keys": keys, "masked_ms": 1e3 * masked,
+                         "split_ms": 1e3 * split, "split_over_masked": split / masked})
+    return rows
+
+
 def deferral_ms(seq: int, hidden: int, heads: int, repeats: int) -> dict:
     """One layer on the whole sequence: forward, backward, and backward without weight
     gradients + the W action, in ms (medians)."""
@@ -125,6 +153,13 @@ def main(argv=None) -> None:
         print(f"  {row['slices']} slice(s), {row['method']:6s}: forward {row['forward_ms']:6.1f} "
               f"ms, backward {row['backward_ms']:6.1f} ms, {total / whole:.2f}x the whole "
               "sequence's")
+    split_rows = split_against_mask(args.num_attention_heads,
+                                    args.hidden_size // args.num_attention_heads, args.repeats)
+    print("one slice over its prefix, forward + backward, split against masked:")
+    for row in split_rows:
+        print(f"  {row['queries']:5d} tokens over {row['keys']:5d} keys: masked "
+              f"{row['masked_ms']:6.1f} ms, split {row['split_ms']:6.1f} ms, "
+              f"{row['split_over_masked']:.2f}x")
     layer = deferral_ms(*shape, args.repeats)
     split = layer["backward_without_wgrad_ms"] + layer["w_action_ms"]
     print(f"one layer, whole sequence: forward {layer['forward_ms']:.1f} ms, backward "
@@ -133,7 +168,7 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"provenance": origin, "setup": vars(args), "attention": rows,
-                       "layer": layer}, f, indent=1)
+                       "split_against_mask": split_rows, "layer": layer}, f, indent=1)
         print(f"wrote {args.out}")
 
 

@@ -1,8 +1,10 @@
 """CPU prefix attention (runtime/prefix_attention.py): a slice's attention over its cached
 prefix as two flash blocks merged by log-sum-exps equals SDPA with the bottom-right causal
-mask, in output and in every input's gradient; the slice attention takes it on CPU without
-dropout, the masked call with dropout."""
+mask, in output and in every input's gradient; the slice attention takes it on CPU for long
+slices without dropout, the masked call otherwise."""
 
+import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -10,12 +12,19 @@ import torch
 import torch.nn.functional as F
 
 import megatron_terapipe.runtime.attention as attention_module
+import megatron_terapipe.runtime.prefix_attention as prefix_attention
 from megatron_terapipe.runtime.attention import SliceAttention, _lower_right_mask
 from megatron_terapipe.runtime.context import running_cell
 from megatron_terapipe.runtime.kv_cache import KVCache
 from megatron_terapipe.runtime.prefix_attention import (prefix_attention_available,
                                                         prefix_causal_attention)
 from megatron_terapipe.schedule import Cell
+
+from harness import spawn
+
+# bench_stage's models: the benchmark's GPT, built as it builds it
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
 
 pytestmark = pytest.mark.skipif(not prefix_attention_available(),
                                 reason="this torch has no CPU flash attention kernel")
@@ -73,7 +82,8 @@ def test_needs_more_keys_than_queries():
 
 
 def _second_slice_attention(dropout: float, monkeypatch) -> list[str]:
-    """Run the second of two slices through SliceAttention and say which attention it took."""
+    """Run the second of two slices (4 tokens) through SliceAttention and say which attention
+    it took."""
     taken = []
     original = attention_module.prefix_causal_attention
     monkeypatch.setattr(attention_module, "prefix_causal_attention",
@@ -89,6 +99,69 @@ def _second_slice_attention(dropout: float, monkeypatch) -> list[str]:
     return taken
 
 
-def test_slice_attention_takes_it_on_cpu_and_keeps_the_mask_for_dropout(monkeypatch):
+def test_slice_attention_splits_long_slices_on_cpu_and_keeps_the_mask_otherwise(monkeypatch):
+    """Split above SPLIT_ABOVE_TOKENS (here lowered to 3 and 4 for a 4-token slice), masked at
+    or below it and wherever there is dropout."""
+    assert prefix_attention.prefix_split_pays(513) and not prefix_attention.prefix_split_pays(512)
+    monkeypatch.setattr(prefix_attention, "SPLIT_ABOVE_TOKENS", 3)
     assert _second_slice_attention(0.0, monkeypatch) == ["prefix"]
     assert _second_slice_attention(0.1, monkeypatch) == ["masked"]
+    monkeypatch.setattr(prefix_attention, "SPLIT_ABOVE_TOKENS", 4)
+    assert _second_slice_attention(0.0, monkeypatch) == ["masked"]
+
+
+def run_split_stage_and_megatron(rank: int, world_size: int, slice_counts: tuple) -> dict:
+    """bench_stage's GPT (PP=1, seq 64): Megatron's no-pipelining on its local spec (its own
+    DotProductAttention) against TeraPipe in `slice_counts` token slices with every later slice
+    split (SPLIT_ABOVE_TOKENS lowered to 0), same weights and batch: losses, gradients, and how
+    many split calls ran."""
+    import bench_stage
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    import megatron_terapipe as mt
+    from harness import release_model_parallel
+
+    mt.enable_cpu_mode()
+    parallel_state.initialize_model_parallel(1, 1)
+    args = bench_stage.parse_args(["--num-layers", "2", "--hidden-size", "32", "--seq-length",
+                                   "64", "--vocab-size", "64", "--megatron-local-spec"])
+    models, batch = bench_stage.build_models(args), bench_stage.make_batch(args)
+    calls = []
+    original = attention_module.prefix_causal_attention
+    attention_module.prefix_causal_attention = lambda *a: calls.append(1) or original(*a)
+    prefix_attention.SPLIT_ABOVE_TOKENS = 0
+
+    def run(schedule, model, **extra) -> dict:
+        model.zero_grad(set_to_none=True)
+        losses = schedule(forward_step_func=bench_stage.forward_step, data_iterator=iter([batch]),
+                          model=[model], num_microbatches=1, seq_length=args.seq_length,
+                          micro_batch_size=1, **extra)
+        return {"loss": float(losses[0]["lm loss"][0]),
+                "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+    out = {"megatron": run(forward_backward_no_pipelining, models["megatron_local"])}
+    for k in slice_counts:
+        out[k] = run(mt.forward_backward_terapipe, models["terapipe"],
+                     plan=mt.TeraPipePlan.uniform(args.seq_length, k))
+        out[k]["split_calls"] = len(calls)
+        calls.clear()
+    release_model_parallel()
+    return out
+
+
+def test_split_slices_through_a_gpt_equal_megatrons_own_attention():
+    """Every loss within rel 1e-6 and every parameter gradient within rtol 1e-4 / atol 1e-6 (the
+    suite's fp32 tolerances) of Megatron's no-pipelining run on its own DotProductAttention,
+    with 2 and 4 token slices whose later slices all take the split (2 layers: (K-1) x 2 calls
+    in forward)."""
+    out = spawn(1, "test_prefix_attention:run_split_stage_and_megatron", (2, 4), timeout=300)[0]
+    reference = out["megatron"]
+    for k in (2, 4):
+        assert out[k]["split_calls"] == (k - 1) * 2, k
+        assert out[k]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+        assert out[k]["grads"].keys() == reference["grads"].keys()
+        for name, grad in reference["grads"].items():
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(out[k]["grads"][name], grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"{k} slices: {name}")

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from .context import active_cell
 from .kv_cache import KVBuffer
-from .prefix_attention import prefix_attention_available, prefix_causal_attention
+from .prefix_attention import (prefix_attention_available, prefix_causal_attention,
+                               prefix_split_pays)
 
 try:  # bottom-right aligned causal bias lets SDPA pick flash/efficient kernels on GPU
     from torch.nn.attention.bias import causal_lower_right
@@ -153,9 +154,9 @@ class SliceAttention(torch.nn.Module):
             # GPU: flash/efficient kernels apply the bottom-right causal mask without building it.
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(sq, sk),
                                                  dropout_p=dropout, scale=self.softmax_scale)
-        elif dropout == 0.0 and _PREFIX_ATTENTION:
-            # CPU: the prefix and the slice's own causal block, merged (prefix_attention.py),
-            # without computing the scores a mask would hide.
+        elif dropout == 0.0 and _PREFIX_ATTENTION and prefix_split_pays(sq):
+            # CPU, a long slice: the prefix and the slice's own causal block, merged
+            # (prefix_attention.py), without computing the scores a mask would hide.
             out = prefix_causal_attention(q, k, v, self.softmax_scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right_mask(sq, sk, q),

@@ -21,6 +21,16 @@ import torch
 
 _aten = torch.ops.aten
 
+#: Slices of at most this many tokens keep the masked call. CPU's flash kernel works in blocks
+#: of 512 keys and skips, under `is_causal`, only whole blocks above the diagonal: a slice's own
+#: block of 512 tokens or fewer is one key block, which it computes whole either way, and the
+#: split's second call and merge cost more than they save. Measured on this project's CPU
+#: (torch 2.13, 8 heads of 64, forward + backward, benchmarks/results/
+#: cpu_slice_costs_2026-11-29_prefix.json): the split at 0.82x the masked call's time for a
+#: 1024-token slice over 2048 keys, 0.88-0.89x at 640-768 tokens, 0.97-1.03x at 384-512,
+#: 1.04-1.20x at 128-256.
+SPLIT_ABOVE_TOKENS = 512
+
 
 def prefix_attention_available() -> bool:
     """Whether this torch has the CPU flash kernel and its backward (torch 2.3 and later)."""
@@ -57,6 +67,11 @@ class _PrefixCausalAttention(torch.autograd.Function):
             grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, 0.0, True, scale=ctx.scale)
         return (dq_prefix.add_(dq_own), torch.cat((dk_prefix, dk_own), 2),
                 torch.cat((dv_prefix, dv_own), 2), None)
+
+
+def prefix_split_pays(queries: int) -> bool:
+    """Whether a slice of `queries` tokens is faster split than masked (SPLIT_ABOVE_TOKENS)."""
+    return queries > SPLIT_ABOVE_TOKENS
 
 
 def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
