@@ -25,10 +25,10 @@ _aten = torch.ops.aten
 #: of 512 keys and skips, under `is_causal`, only whole blocks above the diagonal: a slice's own
 #: block of 512 tokens or fewer is one key block, which it computes whole either way, and the
 #: split's second call and merge cost more than they save. Measured on this project's CPU
-#: (torch 2.13, 8 heads of 64, forward + backward, benchmarks/results/
-#: cpu_slice_costs_2026-11-29_prefix.json): the split at 0.82x the masked call's time for a
-#: 1024-token slice over 2048 keys, 0.88-0.89x at 640-768 tokens, 0.97-1.03x at 384-512,
-#: 1.04-1.20x at 128-256.
+#: (torch 2.13, one thread, 8 heads of 64, one slice over 2 or 3 times its length, forward +
+#: backward: benchmarks/results/cpu_slice_costs_2026-11-29_prefix.json), the split took
+#: 0.84-0.85x the masked call's time at 1024 tokens, 0.86-0.92x at 640-768, 0.97-1.07x at
+#: 384-512 and 1.05-1.25x at 128-256.
 SPLIT_ABOVE_TOKENS = 512
 
 
