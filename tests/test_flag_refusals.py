@@ -204,7 +204,8 @@ def test_attention_backend_auto_and_local_run_slice_attention_and_the_report_say
         plan, report = plan_and_report(args, 64, 2)
         name = getattr(value, "name", value) or "auto"
         assert (">   attention ................. slice attention (torch scaled_dot_product_attention "
-                "over the cached prefix, bottom-right causal mask; torch picks the kernel), for "
+                "over the cached prefix, bottom-right causal mask; torch picks the kernel, on "
+                "CPU split in two for slices over 512 tokens), for "
                 f"--attention-backend {name}") in report.lines(plan)
 
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
+from ...runtime.prefix_attention import SPLIT_ABOVE_TOKENS
 from .stage_layers import StageLayers
 
 #: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
 SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
-                   "bottom-right causal mask; torch picks the kernel)")
+                   "bottom-right causal mask; torch picks the kernel, on CPU split in two for "
+                   f"slices over {SPLIT_ABOVE_TOKENS} tokens)")
 #: --attention-backend values the slice attention stands for: auto (Megatron-LM's default: the
 #: model chooses) and local (PyTorch attention rather than Transformer Engine's kernels).
 SLICE_ATTENTION_BACKENDS = ("auto", "local")
