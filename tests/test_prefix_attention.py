@@ -146,6 +146,13 @@ def run_split_stage_and_megatron(rank: int, world_size: int, slice_counts: tuple
                      plan=mt.TeraPipePlan.uniform(args.seq_length, k))
         out[k]["split_calls"] = len(calls)
         calls.clear()
+    # Megatron's selective recomputation of core attention (recompute_modules "core_attn"), set
+    # on the built layers: the split runs again inside each cell's backward.
+    for layer in models["terapipe"].decoder.layers:
+        layer.self_attention.checkpoint_core_attention = True
+    out["recomputed"] = run(mt.forward_backward_terapipe, models["terapipe"],
+                            plan=mt.TeraPipePlan.uniform(args.seq_length, 2))
+    out["recomputed"]["split_calls"] = len(calls)
     release_model_parallel()
     return out
 
@@ -154,11 +161,14 @@ def test_split_slices_through_a_gpt_equal_megatrons_own_attention():
     """Every loss within rel 1e-6 and every parameter gradient within rtol 1e-4 / atol 1e-6 (the
     suite's fp32 tolerances) of Megatron's no-pipelining run on its own DotProductAttention,
     with 2 and 4 token slices whose later slices all take the split (2 layers: (K-1) x 2 calls
-    in forward)."""
+    in forward), and with 2 slices under Megatron's selective recomputation of core attention."""
     out = spawn(1, "test_prefix_attention:run_split_stage_and_megatron", (2, 4), timeout=300)[0]
     reference = out["megatron"]
-    for k in (2, 4):
-        assert out[k]["split_calls"] == (k - 1) * 2, k
+    # forward calls, and with core attention recomputed as many again in backward
+    assert out["recomputed"]["split_calls"] == 2 * 2
+    for k in (2, 4, "recomputed"):
+        if k != "recomputed":
+            assert out[k]["split_calls"] == (k - 1) * 2, k
         assert out[k]["loss"] == pytest.approx(reference["loss"], rel=1e-6)
         assert out[k]["grads"].keys() == reference["grads"].keys()
         for name, grad in reference["grads"].items():

@@ -33,7 +33,8 @@ SPLIT_ABOVE_TOKENS = 512
 
 
 def prefix_attention_available() -> bool:
-    """Whether this torch has the CPU flash kernel and its backward (torch 2.3 and later)."""
+    """Whether this torch has the CPU flash kernel and its backward (torch 2.13 has both: the
+    suite runs on it)."""
     return (hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu")
             and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
@@ -49,7 +50,7 @@ class _PrefixCausalAttention(torch.autograd.Function):
         out_prefix, lse_prefix = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)
         out_own, lse_own = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True,
                                  scale=scale)
-        lse = torch.logaddexp(lse_prefix, lse_own)  # float32 for every input dtype
+        lse = torch.logaddexp(lse_prefix, lse_own)  # float32 (float64 for float64 inputs)
         out = (out_prefix * (lse_prefix - lse).exp_().unsqueeze(-1)
                + out_own * (lse_own - lse).exp_().unsqueeze(-1)).to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
