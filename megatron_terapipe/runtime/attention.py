@@ -2,8 +2,8 @@
 
 The executor announces the cell it is running (context.py). While it runs, every
 `SliceAttention` module appends the slice's keys and values to a per-sequence, per-layer cache
-and attends over the whole prefix with a bottom-right causal mask (on CPU: the prefix and the
-slice's own causal block, merged: prefix_attention.py).
+and attends over the whole prefix with a bottom-right causal mask (on CPU, a slice of over 512
+tokens: the prefix and its own causal block, merged: prefix_attention.py).
 
 Gradients, computed once per node (no retain_graph):
 - Each (sequence, layer) of more than one slice has one K/V buffer. A slice writes its K/V at
