@@ -49,6 +49,7 @@ _LAZY = {
     "measure_layer_times": "megatron.measure.layers",
     "TorchNorm": "megatron.hooks.spec", "get_gpt_decoder_block_spec": "megatron.hooks.spec",
     "get_gpt_layer_spec": "megatron.hooks.spec",
+    "place_in_v": "megatron.hooks.v_chunks", "v_chunk_roles": "megatron.hooks.v_chunks",
 }
 
 
@@ -107,6 +108,8 @@ __all__ = [
     "forward_backward_terapipe",
     "get_gpt_layer_spec",
     "install",
+    "place_in_v",
     "timeline",
+    "v_chunk_roles",
     "validate",
 ]

@@ -65,8 +65,8 @@ class TeraPipePlan:
         its F and B actions run before it (empty: the defaults; `planner.plan_wgrad` fills it).
     virtual_placement: where the chunks sit: "ring" (rank k holds virtual stages k, K + k,
         ...: Megatron's) or "v" (2 chunks, rank k holding k and 2K - 1 - k: down the ranks and
-        back, the loss on rank 0, as Zero Bubble's ZB-V; planned and simulated only: the
-        runtime refuses it, schedule/actions.py). chunk_layers: layers of each chunk when they
+        back, the loss on rank 0, as Zero Bubble's ZB-V; schedule/actions.py; the chunks
+        built for it: megatron/v_chunks.py). chunk_layers: layers of each chunk when they
         differ (e.g. (2, 3) for a stage of 5 layers on 2 chunks; empty: equal chunks;
         planned and simulated only).
     edge_slices: ((n, slices), (m, slices)): the first n and last m microbatches cut into these
@@ -158,8 +158,6 @@ class TeraPipePlan:
     @property
     def planned_only(self) -> str:
         """What of the plan the runtime does not run ('' where it runs all of it)."""
-        if self.virtual_placement != "ring":
-            return f"virtual_placement {self.virtual_placement!r}"
         return f"chunk_layers {list(self.chunk_layers)}" if self.chunk_layers else ""
 
     def check_runnable(self) -> None:
@@ -167,8 +165,7 @@ class TeraPipePlan:
         if self.planned_only:
             raise ValueError(
                 f"the TeraPipe plan's {self.planned_only} is planned and simulated only: the "
-                "runtime runs model chunks in Megatron's ring, equal in size; use "
-                "virtual_placement='ring' without chunk_layers")
+                "runtime runs model chunks equal in size; leave chunk_layers unset")
 
     def check_layers(self, layers_per_stage: int, where: str = "virtual_stages") -> None:
         """ValueError unless the plan's model chunks divide a stage's layers."""

@@ -3,7 +3,8 @@ rank k holds virtual stages k and 2K - 1 - k. Its schedules validate (deadlock-f
 message paired) on every small shape; messages go down the ranks on chunk 0 and back up on
 chunk 1, with no message at the turn; it runs the same work as the ring with both edges on
 rank 0; its order keeps at most K + cells - 1 + lead units in flight on rank 0; W placement is timed to
-the bit on it; the runtime refuses it before any work (planned and simulated only)."""
+the bit on it; the runtime's refusals (a transport without the V's routes, CUDA graphs, unequal
+chunks) before any work. The runs themselves: tests/test_v_runs.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
 from megatron_terapipe.runtime.executor import StageExecutor
+from megatron_terapipe.runtime.transport import Transport
 from megatron_terapipe.schedule.lower import lower
 
 BIG = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("h100"), layers_per_stage=5,
@@ -99,11 +101,22 @@ def test_w_placement_on_a_v_is_timed_exactly():
     assert time == plan_time(best, BIG, 4, 4, 1)
 
 
-def test_the_runtime_refuses_a_v_and_unequal_chunks_before_any_work():
-    for plan in (v_plan(), TeraPipePlan([4], virtual_stages=2, chunk_layers=(1, 2))):
-        with pytest.raises(ValueError, match="planned and simulated only: the runtime runs "
-                                             "model chunks in Megatron's ring, equal in size"):
-            StageExecutor(build_schedule(plan, 2, 2, 1), 0, None, None, None, None, None)
+def test_the_runtime_refuses_unequal_chunks_and_a_v_it_cannot_carry_before_any_work():
+    unequal = TeraPipePlan([4], virtual_stages=2, chunk_layers=(1, 2))
+    with pytest.raises(ValueError, match="planned and simulated only: the runtime runs "
+                                         "model chunks equal in size"):
+        StageExecutor(build_schedule(unequal, 2, 2, 1), 0, None, None, None, None, None)
+    # Megatron's communicator (as any transport without the V's routes) cannot send back up
+    with pytest.raises(ValueError, match="virtual_placement 'v' sends chunk 1's messages back "
+                                         "up the ranks, which Transport does not carry"):
+        StageExecutor(build_schedule(v_plan(), 2, 2, 1), 0, None, None, Transport(), None, None)
+
+    class Carrier(Transport):
+        runs_v_shape = True
+
+    with pytest.raises(ValueError, match="virtual_placement 'v' runs without CUDA graphs"):
+        StageExecutor(build_schedule(v_plan(), 2, 2, 1), 0, None, None, Carrier(), None, None,
+                      graphs=object())
 
 
 def test_placement_fields_are_checked_and_kept():

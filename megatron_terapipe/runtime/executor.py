@@ -19,6 +19,7 @@ import torch
 from ..schedule import (Action, Cell, LoweredSchedule, Schedule, TimedAction, format_action,
                         opposite)
 from ..schedule.actions import last_virtual_stage
+from ..schedule.placement import hands_over_locally, message_route, turned_cell
 from .batching import CellData
 from .buffer_pool import BufferPool
 from .context import current_action_or_outside, running_action, running_cell
@@ -26,6 +27,7 @@ from .grad_sync import GradSync, SyncFunc
 from .graphs.cell_graphs import CellGraphs
 from .kv_cache import KVCache
 from .loss import LossBook
+from .stage_setup import check_v_shape, lowered_for, per_chunk
 from .trace import RunRecord
 from .transport import Transport
 from .wgrad.store import WeightGradStore
@@ -75,15 +77,17 @@ class StageExecutor:
                  options: StageOptions, device: torch.device, pool: Optional[BufferPool] = None,
                  graphs: Optional[CellGraphs] = None) -> None:
         getattr(schedule, "schedule", schedule).plan.check_runnable()  # before any work
-        lowered = _lowered_for(schedule, transport)
+        lowered = lowered_for(schedule, transport)
+        check_v_shape(lowered.schedule, transport, graphs)
         schedule = lowered.schedule
-        self.models, self.chunk_data = _per_chunk(schedule, model, data)
+        self.models, self.chunk_data = per_chunk(schedule, model, data)
         self.schedule, self.stage = schedule, stage
         self.model, self.data = self.models[0], self.chunk_data[-1]  # the loss reads the last's
         self.graphs = graphs  # CUDA graphs per compute action (graphs/cell_graphs.py), kept with the pool
         self.transport, self.options, self.device = transport, options, device
         self.actions = lowered.stage(stage)
-        self.is_first, self.is_last = stage == 0, stage == schedule.num_stages - 1
+        self.K = schedule.num_stages
+        self.is_first, self.is_last = stage == 0, stage == self.K - 1
         # One pool kept across iterations (the caller's) puts every buffer cells read across
         # their boundary at fixed addresses: K/V, received messages, staged data, loss totals.
         self.pool = pool if pool is not None else BufferPool()
@@ -106,7 +110,7 @@ class StageExecutor:
         self.outbox: dict[tuple[str, Cell], torch.Tensor] = {}  # results waiting for a SEND
         self.inbox: dict[tuple[str, Cell], torch.Tensor] = {}  # messages waiting for a compute
         self.forwarded: dict[tuple[int, int], int] = {}  # cells forwarded per (chunk, microbatch)
-        self.outputs_sent = 0  # forward messages sent so far
+        self.outputs_sent: dict[str, int] = {}  # forward messages sent so far, per route
         self.output_send_position: dict[Cell, int] = {}  # until the cell's gradient is back
         self.record = RunRecord(schedule, stage, self.actions)
         self._run_action = {"F": self._compute, "B": self._compute, "W": self._weight_grads,
@@ -179,7 +183,11 @@ class StageExecutor:
                 result = run_cell(cell, received)
             else:
                 result = self._graphed(action, lambda: run_cell(cell, received), received)
-        if result is not None:
+        if result is not None and hands_over_locally(cell, action.kind, self.stage, self.K):
+            # a V's turn: chunk 0's output is chunk 1's input (a leaf of its own), chunk 1's
+            # input gradient chunk 0's output gradient, with no message
+            self.inbox[(action.kind, turned_cell(cell))] = result.detach()
+        elif result is not None:
             self.outbox[(action.kind, cell)] = result
         if action.kind == "B" and self.wgrad is not None:
             self.held.setdefault(cell.sequence_key, []).extend(held)
@@ -235,20 +243,23 @@ class StageExecutor:
     # -- communication actions --------------------------------------------------------------------
     def _send(self, action: Action) -> None:
         tensor = self.outbox.pop((action.direction, action.cell))
-        self.transport.send(action.direction, tensor)
+        self.transport.send(message_route(action.cell, action.direction), tensor)
         self._after_send(action.direction, action.cell, tensor)
 
     def _recv(self, action: Action) -> None:
         shape = self.activation_shape(action.cell)
-        self._received(action.direction, action.cell, self.transport.recv(action.direction, shape))
+        route = message_route(action.cell, action.direction)
+        self._received(action.direction, action.cell, self.transport.recv(route, shape))
 
     def _post(self, action: Action) -> None:
-        self.transport.post(action.direction, self.activation_shape(action.cell))
+        self.transport.post(message_route(action.cell, action.direction),
+                            self.activation_shape(action.cell))
 
     def _send_recv(self, action: Action) -> None:
         tensor = self.outbox.pop((action.direction, action.cell))
         shape = self.activation_shape(action.recv_cell)
-        received = self.transport.send_recv(action.direction, tensor, shape)
+        received = self.transport.send_recv(message_route(action.cell, action.direction),
+                                            tensor, shape)
         self._after_send(action.direction, action.cell, tensor)
         self._received(opposite(action.direction), action.recv_cell, received)
 
@@ -262,7 +273,7 @@ class StageExecutor:
         position = self.output_send_position.pop(cell, None) if direction == "B" else None
         if position is not None:
             # The next stage ran this cell's backward, so it has every output sent up to it.
-            self.transport.peer_received("F", position + 1)
+            self.transport.peer_received(message_route(cell, "F"), position + 1)
 
     def _after_send(self, direction: str, cell: Cell, tensor: torch.Tensor) -> None:
         """A sent output: note its place in the send order (the transport lets it go when its
@@ -270,8 +281,9 @@ class StageExecutor:
         grad_fn (the backward root) is needed now."""
         if direction != "F":
             return
-        self.output_send_position[cell] = self.outputs_sent
-        self.outputs_sent += 1
+        route = message_route(cell, "F")
+        self.output_send_position[cell] = self.outputs_sent.get(route, 0)
+        self.outputs_sent[route] = self.output_send_position[cell] + 1
         if not self.options.deallocate_outputs or self.graphs is not None:
             return  # a graph's output lives in the graphs' pool: freeing its data frees nothing
         if tensor._base is not None:
@@ -354,18 +366,6 @@ class StageExecutor:
         return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
 
 
-def _lowered_for(schedule: Union[LoweredSchedule, Schedule],
-                 transport: Transport) -> LoweredSchedule:
-    """The lowered schedule the transport can run: another transport's lowering would post or
-    fuse receives this one does not make, and hang."""
-    if not isinstance(schedule, LoweredSchedule):
-        return LoweredSchedule.of(schedule, transport.lowering)
-    if schedule.lowering != transport.lowering:
-        raise ValueError(
-            f"TeraPipe: the schedule was lowered for {schedule.lowering} but the stage's "
-            f"transport ({type(transport).__name__}) runs {transport.lowering}: lower it for "
-            "the transport (build_lowered_schedule(..., lowering=transport.lowering))")
-    return schedule
 
 
 def _backward(root: torch.Tensor, grad: Optional[torch.Tensor], freed: bool) -> None:
@@ -383,16 +383,3 @@ def _backward(root: torch.Tensor, grad: Optional[torch.Tensor], freed: bool) -> 
 def _chunk(cell: Cell) -> int:
     """The model chunk a cell runs on (0 without virtual stages)."""
     return getattr(cell, "chunk", 0)
-
-
-def _per_chunk(schedule: Schedule, model, data) -> tuple[list[StageModel], list[CellData]]:
-    """The StageModel and CellData of every model chunk, one per chunk of the plan."""
-    models = list(model) if isinstance(model, (list, tuple)) else [model]
-    chunk_data = list(data) if isinstance(data, (list, tuple)) else [data]
-    V = schedule.num_chunks
-    if len(models) != V or len(chunk_data) != V:
-        raise ValueError(
-            f"TeraPipe: the plan runs {V} model chunks per stage (virtual_stages) but the stage "
-            f"got {len(models)} models and {len(chunk_data)} data sources: give one of each "
-            "per chunk, or a plan with virtual_stages equal to the model chunks")
-    return models, chunk_data

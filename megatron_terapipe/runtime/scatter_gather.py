@@ -47,6 +47,10 @@ class ScatterGatherTransport(Transport):
         self.inner.pool = pool
 
     @property
+    def runs_v_shape(self) -> bool:  # type: ignore[override]
+        return self.inner.runs_v_shape  # routes pass through to it
+
+    @property
     def receives(self) -> int:  # type: ignore[override]
         return self.inner.receives
 

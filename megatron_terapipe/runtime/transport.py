@@ -1,7 +1,9 @@
 """Point-to-point transport between neighbouring pipeline stages.
 
 Messages go in one of two directions: "F" carries an activation to the next stage, "B" a
-gradient to the previous one. Shapes come from the plan on both sides, so no shape handshake
+gradient to the previous one; in a V of model chunks (schedule/placement.py) chunk 1 runs the
+other way, on the routes "F-up" and "B-down", which the methods take where they take a
+direction (`runs_v_shape`: the transports that do). Shapes come from the plan on both sides, so no shape handshake
 is needed. A transport says how it wants the schedule lowered (`lowering`): the executor runs
 the lowered list's SEND / RECV / POST / fused actions through `send`, `recv`, `post` and
 `send_recv`.
@@ -22,11 +24,13 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule import Lowering, opposite
+from ..schedule import Lowering
+from ..schedule.placement import OPPOSITE_ROUTES
 from .buffer_pool import BufferPool
 
-# Tags keep the two directions apart on gloo, whose matching is per (peer, tag) in order.
-_TAGS = {"F": 7001, "B": 7002}
+# Tags keep the routes apart on gloo, whose matching is per (peer, tag) in order: the two
+# directions, and a V's way back (schedule/placement.py: message_route).
+_TAGS = {"F": 7001, "B": 7002, "F-up": 7003, "B-down": 7004}
 
 
 class HostBuffers:
@@ -64,6 +68,7 @@ class Transport:
     # Where receive buffers come from, when the transport allocates them (set by the executor,
     # which gives them back): at fixed addresses every iteration, as a CUDA graph needs.
     pool: Optional[BufferPool] = None
+    runs_v_shape = False  # whether it carries a V's routes ("F-up", "B-down")
 
     def send(self, direction: str, tensor: torch.Tensor) -> None:
         raise RuntimeError("TeraPipe: no neighbour stage to send to")
@@ -78,7 +83,7 @@ class Transport:
     def send_recv(self, direction: str, tensor: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """Send in `direction` and receive the opposite message from the same neighbour."""
         self.send(direction, tensor)
-        return self.recv(opposite(direction), shape)
+        return self.recv(OPPOSITE_ROUTES[direction], shape)
 
     def peer_received(self, direction: str, count: int) -> None:
         """The neighbour has received the first `count` messages sent in `direction` (the
@@ -91,7 +96,8 @@ class Transport:
 class TorchTransport(Transport):
     """`ring`: virtual stages, where the last rank sends forward to the first (its next model
     chunk) and the first backward to the last; the tags keep the two directions apart also
-    where both neighbours are one rank (two stages).
+    where both neighbours are one rank (two stages). It carries a V's routes too: "F-up" to
+    the previous rank, "B-down" to the next, each on its own tag.
 
     A sent tensor is kept (a detached alias of its storage) until its send is waited on: gloo
     reads it only once the receiver has posted its receive, and a stage output freed after
@@ -113,12 +119,16 @@ class TorchTransport(Transport):
         ranks = dist.get_process_group_ranks(pp_group)
         K = len(ranks)
         # The neighbour each direction sends to; it receives from the other one.
-        self.peer = {"F": ranks[(rank + 1) % K] if ring or rank + 1 < K else None,
-                     "B": ranks[(rank - 1) % K] if ring or rank > 0 else None}
-        # Sends in flight per direction, oldest first, and how many were sent in all.
-        self._sending: dict[str, deque[tuple[dist.Work, torch.Tensor]]] = {"F": deque(), "B": deque()}
-        self._sent = {"F": 0, "B": 0}
-        self._posted: dict[str, tuple[dist.Work, torch.Tensor]] = {}  # direction -> receive
+        following = ranks[rank + 1] if rank + 1 < K else None
+        previous = ranks[rank - 1] if rank > 0 else None
+        self.peer = {"F": ranks[(rank + 1) % K] if ring else following,
+                     "B": ranks[(rank - 1) % K] if ring else previous,
+                     "F-up": previous, "B-down": following}
+        # Sends in flight per route, oldest first, and how many were sent in all.
+        self._sending: dict[str, deque[tuple[dist.Work, torch.Tensor]]] = {
+            route: deque() for route in _TAGS}
+        self._sent = {route: 0 for route in _TAGS}
+        self._posted: dict[str, tuple[dist.Work, torch.Tensor]] = {}  # route -> receive
         # Only gloo posts ahead: NCCL runs a pair's sends and receives in order on one stream,
         # where a receive posted ahead would hold back this stage's own send its peer waits for.
         self.lowering = Lowering(post_receives_early=host_staged or dist.get_backend(pp_group) == "gloo")
@@ -126,8 +136,10 @@ class TorchTransport(Transport):
         self.receives_posted_early = 0
         self.received_elements = 0
 
+    runs_v_shape = True
+
     def _source(self, direction: str) -> Optional[int]:
-        return self.peer[opposite(direction)]
+        return self.peer[OPPOSITE_ROUTES[direction]]
 
     def send(self, direction: str, tensor: torch.Tensor) -> None:
         dst = self.peer[direction]

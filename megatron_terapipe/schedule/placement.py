@@ -9,6 +9,8 @@ rank: no message, the rank's list runs the two in order.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .actions import Cell, opposite
 
 
@@ -43,3 +45,29 @@ def message_source(cell: Cell, direction: str, stage: int, num_stages: int) -> i
     """The rank `cell`'s message in `direction` comes from, received on `stage`: where the
     opposite message from `stage` goes (virtual stages are a path, walked both ways)."""
     return message_peer(cell, opposite(direction), stage, num_stages)
+
+
+#: The routes a V's chunk 1 sends on: back up the ranks forward, down them backward.
+V_RETURN_ROUTES = {"F": "F-up", "B": "B-down"}
+#: Each route's opposite: where the answer to a message on it comes back (its gradient, or the
+#: activation it is the gradient of).
+OPPOSITE_ROUTES = {"F": "B", "B": "F", "F-up": "B-down", "B-down": "F-up"}
+
+
+def message_route(cell: Cell, direction: str) -> str:
+    """The route of `cell`'s message in `direction`, which a transport keeps apart from the
+    others (its own tag on gloo): "F" to the next rank, "B" to the previous (round the ring
+    too); in a V, chunk 1 runs the other way: "F-up" to the previous rank, "B-down" to the
+    next. Between two ranks each route carries one (from, to, direction) of the validation's
+    (validate.py), so it matches messages in the order the validation checked."""
+    if getattr(cell, "v_shape", False) and cell.chunk == 1:
+        return V_RETURN_ROUTES[direction]
+    return direction
+
+
+def turned_cell(cell: Cell) -> Cell:
+    """The cell on the other chunk of a V's turn (the last rank hands chunk 0's output to
+    chunk 1, and chunk 1's input gradient back to chunk 0)."""
+    from dataclasses import replace
+
+    return replace(cell, chunk=1 - cell.chunk)

@@ -51,6 +51,15 @@ class VirtualCase:
     def chunks(self) -> int:
         return self.plan.virtual_stages
 
+    @property
+    def v_shape(self) -> bool:
+        """Chunks in a V (megatron_terapipe.v_chunk_roles, place_in_v): the loss on rank 0."""
+        return self.plan.virtual_placement == "v"
+
+    def holds_loss(self, rank: int) -> bool:
+        """Whether pipeline rank `rank` runs the loss (reports the losses)."""
+        return rank == (0 if self.v_shape else self.pp - 1)
+
 
 def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     """This rank's V model chunks with the full model's weights (and Megatron DDP per chunk,
@@ -60,6 +69,7 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt import GPTModel
 
+    from megatron_terapipe import place_in_v, v_chunk_roles
     from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
@@ -67,17 +77,22 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     config.virtual_pipeline_model_parallel_size = case.chunks
     config.microbatch_group_size_per_vp_stage = case.pp
     chunks = []
+    rank, K = parallel_state.get_pipeline_model_parallel_rank(), case.pp
     for c in range(case.chunks):
+        roles = (v_chunk_roles(c, rank, K) if case.v_shape else
+                 (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
+                  parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c)))
         # sequence parallelism: the block spec, whose norms run sequence-parallel on CPU
         spec = (get_gpt_decoder_block_spec(config, vp_stage=c) if case.model.sequence_parallel
                 else get_gpt_layer_spec())
         chunk = GPTModel(
             config, spec, vocab_size=case.model.vocab_size,
             max_sequence_length=case.model.seq_length,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=c),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=c),
+            pre_process=roles[0], post_process=roles[1],
             position_embedding_type=case.model.position_embedding_type,
             share_embeddings_and_output_weights=not case.model.untie, vp_stage=c)
+        if case.v_shape:
+            place_in_v(chunk, c, rank, K)  # chunk 1: virtual stage 2K - 1 - k, not K + k
         load_full_state(chunk, full_state)
         chunks.append(chunk)
     if ddp:
@@ -156,7 +171,8 @@ def run_virtual_case(rank: int, world_size: int, case: VirtualCase) -> dict[str,
         model=chunks, num_microbatches=case.num_microbatches,
         seq_length=case.model.seq_length, micro_batch_size=case.micro_batch_size,
         on_run=records.append)
-    result = {"rank": rank, "last_stage": parallel_state.is_pipeline_last_stage(),
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    result = {"rank": rank, "last_stage": case.holds_loss(pp_rank),
               **_receives(case, records[-1])}
     if result["last_stage"]:
         result["losses"] = report_values(losses)
@@ -180,14 +196,16 @@ def _receives(case: VirtualCase, record) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     cells = record.schedule.num_microbatches * record.schedule.plan.num_cells
-    V = case.chunks
-    inputs = cells * V - (cells if parallel_state.is_pipeline_first_stage() else 0)
-    gradients = cells * V - (cells if parallel_state.is_pipeline_last_stage() else 0)
+    V, rank = case.chunks, parallel_state.get_pipeline_model_parallel_rank()
+    first, last = rank == 0, rank == case.pp - 1
+    # a V: rank 0 runs the embedding and the loss, the last rank's turn is no message
+    inputs = cells * V - cells * (first + (case.v_shape and last))
+    gradients = cells * V - cells * ((first if case.v_shape else last) + (case.v_shape and last))
     return {"deferred_wgrads": record.deferred_wgrads, "receives": record.receives,
             "receives_posted_early": record.receives_posted_early,
             "received_elements": record.received_elements,
             "outputs_deallocated": record.outputs_deallocated,
-            "cells": cells * V - (cells if parallel_state.is_pipeline_last_stage() else 0),
+            "cells": cells * V - cells * (case.holds_loss(rank) + (case.v_shape and last)),
             "expected_receives": inputs + gradients}
 
 

@@ -31,6 +31,7 @@ from .p2p import check_shared_link, make_transport
 from .rope import install_rope_offsets
 from .rules import RunView, check_view
 from .selection import check_replaced_attributes, config_view, run_config
+from .v_chunks import check_v_chunks
 
 RunCallback = Callable[[RunRecord], None]
 
@@ -247,6 +248,10 @@ def check_run(config, models: List[torch.nn.Module], plan: TeraPipePlan, groups,
     tp_size = groups.tp.size() if groups.tp is not None else 1
     multiple = tp_size if getattr(config, "sequence_parallel", False) else 1
     plan.validate(seq_length, micro_batch_size, multiple_of=multiple)
+    if plan.virtual_placement == "v":
+        pp = groups.pp
+        check_v_chunks(config, models, pp.rank() if pp is not None else 0,
+                       pp.size() if pp is not None else 1)
 
 
 def check_support(config, model, groups=None, seq_length: Optional[int] = None,
