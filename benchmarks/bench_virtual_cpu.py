@@ -22,7 +22,12 @@ vocab 1024), the same weights and batches in every row:
    (left out where it is the planner's plan);
 6. terapipe_v1_edges: TeraPipe on one chunk with edge slicing (whole sequences, the first and
    last microbatches cut, W placed: planner.edge_search's walk on the profile here), where
-   there are at least 2 microbatches per stage.
+   there are at least 2 microbatches per stage;
+7. terapipe_v2_in_a_v: TeraPipe on 2 chunks per stage in a V (Zero Bubble's ZB-V placement:
+   rank k holds virtual stages k and 3 - k, the embedding and the loss on rank 0; chunks
+   built by megatron_terapipe.v_chunk_roles / place_in_v) with the planner's V plan
+   (search_virtual(..., placement="v"): slicing, warm-up and W places, both orders).
+The plans come from virtual_cpu_plans.py.
 Every row runs once to warm up (its losses checked against Megatron 1F1B's), then in `--rounds`
 interleaved rounds, the order rotating every round; a row's speedup is the median over rounds
 of Megatron 1F1B's time in the same round over its own (likewise against the interleaved
@@ -44,7 +49,6 @@ import statistics
 import sys
 import time
 from dataclasses import replace
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -56,68 +60,24 @@ import torch  # noqa: E402
 
 from bench_schedules import parallel_capacity  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
-from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from pipeline_runs import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
+from virtual_cpu_plans import (GRANULARITY, edge_plan, uniform_virtual_plan,  # noqa: E402
+                               v_shape_plan, virtual_plan)
 from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, Row,  # noqa: E402
                                 VirtualSpeedCase, loss_difference)
 
-STAGES, CHUNKS, GRANULARITY = 2, 2, 64
+STAGES, CHUNKS = 2, 2
 TARGET_OVER_1F1B = 1.20  # issue 34's measured target at 4 microbatches
 SIMULATOR_TOLERANCE = 0.10
 PROFILE_REPEATS = 5  # the in-run profile's runs per cell (their median)
 WARM_ROUNDS = 2  # iterations of each Megatron schedule in the profiling processes first
 
 
-def virtual_plan(cost, model: TinyGPT, M: int, hint: TeraPipePlan):
-    """The planner's plan on CHUNKS chunks per stage, the faster of its two orders (no budget:
-    these models are far from the host's memory), and every plan its searches timed."""
-    from megatron_terapipe.planner import SearchSpace, search_virtual
-    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
-
-    best, timed = None, {}
-    for order in ("1f1b", "gpipe"):
-        space = SearchSpace(model.seq_length, 1, STAGES, M, order=order, granularity=GRANULARITY,
-                            defer_wgrad=None, place_wgrad=True)
-        found = search_virtual(cost, space, MemoryBudget(None), CHUNKS, hint)
-        timed[order] = [[name, seconds] for name, seconds in found.timed]
-        if best is None or found.plan.predicted_time < best.predicted_time:
-            best = found.plan
-    return best, timed
 
 
-def uniform_virtual_plan(cost, model: TinyGPT, M: int, like: TeraPipePlan) -> TeraPipePlan:
-    """The best near-equal slicing on CHUNKS chunks in `like`'s order and W mode, with
-    Megatron's default group and warm-up and W actions in their default places."""
-    from megatron_terapipe.planner import SearchSpace, plan_time
-
-    unit = SearchSpace(model.seq_length, 1, STAGES, granularity=GRANULARITY).unit
-    cache: dict = {}
-    best = None
-    for n in range(1, model.seq_length // unit + 1):
-        plan = replace(TeraPipePlan.uniform(model.seq_length, n, like.order, unit),
-                       virtual_stages=CHUNKS, defer_wgrad=like.defer_wgrad)
-        try:
-            seconds = plan_time(plan, cost, M, STAGES, 1, cache=cache)
-        except ValueError:  # a slice count this order cannot group on this many stages
-            continue
-        if best is None or seconds < best.predicted_time:
-            best = replace(plan, predicted_time=seconds)
-    return best
 
 
-def edge_plan(cost, model: TinyGPT, M: int) -> Optional[TeraPipePlan]:
-    """The edge walk's plan on one chunk, W placed (no budget); None below 2K microbatches."""
-    from megatron_terapipe.planner import SearchSpace
-    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
-    from megatron_terapipe.planner.edge_search import applies, best_edge_plan
-
-    space = SearchSpace(model.seq_length, 1, STAGES, M, granularity=GRANULARITY,
-                        place_wgrad=True)
-    if not applies(space):
-        return None
-    plan, seconds, _ = best_edge_plan(cost, space, MemoryBudget(None))
-    return replace(plan, predicted_time=seconds)
 
 
 def profile_in_run(model: TinyGPT, cache: str, M: int):
@@ -154,8 +114,8 @@ def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
     """The timed rows and what the planners said on the way."""
     check_interleaved_runs(model, M)
     plans, info = plans_for(cost, model, M, GRANULARITY, STAGES)
-    planned, timed = virtual_plan(cost, model, M, plans["terapipe_dp"])
-    uniform = uniform_virtual_plan(cost, model, M, planned)
+    planned, timed = virtual_plan(cost, model, M, plans["terapipe_dp"], STAGES, CHUNKS)
+    uniform = uniform_virtual_plan(cost, model, M, planned, STAGES, CHUNKS)
     rows = [Row("megatron_1f1b", MEGATRON_1F1B),
             Row(f"megatron_interleaved_v{CHUNKS}", MEGATRON_INTERLEAVED, CHUNKS),
             Row("terapipe_v1", TERAPIPE, 1, plans["terapipe_dp"]),
@@ -163,9 +123,11 @@ def make_rows(cost, model: TinyGPT, M: int) -> tuple[list[Row], dict]:
     same = replace(uniform, predicted_time=None) == replace(planned, predicted_time=None)
     if not same:
         rows.append(Row(f"terapipe_v{CHUNKS}_uniform", TERAPIPE, CHUNKS, uniform))
-    edges = edge_plan(cost, model, M)
+    edges = edge_plan(cost, model, M, STAGES)
     if edges is not None:
         rows.append(Row("terapipe_v1_edges", TERAPIPE, 1, edges))
+    rows.append(Row(f"terapipe_v{CHUNKS}_in_a_v", TERAPIPE, CHUNKS,
+                    v_shape_plan(cost, model, M, STAGES)))
     notes = {"one_chunk_plan": info, "virtual_search_timed": timed,
              "uniform_v2_is_the_planned_plan": same}
     return rows, notes
@@ -205,7 +167,9 @@ def result_rows(rows: list[Row], per_rank: list[dict], cost, model: TinyGPT, M: 
     (from `cost`, and from `cost_alone`, a profile measured alone, when given)."""
     rounds = len(per_rank[0][rows[0].label])
     runs = {r.label: [max(p[r.label][i] for p in per_rank) for i in range(rounds)] for r in rows}
-    losses = next(p for p in per_rank if p["last_stage"])
+    # each row's losses from the rank that reports them (the last; rank 0 in a V)
+    losses = {key: next(p[key] for p in per_rank if p[key] is not None)
+              for key in per_rank[0] if key.startswith("losses:")}
     base, interleaved = runs[rows[0].label], runs[rows[1].label]
     out = []
     for row in rows:

@@ -42,6 +42,16 @@ class Row:
     chunks: int = 1
     plan: Optional[TeraPipePlan] = None  # TeraPipe's plan (virtual_stages == chunks)
 
+    @property
+    def layout(self):
+        """Which models the row runs on: its chunk count, or "v" for chunks in a V."""
+        in_a_v = self.plan is not None and self.plan.virtual_placement == "v"
+        return "v" if in_a_v else self.chunks
+
+    def holds_loss(self, pp_rank: int, num_stages: int) -> bool:
+        """Whether pipeline rank `pp_rank` reports the row's losses (a V's: rank 0)."""
+        return pp_rank == (0 if self.layout == "v" else num_stages - 1)
+
 
 @dataclass
 class VirtualSpeedCase:
@@ -80,9 +90,10 @@ def _use_virtual(chunks: int) -> None:
     parallel_state.set_virtual_pipeline_model_parallel_rank(0 if chunks > 1 else None)
 
 
-def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict[int, list], dict]:
-    """{1: [the stage], V: its V chunks}, all with the same full model's weights, on the case's
-    device in the model's precision; and each one's config."""
+def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict, dict]:
+    """{1: [the stage], V: its V chunks, "v": 2 chunks in a V where a row runs them}, all with
+    the same full model's weights, on the case's device in the model's precision; and each
+    one's config."""
     from megatron.core import parallel_state
 
     from harness import build_stage_model, in_precision, load_full_state, to_device
@@ -101,9 +112,12 @@ def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict[int, lis
     # Megatron's interleaved schedule on 2 ranks needs overlapped, unbatched P2P (as
     # harness.virtual_runs.megatron_interleaved sets it); TeraPipe's torch transport ignores both.
     config.overlap_p2p_comm, config.batch_p2p_comm = world_size == 2, world_size > 2
-    configs = {1: stage_config, case.chunks: config}
+    configs, built = {1: stage_config, case.chunks: config}, {1: [stage], case.chunks: chunks}
+    if any(row.layout == "v" for row in case.rows):  # rank 0: the embedding and the loss
+        in_a_v = replace(shape, plan=replace(shape.plan, virtual_stages=2, virtual_placement="v"))
+        configs["v"], built["v"] = build_chunks(in_a_v, state, ddp=False)
     on_device = {n: [in_precision(configs[n], to_device(m, case.device)) for m in models]
-                 for n, models in ((1, [stage]), (case.chunks, chunks))}
+                 for n, models in built.items()}
     return on_device, configs
 
 
@@ -148,7 +162,7 @@ def _runner(case: VirtualSpeedCase, models: dict[int, list], batches: list, runs
                   seq_length=case.model.seq_length, micro_batch_size=1)
 
     def run(row: Row) -> list:
-        chunks, args = models[row.chunks], dict(common, **transfers[row.chunks])
+        chunks, args = models[row.layout], dict(common, **transfers[row.layout])
         _use_virtual(row.chunks)
         if row.schedule == MEGATRON_1F1B:
             return forward_backward_pipelining_without_interleaving(
@@ -201,17 +215,19 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     runs: list = []  # TeraPipe's run records
     models, transfers, run = _rows_runner(case, world_size, runs)
     last_stage = parallel_state.is_pipeline_last_stage()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     # Host barriers over gloo: with NCCL for CUDA tensors a plain barrier could go to NCCL,
     # which refuses two ranks on one GPU.
     host = dist.new_group(backend="gloo")
     out: dict = {"last_stage": last_stage}
     for row in case.rows:
         out[row.label] = []
-        staged = _staged(transfers[row.chunks])
+        staged = _staged(transfers[row.layout])
         losses = run(row)  # warm-up: allocator, connections, TeraPipe's schedule and buffers
-        out["losses:" + row.label] = report_values(losses) if last_stage else None
-        out["staged:" + row.label] = _staged(transfers[row.chunks]) - staged  # messages moved
-        _zero_grads(models[row.chunks])
+        out["losses:" + row.label] = (report_values(losses)
+                                      if row.holds_loss(pp_rank, world_size) else None)
+        out["staged:" + row.label] = _staged(transfers[row.layout]) - staged  # messages moved
+        _zero_grads(models[row.layout])
         if row.schedule == TERAPIPE:
             out["busy:" + row.label] = []
             out["received:" + row.label] = runs[-1].receives  # by the torch transport
@@ -220,7 +236,7 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
         # follows each other one about equally often.
         shift = round_ % len(case.rows)
         for row in case.rows[shift:] + case.rows[:shift]:
-            _zero_grads(models[row.chunks])
+            _zero_grads(models[row.layout])
             dist.barrier(group=host)
             start = time.perf_counter()
             run(row)
@@ -259,7 +275,7 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
         for _ in range(warm_case.rounds):
             for row in warm_case.rows:
                 run(row)
-                _zero_grads(models[row.chunks])
+                _zero_grads(models[row.layout])
     profile_cost_model(model_cfg, granularity, layers_per_stage, "cpu", paths[rank],
                        statistic="median", repeats=repeats)
     if models is not None:

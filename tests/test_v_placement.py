@@ -146,3 +146,23 @@ def test_validate_refuses_a_turn_taken_before_it_is_handed_over():
     with pytest.raises(ScheduleError, match=r"stage 1 runs F\(m0b0t0c1\) before F\(m0b0t0c0\), "
                                             "whose output it takes"):
         validate(broken)
+
+
+def test_the_virtual_search_in_a_v_times_every_lead_and_places_w():
+    from megatron_terapipe.planner import SearchSpace, search_virtual
+    from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
+    from megatron_terapipe.planner.virtual_search import V_LEADS, virtual_plans
+
+    space = SearchSpace(4096, 1, 4, 8, order="1f1b", granularity=256, defer_wgrad=True,
+                        place_wgrad=True)
+    candidates = virtual_plans(space, 2, placement="v")
+    assert {p.virtual_warmup for _, p in candidates} == set(V_LEADS)
+    assert all(p.virtual_placement == "v" and p.virtual_group is None for _, p in candidates)
+    found = search_virtual(BIG, space, MemoryBudget(None), 2, placement="v")
+    assert found.plan.virtual_placement == "v"
+    # no candidate with its W actions in their default places is faster
+    fastest = min(plan_time(p, BIG, 8, 4, 1) for _, p in candidates)
+    assert found.plan.predicted_time <= fastest
+    assert found.plan.predicted_time == plan_time(found.plan, BIG, 8, 4, 1)
+    with pytest.raises(ValueError, match="a V holds 2 model chunks per rank, not 3"):
+        search_virtual(BIG, space, MemoryBudget(None), 3, placement="v")

@@ -192,6 +192,9 @@ def plan_note(plan: TeraPipePlan) -> str:
                                                                          plan.edge_slices) if n)
     note += ", W placed" if plan.wgrad_after else ""
     note += f", groups of {plan.virtual_group}" if plan.virtual_group else ""
+    if plan.virtual_placement == "v":  # its warm-up: units in flight beyond K + C - 1
+        lead = plan.virtual_warmup
+        return note + ", in a V" + (f", lead {lead}" if lead is not None else "")
     return note + (f", warm-up {plan.virtual_warmup}" if plan.virtual_warmup is not None else "")
 
 

@@ -17,6 +17,9 @@ shrinks and each cell crosses more links, so the search here times plans instead
    fewer activations alive, as fast when one group holds every microbatch);
 3. with `SearchSpace.place_wgrad`, the fastest few then get their W actions placed
    (wgrad_placement.py), within the budget; the fastest of all is chosen.
+In a V (`placement` "v": 2 chunks, rank k holding virtual stages k and 2K - 1 - k, v_order.py)
+there are no groups: each slicing is tried with each of V_LEADS units in flight on rank 0
+beyond K + C - 1 (`virtual_warmup`: more cover the turn and the way back, and hold more).
 If nothing fits, MemoryBudgetError names the leanest plan (kept on the error as `leanest`).
 """
 
@@ -38,6 +41,7 @@ from .wgrad_placement import plan_wgrad
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)
 PLACED = 2  # the fastest fitting plans whose W actions are placed
+V_LEADS = (0, 1, 2, 4)  # a V's units in flight on rank 0 beyond K + C - 1
 LEAD_REACH = 1.15  # shorter warm-ups are tried for plans that pass the budget by less
 
 
@@ -65,10 +69,10 @@ class NoAllowedGroupError(ValueError):
     """A fixed microbatch group that no candidate slicing makes allowed (allowed_group)."""
 
 
-def virtual_plans(space: SearchSpace, num_chunks: int,
-                  hint: Optional[TeraPipePlan] = None) -> list[tuple[str, TeraPipePlan]]:
+def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePlan] = None,
+                  placement: str = "ring") -> list[tuple[str, TeraPipePlan]]:
     """Step 1's plans, named; with the space's `microbatch_group` (1f1b), only that group, in
-    the slicings it is allowed for (NoAllowedGroupError when none)."""
+    the slicings it is allowed for (NoAllowedGroupError when none); in a V, each V_LEADS."""
     group = space.microbatch_group
     most = space.seq_length // space.unit
     counts = set(c for c in SLICE_COUNTS if c <= most)
@@ -80,6 +84,12 @@ def virtual_plans(space: SearchSpace, num_chunks: int,
     for n in sorted(counts):
         base = TeraPipePlan.uniform(space.seq_length, n, space.order, space.unit)
         base = replace(base, virtual_stages=num_chunks)
+        if placement == "v":
+            leads = V_LEADS if space.order == "1f1b" else (None,)  # gpipe: all in flight
+            out += [(f"uniform x{n} in a V" + (f", lead {lead}" if lead is not None else ""),
+                     replace(base, virtual_placement="v", virtual_warmup=lead, defer_wgrad=mode))
+                    for lead in leads for mode in modes]
+            continue
         groups = group_options(space, base) if space.order == "1f1b" else [None]
         if group is not None and space.order == "1f1b":
             M, K = space.num_microbatches, space.num_stages
@@ -98,28 +108,32 @@ def virtual_plans(space: SearchSpace, num_chunks: int,
 
 
 def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
-                   num_chunks: int, hint: Optional[TeraPipePlan] = None) -> VirtualSearchResult:
+                   num_chunks: int, hint: Optional[TeraPipePlan] = None,
+                   placement: str = "ring") -> VirtualSearchResult:
     """The fastest plan on `num_chunks` chunks per stage that fits `budget` (module
     docstring), in the space's `microbatch_group` when it fixes one (else the search
-    chooses). Raises MemoryBudgetError (with `leanest`) when none fits, NoAllowedGroupError
-    when no slicing allows the group, ValueError when the pipeline has one stage."""
+    chooses); `placement` "v": in a V (2 chunks). Raises MemoryBudgetError (with `leanest`)
+    when none fits, NoAllowedGroupError when no slicing allows the group, ValueError when the
+    pipeline has one stage or a V has other than 2 chunks."""
     if space.num_stages < 2:
         raise ValueError("virtual stages need at least 2 pipeline stages")
+    if placement == "v" and num_chunks != 2:
+        raise ValueError(f"a V holds 2 model chunks per rank, not {num_chunks}")
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     caches = shared_caches(cost_model, space.memory)
-    plans = virtual_plans(space, num_chunks, hint)
+    plans = virtual_plans(space, num_chunks, hint, placement)
     floors = [compute_floor(cost_model, space, plan) for _, plan in plans]
     timed: list[tuple[float, int]] = []
     peaks: dict[int, float] = {}
     for i in sorted(range(len(plans)), key=lambda i: (floors[i], i)):
         if timed and floors[i] > min(timed)[0]:
             break  # this plan and every later one take longer than the fastest found
-        for lead in (None, 1, 0) if space.order == "1f1b" else (None,):
+        for lead in (None, 1, 0) if space.order == "1f1b" and placement == "ring" else (None,):
             # a shorter warm-up keeps less alive: tried when Megatron's does not fit by less
             # than LEAD_REACH (it saves a few units' activations)
             if lead is not None and peaks[i] > budget.budget_bytes * LEAD_REACH:
                 break
-            plan = replace(plans[i][1], virtual_warmup=lead)
+            plan = plans[i][1] if lead is None else replace(plans[i][1], virtual_warmup=lead)
             schedule = build_schedule(plan, *shape)
             found = estimate_lists(schedule, cost_model, space.memory, caches)
             peaks[i] = min(peaks.get(i, float("inf")), max(budget.totals(found.peak_memory_bytes)))
