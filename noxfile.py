@@ -60,8 +60,7 @@ EQUIVALENCE_TESTS = ("tests/test_equivalence.py", "tests/test_launch.py",
                      "tests/test_moe_router_fields.py", "tests/test_gpt_model_fields.py",
                      "tests/test_compat_megatron_lm.py", "tests/test_stage_layers.py",
                      "tests/test_edge_slices.py", "tests/test_stage_split_runs.py",
-                     "tests/test_distributed_optimizer.py", "tests/test_prefix_attention.py",
-                     "tests/test_v_runs.py")
+                     "tests/test_distributed_optimizer.py", "tests/test_prefix_attention.py")
 
 
 def interpreter(version: str) -> str:

@@ -6,6 +6,8 @@ and any non-decreasing W places at or after each W's backward (`TeraPipePlan.wgr
 make a plan the builder accepts. Here such plans are drawn at random (a seeded
 `random.Random`, so every run draws the same):
 - each one's schedule passes `validate` (deadlock-free) and the simulator times it;
+- some put their 2 chunks in a V (virtual_placement "v", a lead of 0 to 2 units), drawn apart
+  so that the ring's draws stay as they were;
 - some run on 2 processes (PP=2, V up to 4, DDP, deallocated outputs) and on 4 (PP=4 x V=2
   with either transport, or TP=2 x PP=2 with and without sequence parallelism), with every
   parameter gradient and every reported loss equal to Megatron's no-pipelining run on the
@@ -53,28 +55,33 @@ def w_places(rng: random.Random, plan: TeraPipePlan, M: int, K: int, rows: int) 
     return out
 
 
-def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1) -> tuple[TeraPipePlan, int, int]:
-    """(plan, microbatches, micro batch size): a random plan on K stages x V chunks."""
+def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1,
+              v_shape: bool = False) -> tuple[TeraPipePlan, int, int]:
+    """(plan, microbatches, micro batch size): a random plan on K stages x V chunks (`v_shape`:
+    2 chunks in a V, whose warm-up is a lead of 0 to 2 units and which has no groups)."""
     order = rng.choice(["1f1b", "gpipe"])
     defer = rng.random() < 0.85
     units = _composition(rng, SEQ // tp_multiple, rng.randint(1, 4))
     M, rows = rng.randint(1, 7), rng.choice([1, 2])
     batch = [1, 1] if rows == 2 and rng.random() < 0.3 else None
     plan = TeraPipePlan([u * tp_multiple for u in units], batch_slices=batch, order=order,
-                        defer_wgrad=defer, virtual_stages=V)
+                        defer_wgrad=defer, virtual_stages=V,
+                        virtual_placement="v" if v_shape else "ring")
     groups = [g for g in range(1, M + 1) if allowed_group(g, M, K, plan.num_cells)]
     points = ()
     if defer and len(units) > 1 and rng.random() < 0.3:
         points = tuple(tuple(sorted(rng.sample(range(1, len(units)), rng.randint(0, len(units) - 1))))
                        for _ in range(K))
-    plan = replace(plan, virtual_group=rng.choice(groups + [None]), wgrad_points=points,
-                   virtual_warmup=rng.choice([None, None, 0, 1]) if order == "1f1b" else None)
+    leads = [None, 0, 1, 2] if v_shape else [None, None, 0, 1]
+    plan = replace(plan, virtual_group=None if v_shape else rng.choice(groups + [None]),
+                   wgrad_points=points,
+                   virtual_warmup=rng.choice(leads) if order == "1f1b" else None)
     if defer and rng.random() < 0.8:
         plan = replace(plan, wgrad_after=w_places(rng, plan, M, K, rows))
     return plan, M, rows
 
 
-def _case(rng: random.Random, name: str, world: int) -> VirtualCase:
+def _case(rng: random.Random, name: str, world: int, v_shape: bool = False) -> VirtualCase:
     if world == 2:
         shape = dict(pp=2, model=TinyGPT(num_layers=rng.choice([4, 6, 8])),
                      ddp=rng.random() < 0.3, deallocate_outputs=rng.random() < 0.3)
@@ -86,9 +93,11 @@ def _case(rng: random.Random, name: str, world: int) -> VirtualCase:
         shape = dict(pp=2, tp=2, model=TinyGPT(num_layers=4, sequence_parallel=parallel),
                      ddp=parallel or rng.random() < 0.3)
     layers = shape["model"].num_layers // shape["pp"]
-    V = rng.choice([v for v in (2, 3, 4) if layers % v == 0])
+    V = 2 if v_shape else rng.choice([v for v in (2, 3, 4) if layers % v == 0])
     tp_multiple = 2 if shape["model"].sequence_parallel else 1
-    plan, M, rows = draw_plan(rng, shape["pp"], V, tp_multiple)
+    if v_shape:
+        shape["transport"] = None  # Megatron's communicator does not carry a V's routes
+    plan, M, rows = draw_plan(rng, shape["pp"], V, tp_multiple, v_shape)
     if shape.get("transport") == "megatron" and plan.batch_slices:
         shape["transport"] = None  # Megatron's communicator: one message shape per channel
     return VirtualCase(name, plan, num_microbatches=M, micro_batch_size=rows, **shape)
@@ -99,8 +108,16 @@ def random_cases(world: int, count: int, seed: int) -> list[VirtualCase]:
     return [_case(rng, f"random_v_{world}_{seed}_{i}", world) for i in range(count)]
 
 
-CASES_2 = random_cases(2, RUNS, SEED)
-CASES_4 = random_cases(4, max(1, RUNS * 2 // 3), SEED)
+def random_v_shape_cases(world: int, count: int, seed: int) -> list[VirtualCase]:
+    """Chunks in a V, drawn apart from the ring's cases (which stay the same draws)."""
+    rng = random.Random(seed * 10 + world + 5)
+    return [_case(rng, f"random_in_a_v_{world}_{seed}_{i}", world, v_shape=True)
+            for i in range(count)]
+
+
+CASES_2 = random_cases(2, RUNS, SEED) + random_v_shape_cases(2, max(1, RUNS // 3), SEED)
+CASES_4 = (random_cases(4, max(1, RUNS * 2 // 3), SEED)
+           + random_v_shape_cases(4, max(1, RUNS // 6), SEED))
 COST = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"), layers_per_stage=4,
                          tensor_parallel=2)
 
@@ -111,7 +128,8 @@ def test_random_plans_validate_and_simulate():
     rng = random.Random(SEED)
     for _ in range(300):
         K = rng.choice([2, 3, 4])
-        plan, M, rows = draw_plan(rng, K, rng.choice([2, 4]))
+        V = rng.choice([2, 4])
+        plan, M, rows = draw_plan(rng, K, V, v_shape=V == 2 and rng.random() < 0.3)
         schedule = build_schedule(plan, M, K, rows)
         validate(schedule)
         result = simulate(schedule, COST)

@@ -4,17 +4,22 @@ message paired) on every small shape; messages go down the ranks on chunk 0 and 
 chunk 1, with no message at the turn; it runs the same work as the ring with both edges on
 rank 0; its order keeps at most K + cells - 1 + lead units in flight on rank 0; W placement is timed to
 the bit on it; the runtime's refusals (a transport without the V's routes, CUDA graphs, unequal
-chunks) before any work. The runs themselves: tests/test_v_runs.py."""
+chunks) before any work; the chunks a V runs on (`v_chunk_roles`, `place_in_v`) and those
+refused before any work (`check_v_chunks`). The runs themselves: tests/test_virtual_runs.py,
+its "in_a_v" cases."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_terapipe import ScheduleError, TeraPipePlan, build_schedule, validate
+from megatron_terapipe import (ScheduleError, TeraPipePlan, build_schedule, place_in_v,
+                               v_chunk_roles, validate)
+from megatron_terapipe.megatron.hooks.v_chunks import check_v_chunks
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
@@ -166,3 +171,62 @@ def test_the_virtual_search_in_a_v_times_every_lead_and_places_w():
     assert found.plan.predicted_time == plan_time(found.plan, BIG, 8, 4, 1)
     with pytest.raises(ValueError, match="a V holds 2 model chunks per rank, not 3"):
         search_virtual(BIG, space, MemoryBudget(None), 3, placement="v")
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, number: int) -> None:
+        super().__init__()
+        self.layer_number = number
+        self.self_attention = torch.nn.Module()
+        self.self_attention.layer_number = number
+
+
+class Chunk(torch.nn.Module):
+    """What check_v_chunks and place_in_v read of a GPTModel."""
+
+    def __init__(self, pre: bool, post: bool, first_layer: int, layers: int = 2,
+                 tied: bool = False) -> None:
+        super().__init__()
+        self.pre_process, self.post_process = pre, post
+        self.share_embeddings_and_output_weights = tied
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(Layer(first_layer + i) for i in range(layers))
+
+
+def test_v_roles_and_layer_numbers():
+    assert [v_chunk_roles(c, k, 4) for k in (0, 3) for c in (0, 1)] == [
+        (True, False), (False, True), (False, False), (False, False)]
+    chunk = Chunk(False, False, first_layer=11)  # Megatron's ring: rank 1 of 4, chunk 1: 4 + 1
+    place_in_v(chunk, 1, 1, 4)  # the V's: virtual stage 2 * 4 - 1 - 1 = 6, layers 13 and 14
+    assert [(layer.layer_number, layer.self_attention.layer_number)
+            for layer in chunk.decoder.layers] == [(13, 13), (14, 14)]
+    with pytest.raises(ValueError, match="a V holds chunks 0 and 1 on ranks 0..1, got chunk 2"):
+        v_chunk_roles(2, 0, 2)
+
+
+class Config:
+    calculate_per_token_loss = False
+    num_moe_experts = None
+
+
+@pytest.mark.parametrize("chunks,config,message", [
+    # Megatron's ring: the loss on the last rank's chunk 1
+    ([Chunk(False, False, 3), Chunk(False, True, 7)], Config(),
+     r"chunk 1 on rank 1 has \(pre_process, post_process\) = \(False, True\): build chunk c "
+     r"with pre_process, post_process = megatron_terapipe.v_chunk_roles"),
+    ([Chunk(False, False, 3), Chunk(False, False, 7)], Config(),
+     "chunk 1 on rank 1 starts at layer 7, not at the V's 5: .*place_in_v"),
+    ([Chunk(False, False, 3), Chunk(False, False, 5, tied=True)], Config(),
+     "untied embedding and output weights.*--untie-embeddings-and-output-weights"),
+    ([Chunk(False, False, 3), Chunk(False, False, 5)],
+     type("PerToken", (Config,), {"calculate_per_token_loss": True})(),
+     "a V runs without calculate_per_token_loss"),
+    ([Chunk(False, False, 3), Chunk(False, False, 5)],
+     type("MoE", (Config,), {"num_moe_experts": 4})(), "a V runs dense models only"),
+])
+def test_chunks_not_built_for_a_v_are_refused(chunks, config, message):
+    with pytest.raises(ValueError, match=message):
+        check_v_chunks(config, chunks, rank=1, num_stages=2)
+    if message.startswith("chunk 1 on rank 1 starts"):  # the same chunks, placed: accepted
+        place_in_v(chunks[1], 1, 1, 2)
+        check_v_chunks(config, chunks, rank=1, num_stages=2)

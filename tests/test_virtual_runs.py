@@ -7,6 +7,12 @@ interleaved 1F1B (forward_backward_pipelining_with_interleaving) on the same chu
 Each world (2 or 4 gloo processes) runs its cases once (module fixture); harness.virtual_runs
 builds the chunks with GPTModel(..., vp_stage=c) and harness.check_case compares, as for one
 chunk per rank (test_equivalence.py). Also: what the schedule call refuses about chunks.
+
+The cases named "in_a_v" put the two chunks of a rank in a V (virtual_placement "v", Zero
+Bubble's ZB-V placement: rank k holds virtual stages k and 2K - 1 - k, the embedding and the
+loss on rank 0), built as megatron_terapipe.v_chunk_roles and place_in_v say: the same
+comparisons, every receive of the torch transport counted (the turn on the last rank is no
+message), the losses reported on rank 0.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ def plan(slices=(5, 7, 4), V=2, order="1f1b", defer=True, **kwargs) -> TeraPipeP
     return TeraPipePlan(list(slices), order=order, virtual_stages=V, defer_wgrad=defer, **kwargs)
 
 
+def v_plan(slices=(5, 7, 4), order="1f1b", defer=True, **kwargs) -> TeraPipePlan:
+    """Two chunks in a V (rank k: virtual stages k and 2K - 1 - k; the loss on rank 0)."""
+    return plan(slices, 2, order, defer, virtual_placement="v", **kwargs)
+
+
 def planned_places(tiny: TeraPipePlan, M: int, K: int, rows: int) -> TeraPipePlan:
     """`tiny` with the W places the planner gives a plan of the same cells (same slice count,
     order, chunks, microbatches) on a GPT3-1B cost model: places depend on the cells only."""
@@ -33,7 +44,9 @@ def planned_places(tiny: TeraPipePlan, M: int, K: int, rows: int) -> TeraPipePla
                              layers_per_stage=6, tensor_parallel=2)
     big = TeraPipePlan.uniform(512 * len(tiny.seq_slices), len(tiny.seq_slices),
                                order=tiny.order, multiple_of=64)
-    placed, _ = plan_wgrad(replace(big, virtual_stages=tiny.virtual_stages), cost, M, K, rows)
+    placed, _ = plan_wgrad(replace(big, virtual_stages=tiny.virtual_stages,
+                                   virtual_placement=tiny.virtual_placement,
+                                   virtual_warmup=tiny.virtual_warmup), cost, M, K, rows)
     assert placed.wgrad_after, "the planner kept the default places: pick another shape"
     return replace(tiny, wgrad_after=placed.wgrad_after)
 
@@ -65,6 +78,17 @@ CASES_2 = [
     VirtualCase("w_v2_packed_documents", plan(), packed=True, num_microbatches=4),
     VirtualCase("w_v2_packed_documents_against_megatron_interleaved", plan(), packed=True,
                 num_microbatches=4, reference="interleaved"),
+    # chunks in a V (megatron_terapipe.v_chunk_roles, place_in_v): no message at the turn
+    VirtualCase("in_a_v_whole_sequences", v_plan([16], defer=False), num_microbatches=4),
+    VirtualCase("in_a_v_slices", v_plan(defer=False)),
+    VirtualCase("w_in_a_v_slices", v_plan()),
+    VirtualCase("w_in_a_v_gpipe", v_plan(order="gpipe"), num_microbatches=2),
+    VirtualCase("w_in_a_v_lead_1_planned_w_places",
+                planned_places(v_plan([8, 8], virtual_warmup=1), 4, 2, 1), num_microbatches=4),
+    VirtualCase("w_in_a_v_one_microbatch", v_plan([6, 10]), num_microbatches=1),
+    VirtualCase("w_in_a_v_deallocate_outputs", v_plan(), deallocate_outputs=True),
+    VirtualCase("w_in_a_v_ddp_overlap_grad_sync", v_plan(), ddp=True, overlap_grad_reduce=True,
+                grad_sync_func=True),
 ]
 
 CASES_4 = [
@@ -98,6 +122,12 @@ CASES_4 = [
     VirtualCase("w_v2_dp2_pp2_ddp_overlap", plan(), ddp=True, overlap_grad_reduce=True,
                 num_microbatches=2),
     VirtualCase("v2_dp2_pp2_ddp_gpipe", plan(order="gpipe", defer=False), ddp=True),
+    VirtualCase("in_a_v_pp4_slices", v_plan(defer=False), pp=4, model=EIGHT_LAYERS,
+                num_microbatches=5),
+    VirtualCase("w_in_a_v_pp4_planned_w_places", planned_places(v_plan([8, 8]), 4, 4, 1), pp=4,
+                model=EIGHT_LAYERS, num_microbatches=4),
+    VirtualCase("w_in_a_v_tp2_pp2", v_plan([6, 6, 4]), tp=2, model=FOUR_LAYERS),
+    VirtualCase("w_in_a_v_dp2_pp2_ddp", v_plan(), ddp=True),
 ]
 
 
@@ -119,6 +149,11 @@ def test_two_processes(world2, case):
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
 def test_four_processes(world4, case):
     check_case(world4, case)
+
+
+def test_a_v_reports_its_losses_on_rank_0(world2):
+    assert [r["in_a_v_slices"]["last_stage"] for r in world2] == [True, False]
+    assert len(world2[0]["in_a_v_slices"]["losses"]) == 3
 
 
 def test_scatter_gather_carries_half_of_each_message(world4):
