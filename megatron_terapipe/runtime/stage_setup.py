@@ -35,10 +35,10 @@ def check_v_shape(schedule: Schedule, transport: Transport,
         raise ValueError(
             f"TeraPipe: a plan with virtual_placement 'v' sends chunk 1's messages back up "
             f"the ranks, which {type(transport).__name__} does not carry: use the torch "
-            "transport (config.terapipe.transport = 'torch' or 'host')")
+            "transport (TeraPipeConfig.transport 'torch' or 'host')")
     if graphs is not None:
         raise ValueError("TeraPipe: a plan with virtual_placement 'v' runs without CUDA graphs: "
-                         "unset config.terapipe.cuda_graphs (--terapipe-cuda-graphs)")
+                         "unset TeraPipeConfig.cuda_graphs (--terapipe-cuda-graphs)")
 
 
 def per_chunk(schedule: Schedule, model, data) -> tuple[list, list[CellData]]:
