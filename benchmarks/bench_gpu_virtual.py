@@ -10,7 +10,8 @@ Megatron's schedules and TeraPipe on one chunk through host_staged.py's communic
 on 2 chunks through its torch transport staged through the host (virtual_runs_bench.py). The rows
 (bench_virtual_cpu.make_rows): Megatron 1F1B on one chunk per stage, Megatron's interleaved
 1F1B on 2 chunks, TeraPipe's DP plan on one chunk, the planner's plan on 2 chunks (slicing,
-group, warm-up, W places) and the best uniform slicing on 2 chunks; the same weights and
+group, warm-up, W places), the best uniform slicing on 2 chunks, the edge walk's plan and the
+planner's plan on 2 chunks in a V (host-staged like the other chunk rows); the same weights and
 batches in every row, losses checked against Megatron 1F1B's, rounds interleaved. The cost
 model is a layer profile measured in one process with one stage's SM share (cached, as
 bench_gpu_pipeline.py measures it), with the host-staged link measured at two sizes; the
