@@ -3,8 +3,8 @@
 Messages go in one of two directions: "F" carries an activation to the next stage, "B" a
 gradient to the previous one; in a V of model chunks (schedule/placement.py) chunk 1 runs the
 other way, on the routes "F-up" and "B-down", which the methods take where they take a
-direction (`runs_v_shape`: the transports that do). Shapes come from the plan on both sides, so no shape handshake
-is needed. A transport says how it wants the schedule lowered (`lowering`): the executor runs
+direction (`runs_v_shape`: the transports that do). Shapes come from the plan on both sides,
+so no shape handshake is needed. A transport says how it wants the schedule lowered (`lowering`): the executor runs
 the lowered list's SEND / RECV / POST / fused actions through `send`, `recv`, `post` and
 `send_recv`.
 
