@@ -74,12 +74,6 @@ PROFILE_REPEATS = 5  # the in-run profile's runs per cell (their median)
 WARM_ROUNDS = 2  # iterations of each Megatron schedule in the profiling processes first
 
 
-
-
-
-
-
-
 def profile_in_run(model: TinyGPT, cache: str, M: int):
     """The simulator's profile, measured in the rows' conditions (virtual_runs_bench.
     profile_in_run_worker: both stage processes at once, pinned, CPU mode, medians, after

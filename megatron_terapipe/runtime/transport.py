@@ -4,9 +4,9 @@ Messages go in one of two directions: "F" carries an activation to the next stag
 gradient to the previous one; in a V of model chunks (schedule/placement.py) chunk 1 runs the
 other way, on the routes "F-up" and "B-down", which the methods take where they take a
 direction (`runs_v_shape`: the transports that do). Shapes come from the plan on both sides,
-so no shape handshake is needed. A transport says how it wants the schedule lowered (`lowering`): the executor runs
-the lowered list's SEND / RECV / POST / fused actions through `send`, `recv`, `post` and
-`send_recv`.
+so no shape handshake is needed. A transport says how it wants the schedule lowered
+(`lowering`): the executor runs the lowered list's SEND / RECV / POST / fused actions through
+`send`, `recv`, `post` and `send_recv`.
 
 `TorchTransport` (any device; used on CPU with gloo) uses asynchronous `isend` and `irecv`: a
 stage never waits on its own sends, so any schedule that passes `schedule.validate` runs
@@ -108,6 +108,8 @@ class TorchTransport(Transport):
     of the pool: for stages that share one GPU (CUDA MPS), where NCCL refuses two ranks on one
     device (the transport setting "host" of the Megatron glue, megatron/hooks/p2p.py)."""
 
+    runs_v_shape = True
+
     def __init__(self, pp_group, dtype: torch.dtype, device: torch.device,
                  ring: bool = False, host_staged: bool = False) -> None:
         self.group = pp_group
@@ -135,8 +137,6 @@ class TorchTransport(Transport):
         self.receives = 0
         self.receives_posted_early = 0
         self.received_elements = 0
-
-    runs_v_shape = True
 
     def _source(self, direction: str) -> Optional[int]:
         return self.peer[OPPOSITE_ROUTES[direction]]

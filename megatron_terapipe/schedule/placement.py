@@ -68,6 +68,10 @@ def message_route(cell: Cell, direction: str) -> str:
 def turned_cell(cell: Cell) -> Cell:
     """The cell on the other chunk of a V's turn (the last rank hands chunk 0's output to
     chunk 1, and chunk 1's input gradient back to chunk 0)."""
-    from dataclasses import replace
-
     return replace(cell, chunk=1 - cell.chunk)
+
+
+def loss_stage(plan, num_stages: int) -> int:
+    """The pipeline rank that runs `plan`'s loss and reports its losses: the last, or in a V
+    (virtual_placement "v") rank 0, as `actions.last_virtual_stage` says per cell."""
+    return 0 if plan.virtual_placement == "v" else num_stages - 1

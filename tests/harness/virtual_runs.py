@@ -58,7 +58,9 @@ class VirtualCase:
 
     def holds_loss(self, rank: int) -> bool:
         """Whether pipeline rank `rank` runs the loss (reports the losses)."""
-        return rank == (0 if self.v_shape else self.pp - 1)
+        from megatron_terapipe.schedule.placement import loss_stage
+
+        return rank == loss_stage(self.plan, self.pp)
 
 
 def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
