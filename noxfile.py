@@ -1,30 +1,16 @@
-"""Test matrix: one session per supported megatron-core line, each in its own environment.
+"""Test sessions, one per supported megatron-core line, each in its own environment (.nox/).
 
-    pip install nox
-    nox -s tests-0.16                # megatron-core 0.16.x, Python 3.11, the CPU build of torch
-                                     # (every test: the default run and the `slow` ones)
-    nox -s slow-0.16                 # only the `slow` tests (what .ci/run adds to the default)
-    nox -s tests-0.19                # megatron-core 0.19.x, Python 3.12 (torch's CUDA build)
-    nox -s equivalence-0.19          # 0.19: the equivalence, launcher and compatibility tests
-    nox -s tests-0.18                # megatron-core 0.18.x, Python 3.12
-    nox -s equivalence-0.18          # 0.18: the same tests as equivalence-0.19
-    nox -s tests-0.17                # megatron-core 0.17.x, Python 3.12
-    nox -s equivalence-0.17          # 0.17: the same tests again
-    nox -s equivalence-3.12          # equivalence-0.19, -0.18 and -0.17 in one environment,
-                                     # megatron-core swapped between them (what .ci/run runs)
+    nox -s tests-0.16          # every test on megatron-core 0.16.x, Python 3.11, CPU torch
+    nox -s slow-0.16           # only the `slow` tests (.ci/run adds these to the default run)
+    nox -s tests-0.19          # every test on 0.19.x, Python 3.12 (likewise tests-0.18, -0.17)
+    nox -s equivalence-0.19    # EQUIVALENCE_TESTS only (likewise equivalence-0.18, -0.17)
+    nox -s equivalence-3.12    # what .ci/run runs: the 3.12 lines in one environment
     nox -s tests-0.19 -- -k launch   # arguments after -- go to pytest
 
-Each session installs `torch==2.13.0` first (on Python 3.11 pip takes the CPU wheel this
-machine keeps on disk; on 3.12 it downloads the CUDA build, which also runs without a GPU),
-then the plugin with its test extra and the session's megatron-core line, prints what the
-compatibility module finds (`python -m megatron_terapipe.megatron.platform.compat_check`) and
-runs pytest.
-Virtual environments go to .nox/ (ignored by git). A Python that is not on PATH but installed
-with pyenv is found there. Set MEGATRON_LM_0_16 / MEGATRON_LM_0_17 / MEGATRON_LM_0_18 /
-MEGATRON_LM_0_19 to a Megatron-LM work tree of the matching release (core_v0.16.1, core_v0.17.1,
-core_v0.18.2, core_v0.19.0) to also check the launcher and the patch against it
-(tests/test_compat_megatron_lm.py); without one, those tests use the megatron.training that
-megatron-core 0.17's to 0.19's wheels ship, or skip.
+Each session installs torch==2.13.0 first (the CPU wheel on 3.11; on 3.12 the CUDA build, which
+runs without a GPU), then the plugin and its line, and prints what the compatibility check finds.
+A Python installed with pyenv but not on PATH is found there. MEGATRON_LM_0_16 ... _0_19 may name
+a Megatron-LM work tree of the matching release, to check the launcher and patch against it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """Planning within a memory budget: timing every leaner plan against timing only what can win.
 
-    python benchmarks/bench_budget_planning.py [--quick] [--out benchmarks/results/budget_planning.json]
+    python benchmarks/bench_budget_planning.py [--quick] [--out FILE]
 
 For each terapipe-plan question with a --memory-budget it runs the whole command twice in this
 one process: with the budget search's step 2 as it was (every leaner plan timed:
 `leaner_candidates`) and as it is (`fastest_leaner`: plans in order of a compute floor, peaks
 from their lists, timing only those that fit until the floor passes the fastest), and prints both wall times and the speed-up. The two outputs (chosen
 plan, predicted times, peaks, the schedule table) must be identical but for the planner's own
-solve-time line; the run stops with an error otherwise. The JSON (--out) starts with its
+solve-time line; the run stops with an error otherwise. The JSON (--out; by default
+benchmarks/results/planner/budget_planning.json for a run of every case) starts with its
 provenance (benchmarks/provenance.py).
 """
 
@@ -87,8 +88,12 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="only the small cases")
     parser.add_argument("--cases", type=int, nargs="*", default=None,
                         help="indices into CASES (default: all)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, help="write the results as JSON here (default: "
+                        "the current results file, for a run of every case)")
     args = parser.parse_args(argv)
+    if args.out is None and not args.quick and args.cases is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "planner",
+                                "budget_planning.json")
     cases = QUICK if args.quick else CASES
     origin = provenance(script_command(__file__, argv))
     rows = run([CASES[i] for i in args.cases] if args.cases is not None else cases)

@@ -2,7 +2,7 @@
 the per-cell costs behind issue 34's CPU line (docs/benchmarks.md, "Measured on CPU").
 
     python benchmarks/bench_cpu_slice_costs.py                 # bench_virtual_cpu's model
-    python benchmarks/bench_cpu_slice_costs.py --repeats 9 --out results/cpu_slice_costs.json
+    python benchmarks/bench_cpu_slice_costs.py --repeats 9 --out /tmp/slice_costs.json
 
 One torch thread (as each pipeline stage runs in the CPU benchmarks), hidden 512, 8 heads,
 seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one warm-up:
@@ -134,7 +134,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", default=None, help="write the results here (JSON)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "cpu", "slice_costs.json"),
+                        help="write the results here (JSON; default: the current results file)")
     args = parser.parse_args(argv)
     import torch
 

@@ -9,8 +9,10 @@ placed by the planner (where that is faster in simulation: "terapipe_dp_w_placed
 with the best uniform slicing, interleaved round by round (pipeline_runs.speed_worker); activations travel
 through pinned host memory and gloo for both (host_staged.py), whose cost alone is measured
 first, at two sizes: the simulator's link. The cost model is a layer profile measured at start
-in one process with one stage's SM share (cached). It writes JSON (its provenance first: benchmarks/provenance.py) and a PNG
-(measured vs predicted) to --out and prints the table.
+in one process with one stage's SM share (cached beside the JSON). It writes the JSON (its
+provenance first, the layer profiles it planned on inside: results_layout.py) to --out, by
+default benchmarks/results/gpu/<card>/pipeline.json (replaced; --append adds the run to its
+runs), and prints the table; an --out folder (a device session's) gets results.json.
 
 Graphs on both sides or none: `--cuda-graphs` keeps the eager rows (Megatron 1F1B and both
 TeraPipe plans, compared with each other) and adds the TeraPipe plans with a graph per compute
@@ -29,7 +31,6 @@ row of each round, graphed or not: what a user who runs Megatron its faster way 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -48,6 +49,8 @@ from pipeline_runs import (GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of, plans_fo
                            predict)
 from provenance import describe, provenance, script_command  # noqa: E402
 from mps import stage_environ  # noqa: E402
+from results_layout import (default_out, earlier_runs, output_paths, with_profiles,  # noqa: E402
+                            write_runs)
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,7 @@ def with_ratios(rows: list[dict]) -> None:
 
 def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
     model = case.model(args.bf16)
-    cache = case.profile_cache(args.out, device, args.profile_timing)
+    cache = case.profile_cache(args.folder, device, args.profile_timing)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
                  args.bf16, link, args.profile_timing, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, case.stages, ranks=1))[0]
@@ -302,28 +305,13 @@ def print_table(rows: list[dict]) -> None:
           "GiB added: a stage's peak over what it held when the row's run started)")
 
 
-def chart(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["measured_s"] * 1e3 for r in rows], width=0.4, label="measured (median)")
-    ax.bar([i + 0.2 for i in x], [r["predicted_s"] * 1e3 for r in rows], width=0.4, label="simulator")
-    ax.set_xticks(list(x))
-    ax.set_xticklabels([f"{r['case']}\n{r['config']}" for r in rows], fontsize=6)
-    ax.set_ylabel("ms per iteration")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def write_results(results: dict, out: str, started: float) -> None:
+def write_results(results: dict, args, started: float) -> None:
+    """The run so far, with the layer profiles of the cases it ran inside."""
     results["wall_seconds"] = time.perf_counter() - started
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    ran = {r["case"] for r in results["rows"]}
+    caches = [c.profile_cache(args.folder, results["device"], args.profile_timing)
+              for c in SUITES[args.cases] if c.name in ran]
+    write_runs(args.json, args.earlier + [with_profiles(results, caches)])
 
 
 def parse_args() -> tuple[argparse.Namespace, str]:
@@ -344,9 +332,14 @@ def parse_args() -> tuple[argparse.Namespace, str]:
                    help="the layer profile's clock, for every row's plan and prediction: wall "
                         "(host launches included, what an eager cell costs) or device (the GPU's "
                         "own time, what a graphed cell costs; CUDA only)")
-    p.add_argument("--out", default="benchmarks/results/gpu_pipeline")
+    p.add_argument("--out", help="the results JSON (default benchmarks/results/gpu/<card>/"
+                   "pipeline.json; on CPU a scratch folder's), or a folder for results.json")
+    p.add_argument("--append", action="store_true", help="add the run to --out's runs")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.out = args.out or default_out("pipeline.json", device, scratch=device == "cpu")
+    args.json, args.folder = output_paths(args.out, "results.json")
+    args.earlier = earlier_runs(args.json, args.append)
     if args.profile_timing == "device" and device == "cpu":
         p.error("--profile-timing device measures GPU time and this machine has no CUDA device: "
                 "use --profile-timing wall (the default)")
@@ -357,7 +350,7 @@ def parse_args() -> tuple[argparse.Namespace, str]:
 
 def main() -> int:
     args, device = parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.folder, exist_ok=True)
     started = time.perf_counter()
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)
@@ -381,17 +374,13 @@ def main() -> int:
               flush=True)
         for case in SUITES[args.cases]:
             results["rows"].extend(run_case(case, args, device, link))
-            write_results(results, args.out, started)  # a lease can end before the last case
+            write_results(results, args, started)  # a lease can end before the last case
     finally:
         if context is not None:
             context.__exit__(None, None, None)
-    write_results(results, args.out, started)
+    write_results(results, args, started)
     print_table(results["rows"])
-    try:
-        chart(results["rows"], os.path.join(args.out, "schedules.png"))
-    except ImportError:
-        print("(no matplotlib: skipped the chart)")
-    print(f"> wrote {args.out}/results.json in {results['wall_seconds'] / 60:.1f} min")
+    print(f"> wrote {args.json} in {results['wall_seconds'] / 60:.1f} min")
     return 0
 
 

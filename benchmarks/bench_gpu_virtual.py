@@ -17,7 +17,10 @@ model is a layer profile measured in one process with one stage's SM share (cach
 bench_gpu_pipeline.py measures it), with the host-staged link measured at two sizes; the
 simulator gives each stage its own share. (The fourth lease's run started no MPS daemon, so
 its stages took turns on the whole GPU: mps.enter_stage now refuses that.) The JSON
-(`--out`/virtual_gpu.json, its provenance first) and the table as bench_virtual_cpu.py's.
+(its provenance first, the layer profile inside) goes to --out, by default
+benchmarks/results/gpu/<card>/virtual.json (replaced; --append adds the run to its runs); an
+--out folder (a device session's; on CPU a scratch folder by default) gets virtual_gpu.json
+(virtual_gpu_smoke.json with --smoke). The table is bench_virtual_cpu.py's.
 Eager on both sides (no CUDA graphs).
 """
 
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -44,6 +46,8 @@ from harness import spawn  # noqa: E402
 from mps import MpsDaemon  # noqa: E402
 from pipeline_runs import STAGE_BACKEND  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
+from results_layout import (SCRATCH, default_out, earlier_runs, output_paths,  # noqa: E402
+                            with_profiles, write_runs)
 from virtual_runs_bench import VirtualSpeedCase  # noqa: E402
 
 
@@ -54,9 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 2 with --smoke)")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--fp32", dest="bf16", action="store_false", help="float32 instead of bf16")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "gpu_virtual"),
-                   help="folder for virtual_gpu.json and the cached layer profile")
+    p.add_argument("--out", help="the results JSON (default benchmarks/results/gpu/<card>/"
+                   "virtual.json), or a folder for virtual_gpu.json and the layer profile")
+    p.add_argument("--append", action="store_true", help="add the run to --out's runs")
     args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    args.out = args.out or (default_out("virtual.json", "cuda") if gpu and not args.smoke
+                            else SCRATCH)
+    args.json, args.folder = output_paths(
+        args.out, "virtual_gpu_smoke.json" if args.smoke else "virtual_gpu.json")
     args.rounds = args.rounds or (2 if args.smoke else 5)
     if args.rounds < 1 or args.microbatches < 1:
         p.error("--rounds and --microbatches must be at least 1")
@@ -77,7 +87,7 @@ def measured_runs(args, case: GpuCase, model, device: str, bf16: bool) -> tuple:
     run side by side: every stage process under the caller's MPS daemon on a GPU."""
     shape = (case.seq_length, 1, case.width[1])
     link, link_record = measured_link(shape, torch.bfloat16 if bf16 else torch.float32, device)
-    cache = case.profile_cache(args.out, device)
+    cache = case.profile_cache(args.folder, device)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, GRANULARITY, cache, device, bf16,
                  link, timeout=3600, backend=STAGE_BACKEND[device],
                  rank_environ=sm_shares(device, STAGES, ranks=1))[0]
@@ -100,7 +110,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     case = the_case(args)
     model, M = case.model(bf16), args.microbatches
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.folder, exist_ok=True)
+    earlier = earlier_runs(args.json, args.append)
     with MpsDaemon() if device == "cuda" else contextlib.nullcontext():
         cost, rows, notes, per_rank, link = measured_runs(args, case, model, device, bf16)
     shares = float(STAGES)  # each stage its own SM share (or core)
@@ -125,12 +136,11 @@ def main(argv=None) -> int:
                "link": link,
                "speed": speed, "bubble_free_limit_simulated": limit, "planning": notes,
                "wall_seconds": time.perf_counter() - started}
-    out = os.path.join(args.out, "virtual_gpu_smoke.json" if args.smoke else "virtual_gpu.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_runs(args.json, earlier + [with_profiles(results, [case.profile_cache(args.folder,
+                                                                                 device)])])
     print_table(speed, shares, "SM shares (each stage its own)" if device == "cuda" else "cores")
     print(f"a schedule with no bubble: {limit:.3f}x over Megatron 1F1B (simulated)")
-    print(f"wrote {os.path.relpath(out)} in {results['wall_seconds']:.0f} s")
+    print(f"wrote {os.path.relpath(args.json)} in {results['wall_seconds']:.0f} s")
     return 0
 
 

@@ -15,7 +15,7 @@ for TeraPipe how many graphs `--terapipe-cuda-graphs` would capture for the plan
 ops a replayed iteration still dispatches outside them (counted with runtime/graphs/cell_graphs.py's
 RecordingGraph, whose replays run nothing). Targets: TeraPipe at K = 1 no more ops than
 Megatron's unsliced iteration on the same attention; ops per cell at K = 32 within 1.1x of
-K = 1. Writes benchmarks/results/host_ops.json, its provenance first (benchmarks/provenance.py).
+K = 1. Writes benchmarks/results/cpu/host_ops.json, its provenance first (benchmarks/provenance.py).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "attention as the other rows)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=7)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "host_ops.json"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "cpu", "host_ops.json"))
     args = p.parse_args(argv)
     args.slice_counts = [int(k) for k in args.slices.split(",")]
     if any(k <= 0 or args.seq_length % k for k in args.slice_counts):

@@ -71,7 +71,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", help="another checkout's root, measured in a child process")
     p.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the child's mode
-    p.add_argument("--out", default="benchmarks/results/mask_check.json")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "cpu", "mask_check.json"))
     args = p.parse_args()
     cases = [(int(s), int(k)) for s in args.seq_lengths.split(",") for k in args.slices.split(",")]
     if args.rows_only:

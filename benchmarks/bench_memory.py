@@ -15,7 +15,7 @@ schedule `--pipeline-schedule auto` picks against the one measured fastest.
    candidate (Megatron's 1F1B, its interleaved 1F1B, TeraPipe's plan per order) is timed in
    interleaved rounds (harness/schedule_runs.py). Target: auto's pick measures within 5% of the
    fastest.
-Results go to benchmarks/results/memory.json and auto.json, each with its provenance first
+Results go to benchmarks/results/cpu/memory.json and auto.json, each with its provenance first
 (benchmarks/provenance.py).
 """
 
@@ -142,8 +142,10 @@ def auto_case(name: str, model: TinyGPT, num_microbatches: int, repeats: int, ca
     from megatron_terapipe.planner.search import SearchSpace
 
     cost = profile_cost_model(model, 64, model.num_layers // 2, "cpu", cache)
+    # the candidate set auto.json was measured on: W actions in their default places
     table = compare_schedules(cost, SearchSpace(model.seq_length, 1, 2, num_microbatches,
-                                                granularity=64, batch_sizes="none"),
+                                                granularity=64, batch_sizes="none",
+                                                place_wgrad=False),
                               MemoryBudget(None), model.num_layers // 2)
     choice = table.auto()
     schedules = {o.name: (o.plan if o.family == "terapipe" else
@@ -192,7 +194,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("memory", "auto", "both"), default="both")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds of timed runs")
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu"),
+                   help="folder for memory.json and auto.json (and the cached layer profiles)")
     args = p.parse_args(argv)
     import torch
 

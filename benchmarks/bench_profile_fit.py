@@ -23,17 +23,16 @@ sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # last: a --baseline child's PYTHONPATH comes first
 
 from provenance import describe, provenance, rows_on_checkout, script_command  # noqa: E402
+from results_layout import RESULTS, profile_file  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
-PROFILES = ["gpu_2026-11-27_h100/call1/h100_layer_profile_wall.json",
-            "gpu_2026-11-27_h100/call1/gpu_pipeline_graphs/profile_cuda_pp2_h4096_s2048.json",
-            "gpu_2026-11-27_h100/call1/gpu_pipeline_graphs/profile_cuda_pp4_h4096_s2048.json",
-            "gpu_2026-11-26_third/h100/h100_layer_profile.json",
-            "h200_2026-11-26/layer_profile.json",
-            "h200_2026-11-26/pipeline_profile_pp2.json",
-            "h200_2026-11-26/pipeline_profile_pp4.json",
-            "profile_cpu_h256_s512.json",
-            "profile_cpu_h512_s2048.json"]
+#: under benchmarks/results/; FILE#NAME: the profile NAME inside FILE's newest run. The CPU
+#: profiles are the benchmarks' caches (profile_*: ignored by git), fitted where present.
+PROFILES = ["gpu/h100/layer_profile.json",
+            "gpu/h100/pipeline.json#profile_cuda_pp2_h4096_s2048.json",
+            "gpu/h100/pipeline.json#profile_cuda_pp4_h4096_s2048.json",
+            "gpu/h200/layer_profile.json",
+            "cpu/profile_cpu_h256_s512.json",
+            "cpu/profile_cpu_h512_s2048.json"]
 SEEDS = range(20)
 
 
@@ -49,14 +48,22 @@ def fit_errors(path: str) -> dict:
             for d in ("forward", "backward")}
 
 
+def present() -> list[str]:
+    """The PROFILES this checkout holds (a CPU cache is there only after its benchmark ran)."""
+    missing = [n for n in PROFILES if not os.path.exists(os.path.join(RESULTS, n.split("#")[0]))]
+    for name in missing:
+        print(f"(no {name}: left out)", file=sys.stderr)
+    return [n for n in PROFILES if n not in missing]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", help="another checkout's root, fitted in a child process")
     p.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)  # the child's mode
-    p.add_argument("--out", default=os.path.join(RESULTS, "layer_fit_errors.json"))  # profile_*: ignored
+    p.add_argument("--out", default=os.path.join(RESULTS, "cpu", "layer_fit_errors.json"))
     args = p.parse_args()
     if args.rows_only:
-        print(json.dumps({name: fit_errors(os.path.join(RESULTS, name)) for name in PROFILES}))
+        print(json.dumps({name: fit_errors(profile_file(name)) for name in present()}))
         return 0
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)
@@ -64,8 +71,8 @@ def main() -> int:
     rows = []
     width = max(len(name) for name in PROFILES) + 7
     print(f"{'profile':<{width}} {'forward mean/worst':>20} {'backward mean/worst':>20}")
-    for name in PROFILES:
-        row = {"profile": name, "fit": fit_errors(os.path.join(RESULTS, name))}
+    for name in present():
+        row = {"profile": name, "fit": fit_errors(profile_file(name))}
         if baseline:
             row["baseline_fit"] = baseline[name]
         for key in ("baseline_fit", "fit") if baseline else ("fit",):

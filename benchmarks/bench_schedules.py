@@ -21,12 +21,14 @@ own core with `pin_to_core`, as each rank has its own GPU on GPUs):
 5. fidelity: the simulator's predicted iteration time (same cost model, same schedule, stages
    sharing the measured parallel capacity) against each measured time. The cost model has the
    layer profile plus the first stage's embedding and the last stage's output layer and loss.
-It writes a JSON of results (its provenance first: benchmarks/provenance.py) and a PNG chart
-and prints a table whose last line is the headline. `--repeats N` runs parts 1, 2 and 5 N times
-(each run measures the parallel capacity again and times every row in its own interleaved
-rounds); the JSON keeps every run ("runs") and, per row, the median over the runs of its
-ratio to Megatron and of its measured time ("speed", with each run's values beside them). The
-memory peaks (bytes, the same every run) and the planner's times (best of 3) are taken once.
+It writes a JSON of results (its provenance first: benchmarks/provenance.py) to --out, by
+default benchmarks/results/cpu/schedules.json (replaced; a --quick run's goes to a scratch
+folder), a PNG chart with --chart, and prints a table whose last line is the headline.
+`--repeats N` runs parts 1, 2 and 5 N times (each run measures the parallel capacity again and
+times every row in its own interleaved rounds); the JSON keeps every run ("runs") and, per
+row, the median over the runs of its ratio to Megatron and of its measured time ("speed", with
+each run's values beside them). The memory peaks (bytes, the same every run) and the planner's
+times (best of 3) are taken once.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
 from pipeline_runs import SpeedCase, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
+from results_layout import default_out, output_paths  # noqa: E402
 
 STAGES = 2
 
@@ -170,7 +173,8 @@ def speed_rows_for(args, rounds: int, quick: bool, capacity: float) -> list[dict
         key = (model.hidden_size, model.seq_length)
         if key not in cost_models:
             print(f"profiling one layer (hidden {model.hidden_size}, seq {model.seq_length}) ...", flush=True)
-            cache = os.path.join(args.out, f"profile_{args.device}_h{model.hidden_size}_s{model.seq_length}.json")
+            cache = os.path.join(args.folder, f"profile_{args.device}_h{model.hidden_size}"
+                                 f"_s{model.seq_length}.json")
             cost_models[key] = profile_cost_model(model, gran, model.num_layers // STAGES,
                                                   args.device, cache)
         cost = cost_models[key]
@@ -286,8 +290,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="interleaved rounds per suite run (default 7; 2 with --quick)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of the whole speed suite; results.json keeps each and the medians")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON and PNG")
+    p.add_argument("--out", help="the results JSON (default benchmarks/results/cpu/schedules.json; "
+                                 "gpu/<card>/ with --device cuda), or a folder for results.json")
+    p.add_argument("--chart", help="also draw the speed rows as a PNG here")
     args = p.parse_args(argv)
+    args.out = args.out or default_out("schedules.json", args.device, scratch=args.quick)
+    args.json, args.folder = output_paths(args.out, "results.json")
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: run the suite at least once (--repeats 1)")
     if args.rounds is not None and args.rounds < 1:
@@ -299,7 +307,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     origin = provenance(script_command(__file__, argv))
     print(f"machine: {describe(origin)}; device {args.device}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.folder, exist_ok=True)
     quick = args.quick
     rounds = args.rounds or (2 if quick else 7)
 
@@ -326,16 +334,17 @@ def main(argv=None) -> int:
                "memory_setup": {"seq_length": mem_model.seq_length, "slices": list(mem_plan.seq_slices),
                                 "num_microbatches": 8, "hidden": mem_model.hidden_size},
                "planner": planner, "wall_seconds": time.perf_counter() - started}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
     try:
-        chart(results, os.path.join(args.out, "schedules.png"))
+        if args.chart:
+            chart(results, args.chart)
     except ImportError:
         print("(no matplotlib: skipped the chart; pip install matplotlib)")
 
     print_speed(speed_rows, args.repeats)
     print_memory_and_planner(memory, mem_model, planner)
-    print(f"wrote {args.out}/results.json and schedules.png in {results['wall_seconds'] / 60:.1f} min")
+    print(f"wrote {args.json} in {results['wall_seconds'] / 60:.1f} min")
     print_headline(speed_rows, args.repeats, capacity)
     return 0
 

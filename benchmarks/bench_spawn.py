@@ -5,7 +5,7 @@ that imported torch and megatron.core once (tests/harness/spawn.py).
 
 Each call is `spawn(2, ...)` of a target that only initialises and destroys Megatron's parallel
 state, timed on the host clock; each method's first call includes its one-time costs (the
-forkserver's start and imports). Writes benchmarks/results/spawn.json (provenance first).
+forkserver's start and imports). Writes benchmarks/results/cpu/spawn.json (provenance first).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "spawn.json"))
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu",
+                                                 "spawn.json"))
     args = p.parse_args()
     origin = provenance(script_command(__file__))
     print(f"> machine: {describe(origin)}", flush=True)

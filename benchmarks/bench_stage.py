@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import megatron_terapipe as mt  # noqa: E402
 from harness import forward_step, in_precision, to_device, use_cell_graphs  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
+from results_layout import default_out  # noqa: E402
 
 # Profiler names of host-device synchronisations, and of kernel launches.
 SYNC_EVENTS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
@@ -124,7 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "attention as the other rows)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/stage_<device>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu/"
+                   "stage.json; gpu/<card>/stage.json, stage_graphs.json with --cuda-graphs)")
     args = p.parse_args(argv)
     args.slice_counts = [int(k) for k in args.slices.split(",")]
     bad = [k for k in args.slice_counts if k <= 0 or args.seq_length % k]
@@ -335,8 +337,8 @@ def main(argv=None) -> None:
     print("\n" + header(args.device))
     for r in rows:
         print(_format(r))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"stage_{args.device}.json")
+    graphed = args.cuda_graphs and args.device == "cuda"
+    out = args.out or default_out("stage_graphs.json" if graphed else "stage.json", args.device)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"provenance": origin, "device": args.device, "threads": torch.get_num_threads(),

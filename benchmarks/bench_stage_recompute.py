@@ -2,7 +2,7 @@
 the stage has compute to spare, at 32 microbatches on 5 chunks, simulated.
 
     python benchmarks/bench_stage_recompute.py [--microbatches 32]
-        [--out benchmarks/results/stage_recompute.json]
+        [--out benchmarks/results/cpu/stage_recompute.json]
 
 The question of bench_virtual_stages.py (gpt3-13b, H100 preset, 8 stages x TP 8, seq 8192,
 micro batch 1; budget: 20 GiB or Megatron 1F1B's own peak, whichever is larger), whole
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "stage_recompute.json"))
+                                                 "results", "cpu", "stage_recompute.json"))
     args = p.parse_args(argv)
     origin = provenance(script_command(__file__, argv))
     free, run, base, budget = question(args.microbatches)

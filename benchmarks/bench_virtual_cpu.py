@@ -62,6 +62,7 @@ from bench_schedules import parallel_capacity  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
 from pipeline_runs import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
+from results_layout import default_out  # noqa: E402
 from virtual_cpu_plans import (GRANULARITY, edge_plan, uniform_virtual_plan,  # noqa: E402
                                v_shape_plan, virtual_plan)
 from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, Row,  # noqa: E402
@@ -262,15 +263,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--limits", type=float, nargs="+", default=None, metavar="CORES",
                    help="only print bubble_free_limit at these parallel capacities, from the "
-                        "layer profile in the results folder (profiled first if absent)")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/"
-                                               "virtual_cpu.json; virtual_cpu_quick.json with --quick)")
+                        "layer profile beside --out (profiled first if absent)")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/cpu/"
+                                               "virtual.json; with --quick, a scratch folder's)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.seq_length = args.seq_length or (512 if args.quick else 2048)
     args.hidden_size = args.hidden_size or (256 if args.quick else 512)
-    args.out = args.out or os.path.join(
-        HERE, "results", "virtual_cpu_quick.json" if args.quick else "virtual_cpu.json")
+    args.out = args.out or default_out("virtual_quick.json" if args.quick else "virtual.json",
+                                       "cpu", scratch=args.quick)
     if args.rounds < 1 or args.microbatches < 1:
         p.error("--rounds and --microbatches must be at least 1")
     if args.seq_length % GRANULARITY:

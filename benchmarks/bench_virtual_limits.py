@@ -2,7 +2,7 @@
 at best, and what memory the 1-slice interleaved order needs to cover its ring, simulated.
 
     python benchmarks/bench_virtual_limits.py [--microbatches 32]
-        [--out benchmarks/results/virtual_limits.json]
+        [--out benchmarks/results/planner/virtual_limits.json]
 
 The question of bench_virtual_stages.py (gpt3-13b, H100 preset, 8 stages x TP 8, seq 8192,
 micro batch 1; budget: 20 GiB or Megatron 1F1B's own peak, whichever is larger), on 5 model
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=32)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results", "virtual_limits.json"))
+                                                 "results", "planner", "virtual_limits.json"))
     args = p.parse_args(argv)
     origin = provenance(script_command(__file__, argv))
     free, run, base, budget = question(args.microbatches)

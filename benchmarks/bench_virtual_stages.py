@@ -2,7 +2,7 @@
 
     python benchmarks/bench_virtual_stages.py [--microbatches 1,8,32] [--sequence-parallel]
         [--recompute-method uniform|block [--recompute-num-layers N]]
-        [--out benchmarks/results/virtual_stages.json]
+        [--out benchmarks/results/planner/virtual_stages.json]
 
 gpt3-13b on the H100 preset, 8 pipeline stages x TP 8 (inter-node pipeline links), sequences
 of 8192 tokens, micro batch 1. For each microbatch count the memory budget is 20 GiB per GPU
@@ -197,7 +197,8 @@ def main(argv=None) -> int:
                    help="Megatron's --sequence-parallel on both sides")
     p.add_argument("--scatter-gather-p2p", action="store_true",
                    help="TeraPipe's messages in TP parts (terapipe-plan's --scatter-gather-p2p)")
-    p.add_argument("--out", help="results file (default: benchmarks/results/virtual_stages.json, "
+    p.add_argument("--out", help="results file (default: benchmarks/results/planner/"
+                                 "virtual_stages.json, "
                                  "virtual_stages_sequence_parallel.json or "
                                  "virtual_stages_scatter_gather.json)")
     p.add_argument("--recompute-method", choices=("uniform", "block"),
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
     if recompute:
         name = f"virtual_stages_recompute_{args.recompute_method}{args.recompute_num_layers}"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        f"{name}.json")
+                                        "planner", f"{name}.json")
     RUN_OPTIONS[:] = (["--sequence-parallel"] if args.sequence_parallel else
                       ["--scatter-gather-p2p"] if args.scatter_gather_p2p else []) + recompute
     origin = provenance(script_command(__file__, argv))

@@ -1,17 +1,20 @@
 """The simulator's predictions for a bench_gpu_pipeline.py run again, with the link measured.
 
-    python benchmarks/resimulate_gpu_pipeline.py benchmarks/results/<lease>/gpu_pipeline_graphs
+    python benchmarks/resimulate_gpu_pipeline.py benchmarks/results/gpu/h100/pipeline.json
+    python benchmarks/resimulate_gpu_pipeline.py FILE --run 0     # the file's oldest run
+    python benchmarks/resimulate_gpu_pipeline.py FOLDER           # a device session's --out
 
 Until 2026-11-27 bench_gpu_pipeline priced every stage-to-stage transfer at a loopback
 estimate (100 GB/s, 10 us) while the activations went through pinned host memory and gloo,
 measured at the start of the same run (5-7 ms one way for [2048, 1, 4096] bf16). This reads a
-run's results.json and the layer profiles it cached beside it, rebuilds each case's plans
+run (a results file's newest, or --run's; or a folder's results.json) and the layer profiles
+it planned on (inside the run, or cached in the folder), rebuilds each case's plans
 (pipeline_runs.plans_for on the cost model the run planned on: they must come out as the rows
 say) and simulates every measured row twice, with the old link and with one priced from the
 run's own transfer measurement: the JSON's two-point fit where the run made one, else its one
 size as bandwidth with no latency (a lower bound for smaller messages). The measured times are
-the run's; nothing is timed here. Prints both errors per row and writes resimulated.json (its
-provenance first) beside the input.
+the run's; nothing is timed here. Prints both errors per row and writes them as JSON (its
+provenance first) to --out; for a folder, by default resimulated.json in it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -28,6 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from provenance import provenance, script_command  # noqa: E402
+from results_layout import load_runs, unpack_profiles  # noqa: E402
 
 
 def run_link(results: dict):
@@ -79,19 +84,33 @@ def case_rows(folder: str, results: dict, case_name: str, granularity: int, link
     return out
 
 
+def the_run(args) -> tuple[dict, str]:
+    """The run to re-simulate and the folder that holds its layer profiles."""
+    if os.path.isdir(args.input):
+        with open(os.path.join(args.input, "results.json")) as f:
+            return json.load(f), args.input
+    run = load_runs(args.input)[args.run]
+    folder = tempfile.mkdtemp(prefix="resimulate_")  # only this run's profiles
+    unpack_profiles(run, folder)
+    return run, folder
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("folder", help="a bench_gpu_pipeline --out folder (results.json, cached profiles)")
+    p.add_argument("input", help="a results file (bench_gpu_pipeline's JSON) or a device "
+                                 "session's --out folder (results.json and cached profiles)")
+    p.add_argument("--run", type=int, default=-1, help="which of the file's runs (default: newest)")
+    p.add_argument("--out", help="write the rows here (default: resimulated.json in a folder "
+                                 "input; none for a file)")
     args = p.parse_args()
-    with open(os.path.join(args.folder, "results.json")) as f:
-        results = json.load(f)
+    results, folder = the_run(args)
     command = results["provenance"]["command"]
     granularity = int(command[command.index("--granularity") + 1]) if "--granularity" in command else 64
     link, how = run_link(results)
     print(f"link: {link.latency * 1e3:.3f} ms + {link.bandwidth / 1e9:.2f} GB/s ({how})")
     rows = []
     for name in dict.fromkeys(r["case"] for r in results["rows"]):
-        rows += case_rows(args.folder, results, name, granularity, link)
+        rows += case_rows(folder, results, name, granularity, link)
     print(f"{'case':<16} {'schedule':<26} {'slices':<22} {'measured ms':>11} {'old sim':>8} "
           f"{'err':>7} {'new sim':>8} {'err':>7}")
     for r in rows:
@@ -101,7 +120,10 @@ def main() -> int:
     for key in ("sim_error_old_link", "sim_error_measured_link"):
         errors = [abs(r[key]) for r in rows]
         print(f"{key}: mean |error| {statistics.mean(errors):.1%}, worst {max(errors):.1%}")
-    out = os.path.join(args.folder, "resimulated.json")
+    out = args.out or (os.path.join(args.input, "resimulated.json")
+                       if os.path.isdir(args.input) else None)
+    if out is None:
+        return 0
     with open(out, "w") as f:
         json.dump({"provenance": provenance(script_command(__file__)), "input": results["provenance"],
                    "link": {"bandwidth_bytes_per_s": link.bandwidth, "latency_s": link.latency,

@@ -92,9 +92,13 @@ def test_the_no_bubble_limit_falls_as_the_stages_share_fewer_cores():
 
 
 def test_a_smoke_run_writes_its_own_file():
+    """The full run replaces the current results file; a smoke run stays out of results/."""
+    from results_layout import RESULTS
+
     quick, full = bench.parse_args(["--quick"]), bench.parse_args([])
-    assert os.path.basename(full.out) == "virtual_cpu.json"
-    assert os.path.basename(quick.out) == "virtual_cpu_quick.json"
+    assert full.out == os.path.join(RESULTS, "cpu", "virtual.json")
+    assert os.path.basename(quick.out) == "virtual_quick.json"
+    assert not os.path.abspath(quick.out).startswith(RESULTS + os.sep)
     assert (full.seq_length, full.hidden_size, full.microbatches, full.rounds) == (2048, 512, 4, 7)
     assert quick.rounds == 2
 

@@ -161,7 +161,7 @@ def merge_same_schedules(options: list[ScheduleOption]) -> list[ScheduleOption]:
     stage as an earlier one's (1f1b and gpipe on one microbatch: every forward, then every
     backward) is left out, and the row kept names its order too. Timed as two rows, one
     schedule measured 16% apart from itself on the 2-core CPU
-    (benchmarks/results/auto_twins_2026-11-26.json)."""
+    (benchmarks/results/cpu/auto_twins.json)."""
     kept: list[ScheduleOption] = []
     layouts: dict[tuple, int] = {}
     for option in options:

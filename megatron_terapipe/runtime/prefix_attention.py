@@ -26,7 +26,7 @@ _aten = torch.ops.aten
 #: block of 512 tokens or fewer is one key block, which it computes whole either way, and the
 #: split's second call and merge cost more than they save. Measured on this project's CPU
 #: (torch 2.13, one thread, 8 heads of 64, one slice over 2 or 3 times its length, forward +
-#: backward: benchmarks/results/cpu_slice_costs_2026-11-29_prefix.json), the split took
+#: backward: benchmarks/results/cpu/slice_costs.json), the split took
 #: 0.84-0.85x the masked call's time at 1024 tokens, 0.86-0.92x at 640-768, 0.97-1.07x at
 #: 384-512 and 1.05-1.25x at 128-256.
 SPLIT_ABOVE_TOKENS = 512

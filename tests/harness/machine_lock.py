@@ -1,10 +1,10 @@
 """One multi-process run at a time on the machine, across every pytest session running on it.
 
 .ci/run runs the 0.19 session beside the 0.16 default run. Each pipeline test starts 2 to 4
-processes; two of them at once on the 2-core CI machine put the load average at 4 to 12
-(benchmarks/results/ci_load_2026-11-26_e76b94a.log). Under this lock a pipeline test of one
-session waits (asleep, out of the load average) while the other's runs, and the single-process
-tests of either fill the core a pipeline leaves idle while one stage waits for the other.
+processes; two of them at once on the 2-core CI machine put the load average at 4 to 12.
+Under this lock a pipeline test of one session waits (asleep, out of the load average) while
+the other's runs, and the single-process tests of either fill the core a pipeline leaves idle
+while one stage waits for the other.
 
 A session run with TERAPIPE_TEST_LOCK_YIELD=1 (.ci/run's background) also lets any waiting
 session go first: its runs fill the default run's single-process stretches instead of making

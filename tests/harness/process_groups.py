@@ -89,9 +89,8 @@ def _break_ddp_hook_cycles() -> None:
     autograd node it keeps in `grad_accs`), and the hook's closure holds the DDP: a cycle
     through the node that gc cannot follow. It kept every DDP-wrapped model of a worker alive,
     with the process groups it uses (the MoE 4-process batch: each layout's 16 gloo groups per
-    rank, benchmarks/results/moe_worker_threads_2026-11-26.log). The hooks of DDPs still alive
-    are emptied from their hook dicts; one pass over the objects made since the worker started
-    (spawn.py freezes the rest)."""
+    rank). The hooks of DDPs still alive are emptied from their hook dicts; one pass over the
+    objects made since the worker started (spawn.py freezes the rest)."""
     module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
     ddp = getattr(module, "DistributedDataParallel", None)
     if ddp is None:

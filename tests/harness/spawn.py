@@ -38,7 +38,7 @@ GLOO_AND_NCCL = "cpu:gloo,cuda:nccl"
 #: What the workers' parent process imports once, so that each worker starts with it imported
 #: (a 2-rank call that only sets up Megatron's parallel state: 7.4-9.0 s with fresh
 #: interpreters, 0.24-0.69 s after the first from the server on the 2-core CI machine;
-#: benchmarks/bench_spawn.py, results/spawn.json).
+#: benchmarks/bench_spawn.py, benchmarks/results/cpu/spawn.json).
 PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.parallel_state",
            "megatron.core.models.gpt", "megatron.core.pipeline_parallel.schedules",
            "megatron.core.transformer.transformer_config", "megatron_terapipe")

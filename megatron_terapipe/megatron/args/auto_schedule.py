@@ -29,10 +29,9 @@ from .settings import RunSettings, TeraPipeArgumentError
 
 #: TeraPipe's chunk counts tried at start-up (each is a search of its own, about a second for
 #: a large model: terapipe-plan's table for gpt3-175b on 8 stages, 32 microbatches, took
-#: 5.6 s with 2-4 chunks, 5.2 s with 2-6 and 7.2 s with 2-12 on a 2-core machine,
-#: benchmarks/results/auto_chunk_counts_planning_time_2026-11-27.log); Megatron's interleaved
-#: rows take every divisor. 8 keeps gpt3-13b's 5 chunks on 8 stages, its fastest layout at 8
-#: and 32 microbatches.
+#: 5.6 s with 2-4 chunks, 5.2 s with 2-6 and 7.2 s with 2-12 on a 2-core machine); Megatron's
+#: interleaved rows take every divisor. 8 keeps gpt3-13b's 5 chunks on 8 stages, its fastest
+#: layout at 8 and 32 microbatches.
 MAX_TERAPIPE_CHUNKS = 8
 
 
