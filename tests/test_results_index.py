@@ -41,6 +41,39 @@ def speedup(case: str, config: str) -> Callable[[dict], float]:
                              if r["case"] == case and r["config"] == config)
 
 
+def newest_clean_run(data: dict) -> dict:
+    """The newest run of a file of runs (oldest first), which must come from a clean tree."""
+    run = data["runs"][-1] if "runs" in data else data
+    assert run["provenance"]["dirty"] is False, "a quoted run must come from a clean tree"
+    return run
+
+
+def gpu_pipeline(case: str, config: str) -> Callable[[dict], float]:
+    """A GPU pipeline row's ratio to Megatron 1F1B's faster row (eager or graphed)."""
+    return lambda data: next(r["speedup_vs_fastest_megatron"]
+                             for r in newest_clean_run(data)["rows"]
+                             if r["case"] == case and r["config"] == config)
+
+
+def virtual(config: str, baseline: str = "megatron_1f1b") -> Callable[[dict], float]:
+    """A virtual-stage row's ratio to Megatron's 1F1B (or interleaved) schedule."""
+    return lambda data: next(r[f"speedup_vs_{baseline}"] for r in newest_clean_run(data)["speed"]
+                             if r["config"] == config)
+
+
+def stage_ratio(slices: int) -> Callable[[dict], float]:
+    """One graphed GPU stage's time with `slices` slices over its time with one."""
+    return lambda data: next(r["ratio_to_1_slice"] for r in newest_clean_run(data)["rows"]
+                             if r["graphed"] and r["slices"] == slices)
+
+
+def megatron_lm_speed(data: dict) -> float:
+    """TeraPipe's speed over `1f1b` in Megatron-LM's pretrain_gpt.py, from its logs' summary."""
+    logs = data["logs"]
+    assert logs["provenance"]["dirty"] is False, "a quoted summary must come from a clean tree"
+    return logs["summary"]["terapipe_over_1f1b_speed"]
+
+
 Figure = tuple[str, str, Callable[[Any], float], str]
 #: (a fragment of the README row, its results file under benchmarks/results/, the figure from
 #: the loaded file, its format as the README prints it)
@@ -49,6 +82,32 @@ FIGURES: list[Figure] = [
      speedup("seq2048_M1", "terapipe_dp"), "{:.2f}x"),
     ("CPU, 2 stages, 1 sequence of 2048", "cpu/schedules.json",
      speedup("seq2048_M1", "terapipe_uniform"), "best uniform {:.2f}x"),
+    ("CPU, 2 stages, 4 microbatches", "cpu/schedules.json",
+     speedup("seq2048_M4", "terapipe_dp"), "{:.2f}x"),
+    ("CPU, 2 stages, 4 microbatches", "cpu/schedules.json",
+     speedup("seq2048_M4", "terapipe_uniform"), "best uniform {:.2f}x"),
+    ("CPU, 2 chunks per stage in a V", "cpu/virtual.json",
+     virtual("terapipe_v2_in_a_v"), "{:.2f}x"),
+    ("CPU, 2 chunks per stage in a V", "cpu/virtual.json",
+     virtual("terapipe_v2_in_a_v", "megatron_interleaved"), "{:.2f}x over interleaved"),
+    ("H100, 2 stages x 1 sequence", "gpu/h100/pipeline.json",
+     gpu_pipeline("pp2_seq2048_M1", "terapipe_dp+graphs"), "| {:.2f}x"),
+    ("H100, 2 stages x 1 sequence", "gpu/h100/pipeline.json",
+     gpu_pipeline("pp2_seq2048_M1", "terapipe_uniform+graphs"), "best uniform {:.2f}x"),
+    ("H100, 4 stages x 1 sequence", "gpu/h100/pipeline.json",
+     gpu_pipeline("pp4_seq2048_M1", "terapipe_dp+graphs"), "| {:.2f}x, 3 slices"),
+    ("H100, 4 stages x 1 sequence", "gpu/h100/pipeline.json",
+     gpu_pipeline("pp4_seq2048_M1", "terapipe_uniform+graphs"), "5 slices: {:.2f}x"),
+    ("H100, one stage, graphed", "gpu/h100/stage_graphs.json", stage_ratio(8),
+     "8 slices {:.2f}x"),
+    ("H100, one stage, graphed", "gpu/h100/stage_graphs.json", stage_ratio(16),
+     "16 slices {:.2f}x"),
+    ("H100, 2 stages x 2 chunks", "gpu/h100/virtual.json", virtual("terapipe_v2"),
+     "{:.2f}x and"),
+    ("H100, 2 stages x 2 chunks", "gpu/h100/virtual.json", virtual("terapipe_v2_uniform"),
+     "and {:.2f}x"),
+    ("H100, Megatron-LM's `pretrain_gpt.py`", "gpu/h100/megatron_lm.json", megatron_lm_speed,
+     "**loses**: {:.2f}x"),
 ]
 
 
@@ -105,18 +164,20 @@ def dirty_quoted(root: str) -> list[str]:
 
 
 def dated_docs(root: str) -> list[str]:
-    """Commit hashes and dates in docs/ but history.md (results paths may hold them)."""
-    problems = []
+    """Commit hashes and dates in README.md and docs/, but history.md (results paths may hold
+    them)."""
+    pages = [os.path.join(root, "README.md")]
     for folder, _, names in os.walk(os.path.join(root, "docs")):
-        for name in sorted(names):
-            path = os.path.join(folder, name)
-            doc = os.path.relpath(path, root).replace(os.sep, "/")
-            if doc == HISTORY:
-                continue
-            for number, line in enumerate(_read(path).splitlines(), 1):
-                prose = RESULTS_PATH.sub("", line)
-                for found in [*COMMIT.findall(prose), *DATE.findall(prose)]:
-                    problems.append(f"{doc}:{number}: {found}")
+        pages += [os.path.join(folder, name) for name in sorted(names)]
+    problems = []
+    for path in pages:
+        doc = os.path.relpath(path, root).replace(os.sep, "/")
+        if doc == HISTORY or not os.path.exists(path):
+            continue
+        for number, line in enumerate(_read(path).splitlines(), 1):
+            prose = RESULTS_PATH.sub("", line)
+            for found in [*COMMIT.findall(prose), *DATE.findall(prose)]:
+                problems.append(f"{doc}:{number}: {found}")
     return problems
 
 
