@@ -1,5 +1,5 @@
 """What cutting a sequence into token slices, and deferring weight gradients, cost on this CPU:
-the per-cell costs behind issue 34's CPU line (docs/benchmarks.md, "Measured on CPU").
+the per-cell costs behind the CPU virtual-stage plans (docs/performance.md).
 
     python benchmarks/bench_cpu_slice_costs.py                 # bench_virtual_cpu's model
     python benchmarks/bench_cpu_slice_costs.py --repeats 9 --out /tmp/slice_costs.json

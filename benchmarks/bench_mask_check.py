@@ -6,8 +6,8 @@ it is causal (CellData) and, under Megatron-LM's scripts, the decision to drop i
     python benchmarks/bench_mask_check.py --baseline ../old  # an older checkout too, and ratios
 
 Megatron-LM's GPT datasets hand every sample a [1, 1, s, s] bool mask (True = masked) on the
-CPU; TeraPipe reads it there, before get_batch moves it to the GPU. A 2026-11-26 H100 profile of
-`pretrain_gpt.py` (docs/benchmarks.md) found this host work at about 23 ms per 2048-token
+CPU; TeraPipe reads it there, before get_batch moves it to the GPU. An H100 profile of
+`pretrain_gpt.py` (docs/performance.md) found this host work at about 23 ms per 2048-token
 microbatch, more than Megatron's whole iteration took per microbatch. Per sequence length and
 number of token slices K: the median over repeats of reading one microbatch through CellData and
 every cell of it through CellBatches, its tensors staged into a buffer pool as the executor

@@ -32,7 +32,7 @@
 #   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
 #                                               # and a bf16 memory profile
 #   LEASE_SECONDS=540 bash benchmarks/gpu_session.sh lease  # one call for a short lease: what
-#       the last lease left (docs/benchmarks.md): measure (the device-timed profile first),
+#       is still open (docs/performance.md): measure (the device-timed profile first),
 #       pipeline-graphs on the three target cases, megatron-lm-profile (now with the callers of
 #       its top ops and syncs), virtual, graphs, stage (1/8/16 slices), each cut at the
 #       deadline; $OUT/results.tgz holds everything so far after each part
@@ -48,7 +48,7 @@ export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-benchmarks/results}
+OUT=${OUT:-$(mktemp -d -t terapipe_gpu.XXXX)}  # results files are written by their benchmark scripts
 mkdir -p "$OUT"
 
 stage() {

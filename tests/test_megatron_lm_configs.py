@@ -9,7 +9,7 @@ stops before its first iteration with TeraPipe's argument error naming the flag 
 out; two runs with the planner's own plans, whose W actions it places; and one with edge
 slicing by hand (--terapipe-edge-slices). Runs only with a
 Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1, core_v0.17.1, core_v0.18.2 or
-core_v0.19.0) and `triton` + `pybind11` installed; marked `slow`. docs/usage.md has the table of
+core_v0.19.0) and `triton` + `pybind11` installed; marked `slow`. docs/megatron-lm.md has the table of
 results.
 """
 

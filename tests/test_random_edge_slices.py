@@ -11,7 +11,7 @@ not, W actions at random places at or after their backwards, and any microbatch 
   gradient and every reported loss equal to Megatron's no-pipelining run on the full model at
   the equivalence suite's fp32 tolerances (harness.compare.FP32: max-normalised 1e-5, rtol 1e-4
   / atol 1e-6; losses rtol / atol 1e-6).
-TERAPIPE_RANDOM_SEED and TERAPIPE_RANDOM_RUNS draw other or more runs (docs/tests.md).
+TERAPIPE_RANDOM_SEED and TERAPIPE_RANDOM_RUNS draw other or more runs (docs/testing.md).
 """
 
 from __future__ import annotations

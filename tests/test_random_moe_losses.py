@@ -10,7 +10,7 @@ no-pipelining run in the same layout (harness/moe_runs.py): every gradient, repo
 logged MoE loss at the fp32 tolerances (harness.compare.FP32) and the router buffers exactly.
 2 processes (PP=2) and 4 (DP=2 x PP=2 with DDP, expert parallel or not; TP=2 x PP=2 with
 sequence parallelism, which Megatron requires of MoE with TP). TERAPIPE_RANDOM_SEED and
-TERAPIPE_RANDOM_RUNS draw other or more runs (docs/tests.md).
+TERAPIPE_RANDOM_RUNS draw other or more runs (docs/testing.md).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def is_plain_causal(mask: torch.Tensor, first_query: int = 0) -> bool:
     """Whether `mask` [..., queries, keys] (True = masked) is exactly the causal mask of queries
     first_query, first_query + 1, ... over keys 0, 1, ...: one comparison with the kept causal
     mask, no temporaries (on an H100 host, building them cost about 23 ms per 2048-token
-    microbatch, more than its GPU time: docs/benchmarks.md), 8 bytes at a time where both
+    microbatch, more than its GPU time: docs/performance.md), 8 bytes at a time where both
     layouts allow (a 2048-token mask on one core of this project's CPU machine: 0.5 ms against
     3.4 ms a byte at a time)."""
     queries, keys = mask.shape[-2:]

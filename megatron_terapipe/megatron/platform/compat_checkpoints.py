@@ -1,7 +1,7 @@
 """The version-sensitive part of `--terapipe-cpu`'s checkpoint touch point, Megatron-LM's
 `megatron.training.checkpointing`, checked as compat.py checks the others: `compat.require_tested`
 first, `compat.moved` where the module is not as the tested lines have it (Megatron-LM
-core_v0.16.1 and core_v0.19.0). docs/megatron.md lists it with the other touch points.
+core_v0.16.1 and core_v0.19.0). docs/compatibility.md lists it with the other touch points.
 """
 
 from __future__ import annotations
