@@ -2,7 +2,8 @@
 flags. The plan it gives (whole sequences, the first and last microbatches cut into near-equal
 slices in whole units of the granularity), the start-up report's lines, and the refusals that
 name the flag and the fix: with another slice flag, the gpipe order, virtual pipeline stages,
-bad counts, `--pipeline-schedule auto`, and without `--pipeline-schedule terapipe`."""
+bad counts, more edge microbatches than an iteration has, `--pipeline-schedule auto`, and
+without `--pipeline-schedule terapipe`."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def test_the_parser_keeps_it_apart_from_the_other_slice_flags(capsys):
     with pytest.raises(SystemExit):
         parse([*EDGES, "--terapipe-slices", "32", "32"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("edges, microbatches", [(["9", "4", "1", "2"], "(9 + 1)"),
+                                                 (["4", "2", "1", "2"], "(4 + 1)")])
+def test_more_edge_microbatches_than_the_iteration_has_are_refused(edges, microbatches):
+    # 8 samples in microbatches of 2 on one data-parallel rank: 4 microbatches
+    args = parse(EDGES[:3] + edges)
+    for check in (validate_terapipe_args, lambda a: plan_and_report(a, 64, 2)):
+        with pytest.raises(TeraPipeArgumentError) as info:
+            check(args)
+        message = str(info.value)
+        assert message.startswith(f"--terapipe-edge-slices {' '.join(edges)}: ")
+        assert f"{microbatches} exceed the 4 microbatches" in message
+        assert "--global-batch-size 8" in message and "at most 4" in message
+
+
+def test_edge_microbatches_may_take_the_whole_iteration():
+    args = parse(EDGES[:3] + ["3", "2", "1", "2"])
+    validate_terapipe_args(args)
+    plan, _ = plan_and_report(args, 64, 2)
+    assert [plan.cells_of(m, 4) for m in range(4)] == [2, 2, 2, 2]

@@ -8,7 +8,8 @@ import os
 
 from ..hooks.rules import refusal
 from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
-from .settings import RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
+from .settings import (RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error,
+                       check_edge_microbatches)
 
 __all__ = ["TeraPipeArgumentError", "validate_terapipe_args"]
 
@@ -85,11 +86,13 @@ def _check_memory_flags(flags: TeraPipeSettings) -> None:
 
 
 def _check_edge_slices(run: RunSettings) -> None:
-    """--terapipe-edge-slices: counts, the 1f1b order and one model chunk per rank."""
+    """--terapipe-edge-slices: counts (within the iteration's microbatches), the 1f1b order and
+    one model chunk per rank."""
     first, n_first, last, n_last = run.terapipe.edge_slices
     if min(first, last) < 0 or min(n_first, n_last) < 1:
         _fail("--terapipe-edge-slices FIRST SLICES LAST LAST_SLICES takes microbatch counts of 0 "
               f"or more and slice counts of 1 or more, got {first} {n_first} {last} {n_last}")
+    check_edge_microbatches(run.terapipe, run.shape)
     if run.terapipe.order != "1f1b":
         _fail("--terapipe-edge-slices runs whole sequences in the 1f1b order (it keeps K - k "
               "sequences in flight, as Megatron's 1F1B): use --terapipe-order 1f1b, or drop it")

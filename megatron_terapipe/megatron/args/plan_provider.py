@@ -28,9 +28,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Failure:
-    """An error on one rank, sent to the others so that every rank raises it."""
+    """An error on one rank, sent to the others so that every rank raises it: the planner's
+    own (a ValueError: what the flags ask cannot run) as a flag error; any other as itself on
+    the rank that raised it, with its traceback, and by its name on the others."""
 
     message: str
+    flags: bool = True  # the planner's own: TeraPipeArgumentError on every rank
+    error: Optional[BaseException] = field(default=None, compare=False)  # this rank's own
+
+    def __reduce__(self):  # other ranks get the text: an exception need not unpickle
+        return Failure, (self.message, self.flags)
 
 
 @dataclass(frozen=True)
@@ -107,8 +114,8 @@ class ArgsPlanProvider:
             return None
         outcome = _guard(lambda: self._measure(run))
         failures = [o for o in _all_gather(outcome if isinstance(outcome, Failure) else None) if o]
-        if failures:
-            raise TeraPipeArgumentError(failures[0].message)
+        if failures:  # this rank's own first: raised with its traceback
+            _unwrap(outcome if isinstance(outcome, Failure) else failures[0])
         if _rank() == 0:
             save_profile(outcome, Path(lookup.path))
         return outcome
@@ -137,18 +144,26 @@ class ArgsPlanProvider:
 
 
 def _guard(fn: Callable[[], T]) -> Union[T, Failure]:
-    """Run `fn`; an error becomes a Failure so that every rank can raise it."""
+    """Run `fn`; an error becomes a Failure so that every rank can raise it (`_unwrap`)."""
     try:
         return fn()
     except Exception as exc:  # noqa: BLE001 - every rank must learn of rank 0's failure
-        return Failure(f"{exc}" if isinstance(exc, TeraPipeArgumentError)
-                       else f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, TeraPipeArgumentError):
+            return Failure(str(exc))
+        return Failure(f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError), exc)
 
 
 def _unwrap(value: Union[T, Failure]) -> T:
-    if isinstance(value, Failure):
+    """`value`, or its error raised: the planner's own as TeraPipeArgumentError; another as
+    itself where it was raised, and elsewhere as a RuntimeError naming it."""
+    if not isinstance(value, Failure):
+        return value
+    if value.flags:
         raise TeraPipeArgumentError(value.message)
-    return value
+    if value.error is not None:
+        raise value.error
+    raise RuntimeError(f"terapipe: planning failed on another rank with {value.message} (its "
+                       "traceback is in that rank's output)")
 
 
 def _distributed():

@@ -20,7 +20,8 @@ from ...schedule.build import allowed_group
 from .flags import COST_MODELS
 from .plan_report import PlanReport, attention_text
 from .planner_inputs import budget_error, planner_inputs
-from .settings import RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings, as_flag_error
+from .settings import (RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings,
+                       as_flag_error, check_edge_microbatches)
 
 #: () -> what the planner starts from (the cost model measured or not, the space, the budget)
 InputsSource = Callable[[], PlannerInputs]
@@ -53,6 +54,7 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     inputs = inputs or (lambda: planner_inputs(run))
     chunks = run.support.virtual_stages  # Megatron's virtual pipeline stages: model chunks
     group = run.microbatch_group  # the planner's inputs carry it too (planner_inputs.py)
+    check_edge_microbatches(flags, shape)  # this batch's count (checks.py: the flags' batch)
     fixed = fixed_plan(flags, run.grid, shape.seq_length)
     given = inputs() if predicted else None
     searched = None

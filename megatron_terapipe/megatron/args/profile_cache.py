@@ -13,6 +13,7 @@ from pathlib import Path
 from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.profile.time_fitting import fit_layer_times
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
+from ..platform.compat import UnsupportedMegatronError
 from .settings import RunSettings
 
 
@@ -41,10 +42,6 @@ def profile_cache_key(run: RunSettings) -> dict:
     device, versions."""
     import torch
 
-    try:
-        from megatron.core import __version__ as mcore_version
-    except Exception:  # pragma: no cover
-        mcore_version = "unknown"
     from ...version import __version__
 
     shape = run.shape
@@ -59,9 +56,25 @@ def profile_cache_key(run: RunSettings) -> dict:
         "points": run.terapipe.profile_points,
         "device": device_name(),
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda,
-                     "megatron.core": mcore_version, "megatron_terapipe": __version__,
+                     "megatron.core": megatron_core_version(), "megatron_terapipe": __version__,
                      "python": platform.python_version()},
     }
+
+
+def megatron_core_version() -> str:
+    """megatron-core's version string as it names itself (package_info, which checkouts have
+    too). Without one the cache cannot tell measurements of different code apart, so there is
+    no profile cache: an error, not a key shared under "unknown"."""
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except (ImportError, AttributeError) as exc:
+        raise UnsupportedMegatronError(
+            f"--terapipe-cost-model profile keys its cache by megatron-core's version, which "
+            f"this megatron-core does not give ({exc}): install a released megatron-core or a "
+            "checkout with megatron/core/package_info.py, or give --terapipe-cost-model analytic "
+            "or a layer-profile file") from exc
 
 
 def profile_cache_path(run: RunSettings) -> Path:

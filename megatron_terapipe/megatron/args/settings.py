@@ -45,12 +45,25 @@ FLAG_SLICE_NAMES = SliceNames(seq_length="--seq-length", granularity="--terapipe
                               summed_slices="--terapipe-slices {slices}", tp_slices="--terapipe-slices",
                               tp_multiple="--tensor-model-parallel-size {tp}")
 DEFER_WGRAD = {"on": True, "off": False, "auto": None}
+WGRAD_PLACEMENT = {"auto": True, "off": False}
 
 
 def _flag(args, name: str, default):
     """args.<name>, or `default` when the script does not define it or leaves it empty."""
     value = getattr(args, name, None)
     return default if value in (None, "") else value
+
+
+def _choice(args, name: str, choices: dict, default):
+    """What a choice flag's value means (`default` when unset); an unknown value names its flag
+    (a script may set it past the parser's choices)."""
+    given = getattr(args, name, None)
+    if given in (None, ""):
+        return default
+    if given not in choices:
+        raise TeraPipeArgumentError(f"--{name.replace('_', '-')} must be one of "
+                                    f"{', '.join(choices)}, got {given!r}")
+    return choices[given]
 
 
 def _int_or_none(value) -> Optional[int]:
@@ -61,11 +74,11 @@ def _ints_or_none(values) -> Optional[tuple[int, ...]]:
     return None if values is None else tuple(int(v) for v in values)
 
 
-def _size(args, name: str) -> Optional[float]:
-    """The bytes a size flag gives (None: unset); a malformed size names its flag."""
+def _size(args, name: str, default: Optional[float] = None) -> Optional[float]:
+    """The bytes a size flag gives (`default` when unset); a malformed size names its flag."""
     text = getattr(args, name, None)
     if text in (None, ""):
-        return None
+        return default
     try:
         return parse_bytes(str(text))
     except ValueError as exc:
@@ -106,20 +119,21 @@ class TeraPipeSettings:
             slices=tuple(int(s) for s in slices) if slices else None,
             num_slices=_int_or_none(getattr(args, "terapipe_num_slices", None)),
             edge_slices=_ints_or_none(getattr(args, "terapipe_edge_slices", None)),
-            defer_wgrad=DEFER_WGRAD.get(_flag(args, "terapipe_defer_wgrad", "on")),
-            wgrad_placement=_flag(args, "terapipe_wgrad_placement", "auto") == "auto",
+            defer_wgrad=_choice(args, "terapipe_defer_wgrad", DEFER_WGRAD, d.defer_wgrad),
+            wgrad_placement=_choice(args, "terapipe_wgrad_placement", WGRAD_PLACEMENT,
+                                    d.wgrad_placement),
             cost_model=_flag(args, "terapipe_cost_model", d.cost_model),
             hardware=_flag(args, "terapipe_hardware", d.hardware),
             granularity=int(_flag(args, "terapipe_granularity", d.granularity)),
-            cache_dir=_flag(args, "terapipe_cache_dir", None),
+            cache_dir=_flag(args, "terapipe_cache_dir", d.cache_dir),
             profile_points=int(_flag(args, "terapipe_profile_points", d.profile_points)),
-            cuda_graphs=bool(getattr(args, "terapipe_cuda_graphs", False)),
-            scatter_gather=bool(getattr(args, "terapipe_scatter_gather_p2p", False)),
-            cpu=bool(getattr(args, "terapipe_cpu", False)),
-            trace=_flag(args, "terapipe_trace", None),
-            memory_budget=_size(args, "terapipe_memory_budget"),
-            model_state_memory=_size(args, "terapipe_model_state_memory"),
-            memory_profile=_flag(args, "terapipe_memory_profile", None))
+            cuda_graphs=bool(getattr(args, "terapipe_cuda_graphs", d.cuda_graphs)),
+            scatter_gather=bool(getattr(args, "terapipe_scatter_gather_p2p", d.scatter_gather)),
+            cpu=bool(getattr(args, "terapipe_cpu", d.cpu)),
+            trace=_flag(args, "terapipe_trace", d.trace),
+            memory_budget=_size(args, "terapipe_memory_budget", d.memory_budget),
+            model_state_memory=_size(args, "terapipe_model_state_memory", d.model_state_memory),
+            memory_profile=_flag(args, "terapipe_memory_profile", d.memory_profile))
 
     @property
     def selected(self) -> bool:
@@ -211,6 +225,24 @@ class RunShape:
         return 4 if self.dtype == "fp32" else 2
 
 
+def check_edge_microbatches(flags: TeraPipeSettings, shape: RunShape) -> None:
+    """--terapipe-edge-slices cuts at most the microbatches an iteration has (first + last):
+    with more, every microbatch would be cut as a first one, which is not what the flag says."""
+    if flags.edge_slices is None:
+        return
+    first, _, last, _ = flags.edge_slices
+    count = shape.num_microbatches
+    if first + last <= count:
+        return
+    source = (f"--global-batch-size {shape.global_batch_size} / (--micro-batch-size "
+              f"{shape.micro_batch_size} x data-parallel size {shape.data_parallel})"
+              if shape.global_batch_size else "the script's --num-microbatches")
+    raise TeraPipeArgumentError(
+        f"--terapipe-edge-slices {' '.join(map(str, flags.edge_slices))}: the first and last "
+        f"edge microbatches ({first} + {last}) exceed the {count} microbatches per iteration "
+        f"({source}): give FIRST + LAST of at most {count}, or more microbatches per iteration")
+
+
 def recompute_flags(args) -> str:
     """Megatron's activation recomputation as flags ("" without): the start-up report names
     them (full recomputation priced, selective not), as do budget errors under selective."""
@@ -287,7 +319,8 @@ class RunSettings:
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
             tensor_parallel=shape.tensor_parallel,
             untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
-        support = view_from_args(args)
+        with as_flag_error():  # a layer split Megatron cannot build, named by its flags
+            support = view_from_args(args)
         return cls(TeraPipeSettings.from_args(args), shape, model, problem, state,
                    support.position_embedding_type or "learned_absolute",
                    support.attention_backend, support)

@@ -27,7 +27,8 @@ def _moe_fields(source, num_experts) -> dict:
 
 def dropout_values(source) -> tuple:
     """Megatron's dropout flags above 0 (args or a TransformerConfig: the names are the same)."""
-    return tuple(f"--{name.replace('_', '-')} {p:g}" for name in ("hidden_dropout", "attention_dropout")
+    return tuple(f"--{name.replace('_', '-')} {p:g}"
+                 for name in ("hidden_dropout", "attention_dropout")
                  if (p := float(getattr(source, name, 0.0) or 0.0)) > 0)
 
 
@@ -107,19 +108,40 @@ def _virtual_fields(args) -> dict:
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if vp is None and per_chunk is not None and per_stage is not None:
         vp = max(1, per_stage // int(per_chunk))  # Megatron-LM asserts that it divides
-    split = split_of(args)
+    try:
+        split = split_of(args)
+    except ValueError:
+        if per_stage is None or per_stage % int(vp or 1) == 0:
+            raise
+        split = None  # chunks that do not divide an even stage: the support rules name them
     even = split is None or split.even
     return dict(virtual_stages=int(vp or 1), layers_per_stage=per_stage if even else None,
                 stage_layers=split)
 
 
+#: Megatron-LM's flags that split the layers over the pipeline stages and their model chunks.
+SPLIT_FLAGS = ("num_layers", "pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank",
+               "num_layers_per_virtual_pipeline_stage",
+               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+               "pipeline_model_parallel_layout")
+
+
 def split_of(args) -> Optional[StageLayers]:
-    """stage_layers(args), or None where the flags give no split Megatron can build (Megatron-LM's
-    validate_args or its model build says why)."""
+    """stage_layers(args). Where the flags give no split Megatron can build, ValueError naming
+    them: read as an even split, they would price a model Megatron does not build."""
     try:
         return stage_layers(args)
-    except (ValueError, AssertionError, TypeError):
-        return None
+    except (ValueError, AssertionError, TypeError) as exc:
+        given = " ".join(f"--{name.replace('_', '-')}" + ("" if value is True else f" {value}")
+                         for name in SPLIT_FLAGS
+                         if (value := getattr(args, name, None)) not in (None, False))
+        raise ValueError(
+            f"{given}: Megatron cannot build this split of the layers over the pipeline stages "
+            f"({exc or type(exc).__name__}); give --num-layers that the stages (and their model "
+            "chunks) divide, or a --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers / --pipeline-model-parallel-layout that "
+            "Megatron builds") from exc
 
 
 def _args_graphs_device(args) -> str:

@@ -12,9 +12,11 @@ from ..platform import compat
 
 
 def transformer_engine_available() -> bool:
+    """Whether transformer_engine imports. Only its absence is False: an installed one that
+    fails to import (a CUDA library it cannot load, ...) raises, saying why."""
     try:
         import transformer_engine  # noqa: F401
-    except Exception:
+    except ImportError:
         return False
     return True
 
@@ -44,7 +46,8 @@ def get_gpt_layer_spec(backend: str = "local", **kwargs: Any):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if backend == "auto":
-        backend = "te" if transformer_engine_available() and torch.cuda.is_available() else "local"
+        # CUDA first: a CPU process does not use Transformer Engine and need not import it
+        backend = "te" if torch.cuda.is_available() and transformer_engine_available() else "local"
     if kwargs.get("multi_latent_attention"):
         raise ValueError("TeraPipe does not support multi-latent attention yet")
     if backend == "local":

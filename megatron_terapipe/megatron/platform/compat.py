@@ -309,26 +309,22 @@ def rng_module():
 
 
 def save_rng_tracker() -> Optional[tuple]:
-    """Megatron's global RNG tracker, whether it was initialised, and its states."""
+    """Megatron's global RNG tracker (None before it is made), whether it was initialised, and
+    its states. A tracker that cannot give its states raises: the caller promises to keep them."""
     tp_random = rng_module()
     tracker = tp_random._CUDA_RNG_STATE_TRACKER
-    try:
-        states = tracker.get_states() if tracker is not None else None
-    except Exception:  # noqa: BLE001 - a tracker without states is restored as it is
-        states = None
+    states = tracker.get_states() if tracker is not None else None
     return tracker, tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED, states
 
 
 def restore_rng_tracker(saved: tuple) -> None:
+    """Put back what save_rng_tracker saved; a tracker that refuses its states raises."""
     tracker, initialized, states = saved
     tp_random = rng_module()
     tp_random._CUDA_RNG_STATE_TRACKER = tracker
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
-    if tracker is not None and states is not None:
-        try:
-            tracker.set_states(states)
-        except Exception:  # noqa: BLE001 - as get_states: a tracker without states stays as is
-            pass
+    if tracker is not None:
+        tracker.set_states(states)
 
 
 # --- Megatron-LM (megatron.training: a checkout's, or the one 0.19's wheel ships) --------------
