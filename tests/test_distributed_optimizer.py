@@ -74,16 +74,44 @@ def world4():
 # apart (one ulp is 2**-8 to 2**-7 of a weight) and later gradients with them (measured up to
 # 0.14), so later iterations check the losses (rel 2e-3, measured at most 2.6e-4; the first
 # iteration's at BF16, measured 7.1e-5) and the gradient norm (rel 5e-3, measured at most
-# 9.8e-4); after the last step each weight within one bf16 ulp of Megatron's plus 2 x lr per
-# step (Adam moves an element by about lr per step, either way; measured at most 0.58 of that
-# bound).
+# 9.8e-4). After the last step each tensor's update (weights after minus before) against
+# Megatron's, where Adam's division by each element's gradient RMS lets rounding steer the
+# steps of small-gradient elements: the norm of the difference within BF16_UPDATE_REL of
+# Megatron's update (measured at most 0.18; one tensor's gradient of the wrong sign in the last
+# step alone: 0.37) and the two updates' norms within BF16_UPDATE_NORM (measured 0.997 to
+# 1.016; one step fewer: about 2/3).
 BF16_GRAD_NORM_REL = 5e-3
 BF16_LATER = replace(BF16, loss_rtol=2e-3)
+BF16_UPDATE_REL, BF16_UPDATE_NORM = 0.25, (0.9, 1.1)
 
 
-def bf16_weight_bound(case, expected: torch.Tensor) -> torch.Tensor:
-    """Per element: one bf16 ulp of Megatron's weight plus 2 x lr per step."""
-    return 2 * case.iterations * case.lr + expected.abs() * 2 ** -7
+def key_bias(name: str, model: TinyGPT, size: int) -> torch.Tensor:
+    """Mask of the key biases in a linear_qkv bias (per query group: queries, key, value). A
+    key bias adds the same score to all of a query's keys, which the softmax cancels: its
+    gradient is rounding noise (measured 1e-3 to 3e-3 of the bias's largest), which Adam's
+    division by the gradient's RMS turns into whole steps of either sign. Those elements are
+    held to the bound any Adam step keeps: 2 x lr per step, plus one bf16 ulp."""
+    mask = torch.zeros(size, dtype=torch.bool)
+    if name.endswith("linear_qkv.bias"):
+        groups = model.num_query_groups or model.num_attention_heads
+        head = model.hidden_size // model.num_attention_heads
+        per_group = size // groups
+        for g in range(groups):
+            mask[g * per_group + per_group - 2 * head:g * per_group + per_group - head] = True
+    return mask
+
+
+def check_bf16_update(case, name: str, start, got, expected, where: str) -> None:
+    noise = key_bias(name, case.model, expected.numel()).view_as(expected)
+    bound = 2 * case.iterations * case.lr + expected.abs() * 2 ** -7
+    assert ((got - expected).abs() <= bound)[noise].all(), f"{where}: {name}'s key biases"
+    mine, theirs = (got - start)[~noise], (expected - start)[~noise]
+    rel = float((mine - theirs).norm() / theirs.norm())
+    ratio = float(mine.norm() / theirs.norm())
+    low, high = BF16_UPDATE_NORM
+    assert rel <= BF16_UPDATE_REL and low <= ratio <= high, (
+        f"{where}: {name}: update off by {rel:.3f} of Megatron's (at most {BF16_UPDATE_REL}), "
+        f"its norm {ratio:.3f} of Megatron's (within {BF16_UPDATE_NORM})")
 
 
 def check_iteration(case, got, ref, i: int, last_stage: bool, where: str) -> None:
@@ -101,11 +129,11 @@ def check_iteration(case, got, ref, i: int, last_stage: bool, where: str) -> Non
 
 def check_weights(case, got, ref, where: str) -> None:
     assert got["params"].keys() == ref["params"].keys(), where
+    assert all(torch.equal(p, ref["start"][n]) for n, p in got["start"].items()), where
     for name, param in got["params"].items():
         expected = ref["params"][name]
         if case.model.bf16:
-            worst = float(((param - expected).abs() / bf16_weight_bound(case, expected)).max())
-            assert worst <= 1, f"{where}: {name}: {worst:.2f} of one bf16 ulp + 2 lr per step"
+            check_bf16_update(case, name, ref["start"][name], param, expected, where)
         else:
             torch.testing.assert_close(param, expected, rtol=PARAM_RTOL,
                                        atol=PARAM_ATOL_IN_LR * case.lr,

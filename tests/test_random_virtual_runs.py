@@ -7,7 +7,8 @@ make a plan the builder accepts. Here such plans are drawn at random (a seeded
 `random.Random`, so every run draws the same):
 - each one's schedule passes `validate` (deadlock-free) and the simulator times it;
 - some put their 2 chunks in a V (virtual_placement "v", a lead of 0 to 2 units), drawn apart
-  so that the ring's draws stay as they were;
+  so that the ring's draws stay as they were, on layer counts the V's chunks halve, and on 4
+  processes always one with sequence parallelism (TP=2 x PP=2);
 - some run on 2 processes (PP=2, V up to 4, DDP, deallocated outputs) and on 4 (PP=4 x V=2
   with either transport, or TP=2 x PP=2 with and without sequence parallelism), with every
   parameter gradient and every reported loss equal to Megatron's no-pipelining run on the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import replace
+from typing import Optional
 
 import pytest
 
@@ -70,7 +72,8 @@ def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1,
     groups = [g for g in range(1, M + 1) if allowed_group(g, M, K, plan.num_cells)]
     points = ()
     if defer and len(units) > 1 and rng.random() < 0.3:
-        points = tuple(tuple(sorted(rng.sample(range(1, len(units)), rng.randint(0, len(units) - 1))))
+        points = tuple(tuple(sorted(rng.sample(range(1, len(units)),
+                                               rng.randint(0, len(units) - 1))))
                        for _ in range(K))
     leads = [None, 0, 1, 2] if v_shape else [None, None, 0, 1]
     plan = replace(plan, virtual_group=None if v_shape else rng.choice(groups + [None]),
@@ -81,19 +84,26 @@ def draw_plan(rng: random.Random, K: int, V: int, tp_multiple: int = 1,
     return plan, M, rows
 
 
-def _case(rng: random.Random, name: str, world: int, v_shape: bool = False) -> VirtualCase:
+def _shape(rng: random.Random, world: int, v_shape: bool) -> dict:
     if world == 2:
-        shape = dict(pp=2, model=TinyGPT(num_layers=rng.choice([4, 6, 8])),
-                     ddp=rng.random() < 0.3, deallocate_outputs=rng.random() < 0.3)
-    elif rng.random() < 0.5:
-        shape = dict(pp=4, model=TinyGPT(num_layers=8), ddp=rng.random() < 0.3,
-                     transport=rng.choice([None, "megatron"]))
-    else:
-        parallel = rng.random() < 0.5
-        shape = dict(pp=2, tp=2, model=TinyGPT(num_layers=4, sequence_parallel=parallel),
-                     ddp=parallel or rng.random() < 0.3)
+        # a V's 2 chunks halve each stage's layers: 2 or 4 per stage, not 3
+        layers = rng.choice([4, 8] if v_shape else [4, 6, 8])
+        return dict(pp=2, model=TinyGPT(num_layers=layers), ddp=rng.random() < 0.3,
+                    deallocate_outputs=rng.random() < 0.3)
+    if rng.random() < 0.5:
+        return dict(pp=4, model=TinyGPT(num_layers=8), ddp=rng.random() < 0.3,
+                    transport=rng.choice([None, "megatron"]))
+    parallel = rng.random() < 0.5
+    return dict(pp=2, tp=2, model=TinyGPT(num_layers=4, sequence_parallel=parallel),
+                ddp=parallel or rng.random() < 0.3)
+
+
+def _case(rng: random.Random, name: str, world: int, v_shape: bool = False,
+          shape: Optional[dict] = None) -> VirtualCase:
+    shape = dict(shape or _shape(rng, world, v_shape))
     layers = shape["model"].num_layers // shape["pp"]
     V = 2 if v_shape else rng.choice([v for v in (2, 3, 4) if layers % v == 0])
+    assert layers % V == 0, f"{name}: {layers} layers per stage on {V} chunks"
     tp_multiple = 2 if shape["model"].sequence_parallel else 1
     if v_shape:
         shape["transport"] = None  # Megatron's communicator does not carry a V's routes
@@ -109,10 +119,17 @@ def random_cases(world: int, count: int, seed: int) -> list[VirtualCase]:
 
 
 def random_v_shape_cases(world: int, count: int, seed: int) -> list[VirtualCase]:
-    """Chunks in a V, drawn apart from the ring's cases (which stay the same draws)."""
+    """Chunks in a V, drawn apart from the ring's cases (which stay the same draws); on 4
+    processes also one V with sequence parallelism (TP=2 x PP=2), which other draws may miss."""
     rng = random.Random(seed * 10 + world + 5)
-    return [_case(rng, f"random_in_a_v_{world}_{seed}_{i}", world, v_shape=True)
-            for i in range(count)]
+    cases = [_case(rng, f"random_in_a_v_{world}_{seed}_{i}", world, v_shape=True)
+             for i in range(count)]
+    if world == 4:
+        parallel = dict(pp=2, tp=2, model=TinyGPT(num_layers=4, sequence_parallel=True), ddp=True)
+        rng = random.Random(seed * 10 + 8)  # a stream of its own (2, 4, 7 and 9 are taken)
+        cases.append(_case(rng, f"random_in_a_v_sequence_parallel_{seed}", world, v_shape=True,
+                           shape=parallel))
+    return cases
 
 
 CASES_2 = random_cases(2, RUNS, SEED) + random_v_shape_cases(2, max(1, RUNS // 3), SEED)
