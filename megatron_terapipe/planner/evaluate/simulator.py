@@ -22,6 +22,12 @@ TeraPipe's virtual stages (VirtualCell) likewise: a cell on one of V chunks take
 stage's layer time for its tokens and context, the edges only on the model's first and last
 virtual stage, and a W action 1/V of the layers' weight gradients (plus the output layer's on
 the last virtual stage).
+
+Host floor (`host_floor`, off by default): an eager compute action costs at least the host
+time of launching its kernels, however short its device work (`HostFloor`; a chunk's cell its
+share). Per-action seconds: a cost model may say that `per_action_s` of each forward and
+backward it prices is per compute action, not per layer (CalibratedCostModel's overhead,
+evaluate/calibration.py); a chunk's cell then pays it whole, not its share.
 """
 
 from __future__ import annotations
@@ -38,7 +44,23 @@ from ..cost.recompute_memory import memory_of
 from ..cost.stage_memory import StageMemory
 from .memory_walk import MemoryPoint, walk_stage
 
-__all__ = ["MemoryPoint", "SimulationResult", "plan_time", "simulate", "simulate_plan"]
+__all__ = ["HostFloor", "MemoryPoint", "SimulationResult", "plan_time", "schedule_time",
+           "simulate", "simulate_plan"]
+
+
+@dataclass(frozen=True)
+class HostFloor:
+    """Seconds the host takes to launch one compute action's kernels over a whole stage's
+    layers, per kind: an eager action lasts at least this long, since its device work cannot
+    run ahead of its launches. A model chunk's cell (virtual stages, Megatron's interleaved
+    chunks) launches its share of the layers, so its floor is that share."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    wgrad_s: float = 0.0
+
+    def seconds(self, kind: str, share: float = 1.0) -> float:
+        return share * {"F": self.forward_s, "B": self.backward_s, "W": self.wgrad_s}[kind]
 
 
 @dataclass(frozen=True)
@@ -77,10 +99,15 @@ class SimulationResult:
 class CellCosts:
     """Cost-model calls cached per cell shape (schedules repeat the same shapes a lot)."""
 
-    def __init__(self, cost_model: CostModel, schedule: Schedule, cache: Optional[dict] = None):
+    def __init__(self, cost_model: CostModel, schedule: Schedule, cache: Optional[dict] = None,
+                 host_floor: Optional[HostFloor] = None):
         """`cache`: the cost model's answers to share with other schedules (its keys hold
-        everything an answer depends on)."""
+        everything an answer depends on). `host_floor`: every action lasts at least its
+        launches' host time (None: no floor)."""
         self.cost_model = cost_model
+        self.host_floor = host_floor
+        # seconds of each F and B the cost model prices per action, not per layer
+        self.per_action = float(getattr(cost_model, "per_action_s", 0.0))
         self.schedule = schedule
         self.num_stages = schedule.num_stages
         self.defer_wgrad = schedule.defer_wgrad
@@ -122,7 +149,10 @@ class CellCosts:
         key = (stage == 0, stage == self.num_stages - 1, action.kind, id(action.cell))
         value = self._by_cell.get(key)
         if value is None:
-            value = self._by_cell[key] = self._compute(stage, action)
+            value = self._compute(stage, action)
+            if self.host_floor is not None:
+                value = max(value, self.host_floor.seconds(action.kind, _share(action.cell)))
+            self._by_cell[key] = value
         return value
 
     def _compute(self, stage: int, action: Action) -> float:
@@ -148,7 +178,7 @@ class CellCosts:
         else:
             layers = self._get(("B", c.rows, c.tokens, c.context), m.backward_time,
                                c.rows, c.tokens, c.context) + self._rerun(c, c.context, share)
-        layers *= share
+        layers = layers * share + self.per_action * (1.0 - share)
         if first or last:
             edge_fn = m.edge_forward_time if action.kind == "F" else m.edge_backward_time
             layers += self._get(("E" + action.kind, c.rows, c.tokens, first, last), edge_fn,
@@ -189,8 +219,11 @@ class CellCosts:
         if not tokens:
             return 0.0
         share = cell.share if type(cell) is VirtualCell else 1.0
-        return self.wgrad_share(cell.rows, tokens, first_virtual_stage(cell, stage),
-                                last_virtual_stage(cell, stage, self.num_stages), share)
+        seconds = self.wgrad_share(cell.rows, tokens, first_virtual_stage(cell, stage),
+                                   last_virtual_stage(cell, stage, self.num_stages), share)
+        if self.host_floor is None:
+            return seconds
+        return max(seconds, self.host_floor.seconds("W", share))
 
     def wgrad_share(self, rows: int, tokens: int, first: bool, last: bool,
                     share: float = 1.0) -> float:
@@ -206,7 +239,7 @@ class CellCosts:
         layers = self._get((kind, c.rows, c.tokens, 0), fn, c.rows, c.tokens, 0)
         if kind == "B":
             layers += self._rerun(c, 0, 1.0 / c.num_chunks)
-        layers /= c.num_chunks
+        layers = layers / c.num_chunks + self.per_action * (1.0 - 1.0 / c.num_chunks)
         first = stage == 0 and c.chunk == 0
         last = stage == self.num_stages - 1 and c.chunk == c.num_chunks - 1
         if first or last:
@@ -234,21 +267,35 @@ class CellCosts:
         return self._get(("X", c.rows, c.tokens), self.cost_model.transfer_time, c.rows, c.tokens)
 
 
+def _share(cell) -> float:
+    """The share of a stage's layers a cell runs (a model chunk's; 1: the whole stage)."""
+    if type(cell) is VirtualCell:
+        return cell.share
+    return 1.0 / cell.num_chunks if isinstance(cell, ChunkCell) else 1.0
+
+
 def simulate_plan(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
                   num_stages: int, micro_batch_size: int, cores: Optional[float] = None,
-                  memory: Optional[StageMemory] = None) -> SimulationResult:
+                  memory: Optional[StageMemory] = None,
+                  host_floor: Optional[HostFloor] = None) -> SimulationResult:
     """`simulate` of `plan`'s schedule for one run's shape."""
     schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
-    return simulate(schedule, cost_model, cores=cores, memory=memory)
+    return simulate(schedule, cost_model, cores=cores, memory=memory, host_floor=host_floor)
 
 
 def plan_time(plan: TeraPipePlan, cost_model: CostModel, num_microbatches: int,
               num_stages: int, micro_batch_size: int, cores: Optional[float] = None,
-              cache: Optional[dict] = None) -> float:
+              cache: Optional[dict] = None, host_floor: Optional[HostFloor] = None) -> float:
     """Simulated iteration time of `plan`'s schedule (the planner's yardstick): `simulate`'s,
     without the memory walk. `cache`: the cost model's answers, shared across plans."""
     schedule = build_schedule(plan, num_microbatches, num_stages, micro_batch_size)
-    timed = _timed(schedule, CellCosts(cost_model, schedule, cache), cores)
+    return schedule_time(schedule, cost_model, cores, cache, host_floor)
+
+
+def schedule_time(schedule: Schedule, cost_model: CostModel, cores: Optional[float] = None,
+                  cache: Optional[dict] = None, host_floor: Optional[HostFloor] = None) -> float:
+    """`plan_time` of a schedule already built (e.g. Megatron's interleaved one)."""
+    timed = _timed(schedule, CellCosts(cost_model, schedule, cache, host_floor), cores)
     return max(ta.end for ta in timed) - min(ta.start for ta in timed) if timed else 0.0
 
 
@@ -262,7 +309,8 @@ def _timed(schedule: Schedule, costs: CellCosts, cores: Optional[float]) -> list
 
 def simulate(schedule: Schedule, cost_model: CostModel,
              timed: Optional[list[TimedAction]] = None, cores: Optional[float] = None,
-             memory: Optional[StageMemory] = None, megatron: bool = False) -> SimulationResult:
+             memory: Optional[StageMemory] = None, megatron: bool = False,
+             host_floor: Optional[HostFloor] = None) -> SimulationResult:
     """Time `schedule` under `cost_model` and track memory per stage.
 
     `timed` may pass a timeline already computed for this schedule and cost model. `cores`:
@@ -270,9 +318,10 @@ def simulate(schedule: Schedule, cost_model: CostModel,
     means every stage has its own device. `memory`: what the stages keep (default: the cost
     model's `CostModelMemory`). `megatron`: the cells are whole microbatches through
     Megatron's own layers (its 1F1B schedule): memory per microbatch, not per TeraPipe cell.
+    `host_floor`: every action lasts at least its launches' host time (`HostFloor`; None: off).
     """
     if timed is None:
-        timed = _timed(schedule, CellCosts(cost_model, schedule), cores)
+        timed = _timed(schedule, CellCosts(cost_model, schedule, host_floor=host_floor), cores)
     memory = memory_of(cost_model, memory)
     K = schedule.num_stages
     per_stage: list[list[TimedAction]] = [[] for _ in range(K)]
