@@ -50,6 +50,8 @@ _LAZY = {
     "TorchNorm": "megatron.hooks.spec", "get_gpt_decoder_block_spec": "megatron.hooks.spec",
     "get_gpt_layer_spec": "megatron.hooks.spec",
     "place_in_v": "megatron.hooks.v_chunks", "v_chunk_roles": "megatron.hooks.v_chunks",
+    "MeasuredChoice": "megatron.hooks.measured_choice",
+    "TrialCandidate": "megatron.hooks.measured_choice",
 }
 
 
@@ -70,6 +72,8 @@ def __dir__() -> list[str]:
 __all__ = [
     "Action",
     "ArgsPlanProvider",
+    "MeasuredChoice",
+    "TrialCandidate",
     "TeraPipeArgumentError",
     "add_terapipe_args",
     "combine_extra_args",

@@ -32,7 +32,7 @@ SHAPE = dict(num_layers=8, hidden_size=1024, num_attention_heads=16, seq_length=
     (["--terapipe-memory-budget", "0GiB"], {}, "--terapipe-memory-budget"),
     (["--terapipe-model-state-memory", "7 parsecs"], {}, "--terapipe-model-state-memory"),
     (["--terapipe-memory-profile", "/nonexistent.json"], {}, "--terapipe-memory-profile"),
-    ([], dict(num_virtual_stages_per_pipeline_rank=2), "--num-virtual-stages-per-pipeline-rank"),
+    (["--terapipe-auto-trials", "-1"], {}, "--terapipe-auto-trials"),
     (["--terapipe-num-slices", "4"], {}, "--terapipe-num-slices"),
 ])
 def test_bad_auto_and_memory_flags_name_the_flag(argv, megatron, flag):
@@ -118,13 +118,19 @@ def test_auto_refuses_a_budget_nothing_fits_and_an_unmeasured_profile(tmp_path):
 
 
 def test_setup_from_args_runs_the_choice():
+    """--terapipe-auto-trials 0: the predicted pick, written into the flags; by default
+    TeraPipe's schedule is selected to run the trials, with the MeasuredChoice."""
     from megatron_terapipe.megatron.hooks import install, selection
 
     try:
-        args = parse(AUTO, **SHAPE)
+        args = parse(AUTO + ["--terapipe-auto-trials", "0"], **SHAPE)
         provider = setup_from_args(args)
         assert args.pipeline_schedule in ("terapipe", "1f1b")
         assert (provider is not None) == (args.pipeline_schedule == "terapipe") == selection.selected()
+        assert selection.STATE.measured is None
+        args = parse(AUTO, **SHAPE)
+        assert setup_from_args(args) is not None and args.pipeline_schedule == "terapipe"
+        assert selection.STATE.measured is not None and selection.STATE.measured.trials == 2
     finally:
         selection.deselect()
         install.use_slice_attention_in_gpt_models(False)

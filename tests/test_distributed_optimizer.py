@@ -37,6 +37,11 @@ from harness.optimizer_runs import OptimizerCase
 from megatron_terapipe import TeraPipePlan
 
 BF16_MODEL = TinyGPT(bf16=True, params_dtype=torch.bfloat16)
+# --pipeline-schedule auto's trials (MeasuredChoice) switch schedules between iterations:
+# Megatron's 1F1B, TeraPipe, Megatron's, TeraPipe, then the one measured faster; every
+# iteration equal to Megatron's alone
+SWITCH = OptimizerCase("dp2_pp2_measured_choice_switching_schedules", TeraPipePlan([6, 10]),
+                       iterations=5, switch=True)
 CASES = [
     OptimizerCase("dp2_pp2_1f1b_deferred", TeraPipePlan([6, 10])),
     OptimizerCase("dp2_pp2_gpipe_overlapped_reduce_and_gather",
@@ -55,6 +60,7 @@ CASES = [
     OptimizerCase("dp2_pp2_bf16_distributed_optimizer_overlapped_clipped",
                   TeraPipePlan([4, 4, 8], order="gpipe"), model=BF16_MODEL, clip_grad=1.0,
                   overlap_grad_reduce=True, overlap_param_gather=True),
+    SWITCH,
 ]
 # Adam divides each element's step by that element's running gradient RMS, so a float32
 # rounding difference d in a gradient element g moves its step by about lr * d / |g|: elements
@@ -156,3 +162,9 @@ def test_optimizer_steps_equal_megatrons(world4, case):
         check_weights(case, got, ref, where)
         saw_last |= result["last_stage"]
     assert saw_last, case.name
+
+
+def test_measured_choice_switched_schedules_alike_on_every_rank(world4):
+    ran = [r[SWITCH.name]["terapipe"]["ran"] for r in world4]
+    assert ran[0][:4] == ["Megatron", "TeraPipe", "Megatron", "TeraPipe"], ran[0]
+    assert ran[0][4] in ("Megatron", "TeraPipe") and all(r == ran[0] for r in ran), ran

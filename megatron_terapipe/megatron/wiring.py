@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from .args.checks import validate_terapipe_args
 from .args.plan_provider import ArgsPlanProvider
-from .args.settings import RunSettings, TeraPipeSettings, apply_choice
+from .args.settings import RunSettings, TeraPipeSettings, apply_choice, apply_layout
 
 
 def _log_rank0(message: str) -> None:
@@ -37,11 +37,9 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     from .hooks import install, lm_cells, selection
 
     run = validate_terapipe_args(args)
-    if run.terapipe.auto:  # writes the chosen schedule into args, and logs why
-        from .args.auto_schedule import resolve_auto_schedule
-
-        apply_choice(args, resolve_auto_schedule(run, log=_log_rank0))
-        run = RunSettings.from_args(args)
+    measured = None
+    if run.terapipe.auto:  # writes the chosen schedule (or layout) into args, and logs why
+        run, measured = _resolve_auto(args, run)
     if not run.terapipe.selected:
         selection.deselect()
         selection.set_schedule_wrapper(None)
@@ -54,13 +52,39 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     install.use_slice_attention_in_gpt_models(True)
     selection.set_schedule_wrapper(lm_cells.MegatronLMCells(
         trace=run.terapipe.trace, tensor_parallel=run.shape.tensor_parallel))
+    selection.set_measured_choice(measured)
     install.install()
-    _log_rank0(f"> terapipe: pipeline schedule terapipe (order {run.terapipe.order}; "
-               f"slices: {_slices_text(run.terapipe)})")
+    if measured is None:
+        _log_rank0(f"> terapipe: pipeline schedule terapipe (order {run.terapipe.order}; "
+                   f"slices: {_slices_text(run.terapipe)})")
     if run.terapipe.scatter_gather and run.shape.tensor_parallel > 1:
         _log_rank0(f"> terapipe: stage-to-stage messages in {run.shape.tensor_parallel} TP parts, "
                    "all-gathered by the receiving stage (--terapipe-scatter-gather-p2p)")
     return provider
+
+
+def _resolve_auto(args, run: RunSettings):
+    """--pipeline-schedule auto: with --terapipe-auto-trials 0 the predicted pick, written into
+    `args`; else the predicted layout written into `args` and a MeasuredChoice within it. The
+    settings of the run that follows, and the MeasuredChoice (None: the predicted pick)."""
+    from .args.auto_schedule import predicted_choice
+
+    predicted = predicted_choice(run, log=_log_rank0)
+    chosen = predicted.choice.chosen
+    if run.terapipe.auto_trials == 0:
+        apply_choice(args, predicted.choice)
+        return RunSettings.from_args(args), None
+    from .args.auto_trials import measured_choice
+
+    measured, layout = measured_choice(run, predicted.inputs, predicted.table, chosen,
+                                       _log_rank0)
+    apply_layout(args, layout.chunks, layout.order)
+    if layout.chunks > 1 and run.support.virtual_stages <= 1:
+        _log_rank0(f"> terapipe auto: the model is built in {layout.chunks} chunks per stage "
+                   "(virtual pipeline stages), as Megatron's interleaved schedule builds it: "
+                   "from scratch, it starts from other initial weights than the same flags "
+                   "under --pipeline-schedule 1f1b; a checkpoint loads and resumes as usual")
+    return RunSettings.from_args(args), measured
 
 
 def _slices_text(flags: TeraPipeSettings) -> str:

@@ -53,6 +53,9 @@ class OptimizerCase:
     # what harness.baseline reads of a case (the full model's weights come from it)
     legacy_loss: bool = False
     forward_only: bool = False
+    # TeraPipe's side runs a MeasuredChoice of Megatron's schedule and `plan` (1 trial each):
+    # Megatron, TeraPipe, Megatron, TeraPipe, then the one measured faster
+    switch: bool = False
 
     @property
     def chunks(self) -> int:
@@ -128,14 +131,22 @@ def _schedule(case: OptimizerCase, config, terapipe: bool):
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
-    if terapipe:
-        configure(config, case.plan)
-        return forward_backward_terapipe
-    if case.chunks > 1:
+    megatron = forward_backward_pipelining_without_interleaving
+    if case.chunks > 1 and (case.switch or not terapipe):
         # on 2 ranks Megatron needs overlapped P2P (unbatched: each send and receive its own call)
         config.overlap_p2p_comm, config.batch_p2p_comm = case.pp == 2, case.pp > 2
-        return forward_backward_pipelining_with_interleaving
-    return forward_backward_pipelining_without_interleaving
+        megatron = forward_backward_pipelining_with_interleaving
+    if not terapipe:
+        return megatron
+    configure(config, case.plan)
+    if case.switch:
+        from megatron_terapipe import MeasuredChoice, TrialCandidate
+
+        choice = MeasuredChoice([TrialCandidate("Megatron", None),
+                                 TrialCandidate("TeraPipe", case.plan)], trials=1,
+                                log=lambda line: None)
+        return choice.wrap(megatron, forward_backward_terapipe)
+    return forward_backward_terapipe
 
 
 def _grads(chunks) -> dict[str, torch.Tensor]:
@@ -172,6 +183,9 @@ def train(case: OptimizerCase, full_state: dict, batches: list, terapipe: bool) 
                           seq_length=case.model.seq_length,
                           micro_batch_size=case.micro_batch_size)
         record["grads"].append(_grads(chunks))
+        choice = getattr(schedule, "measured_choice", None)
+        if choice is not None:  # which candidate ran: the last one timed, or the kept one
+            record.setdefault("ran", []).append(choice.last_run)
         ok, grad_norm, _ = optimizer.step()  # the norm over all ranks, clipping or not
         assert ok, f"{case.name}: the optimizer skipped iteration {i}"
         record["grad_norms"].append(float(grad_norm))

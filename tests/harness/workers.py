@@ -225,3 +225,23 @@ def environment_of(rank: int, world_size: int, names: list[str]) -> dict[str, Op
     import os
 
     return {name: os.environ.get(name) for name in names}
+
+
+def measured_choice_by_rank(rank: int, world_size: int) -> tuple[str, float]:
+    """A MeasuredChoice whose clock disagrees between ranks (rank 1 sees TeraPipe at 20 ms,
+    rank 0 at 5 ms; Megatron's schedule 12 ms on both), with the real cross-rank maximum."""
+    from megatron_terapipe import MeasuredChoice, TeraPipePlan, TrialCandidate
+
+    plan = TeraPipePlan([16, 16])
+    seconds = {None: 0.012, plan: 0.005 if rank == 0 else 0.020}
+    now = [0.0]
+
+    def run(plan_or_none):
+        now[0] += seconds[plan_or_none]
+
+    choice = MeasuredChoice([TrialCandidate("Megatron 1F1B", None), TrialCandidate("TeraPipe", plan)],
+                            trials=2, clock=lambda: now[0], log=lambda line: None)
+    forward_backward = choice.wrap(lambda **kw: run(None), lambda plan, **kw: run(plan))
+    for _ in range(7):
+        forward_backward(forward_only=False)
+    return choice.kept.name, round(choice.pick.medians["Megatron 1F1B"], 6)

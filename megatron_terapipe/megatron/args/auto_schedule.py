@@ -15,7 +15,7 @@ file, or a cached profile of this shape.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ...planner.cost.stage_memory import MemoryBudgetError
@@ -47,10 +47,43 @@ def _auto_inputs(run: RunSettings, interleaved: bool = True) -> PlannerInputs:
             "or give --terapipe-cost-model analytic or a layer-profile JSON file")
     inputs = planner_inputs(run)
     if not interleaved:
-        return inputs
+        return calibrated(run, inputs)
     chunks = tuple(v for v in interleaved_chunk_counts(inputs.layers_per_stage)
                    if v <= MAX_TERAPIPE_CHUNKS)
+    if fixed_layout(run) > 1:  # the flags fix the model chunks: auto chooses within them
+        chunks = (fixed_layout(run),)
+    inputs = calibrated(run, inputs)
     return replace(inputs, space=replace(inputs.space, virtual_stages=chunks))
+
+
+def calibrated(run: RunSettings, inputs: PlannerInputs) -> PlannerInputs:
+    """`inputs` on the calibration an earlier run of this shape saved (auto_trials.py), if
+    any, with a note saying so."""
+    from .auto_trials import calibration_path, load_calibration
+
+    if run.terapipe.auto_trials == 0:
+        return inputs
+    path = calibration_path(run)
+    calibration = load_calibration(path) if path.is_file() else None
+    if calibration is None:
+        return inputs
+    return replace(inputs, cost_model=calibration.apply(inputs.cost_model),
+                   notes=[*inputs.notes, f"calibrated on an earlier run's trials ({path})"])
+
+
+def fixed_layout(run: RunSettings) -> int:
+    """The model chunks per stage the flags fix (--num-virtual-stages-per-pipeline-rank or
+    --num-layers-per-virtual-pipeline-stage); 0 when they leave the layout to auto."""
+    return run.support.virtual_stages if run.support.virtual_stages > 1 else 0
+
+
+def layout_table(run: RunSettings, inputs: PlannerInputs, interleaved: bool) -> ScheduleTable:
+    """The schedule table; only the fixed layout's rows when the flags fix one."""
+    table = inputs.schedule_table(interleaved)
+    fixed = fixed_layout(run)
+    if not fixed:
+        return table
+    return replace(table, options=tuple(o for o in table.options if o.num_chunks == fixed))
 
 
 def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[ScheduleTable, str]:
@@ -59,7 +92,7 @@ def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[Schedule
     chunks)."""
     interleaved = interleaved and not run.support.uneven_layers
     inputs = _auto_inputs(run, interleaved)
-    return inputs.schedule_table(interleaved), inputs.cost_model.describe()
+    return layout_table(run, inputs, interleaved), inputs.cost_model.describe()
 
 
 def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
@@ -68,9 +101,24 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     Megatron-LM's flags). interleaved: whether the run can build model chunks (Megatron-LM
     can; a script building one model per stage cannot). Raises TeraPipeArgumentError when no
     schedule fits the budget."""
+    return predicted_choice(run, log, interleaved).choice
+
+
+@dataclass
+class PredictedChoice:
+    """What auto predicts at start-up: the planner's inputs, the table and its pick."""
+
+    inputs: PlannerInputs
+    table: ScheduleTable
+    choice: AutoChoice
+
+
+def predicted_choice(run: RunSettings, log: Callable[[str], None] = print,
+                     interleaved: bool = True) -> PredictedChoice:
+    """resolve_auto_schedule's choice with what it was predicted from; logs the table."""
     interleaved = interleaved and not run.support.uneven_layers  # as schedule_table
     inputs = _auto_inputs(run, interleaved)
-    table = inputs.schedule_table(interleaved)
+    table = layout_table(run, inputs, interleaved)
     try:
         choice = table.auto()
     except MemoryBudgetError as exc:
@@ -80,7 +128,7 @@ def resolve_auto_schedule(run: RunSettings, log: Callable[[str], None] = print,
     for note in inputs.notes:  # a guessed GPU: the choice rests on its numbers
         if note.startswith(WARNING):
             log(f"> terapipe auto: {note}")
-    return choice
+    return PredictedChoice(inputs, table, choice)
 
 
 def auto_log_lines(run: RunSettings, table: ScheduleTable, choice: AutoChoice,

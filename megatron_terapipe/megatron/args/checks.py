@@ -25,6 +25,10 @@ def validate_terapipe_args(args) -> RunSettings:
     before any work: no communication, no model."""
     run = RunSettings.from_args(args)
     flags = run.terapipe
+    if flags.auto_trials < 0:
+        _fail(f"--terapipe-auto-trials must be 0 or more training iterations per candidate, got "
+              f"{flags.auto_trials}: give 0 to keep auto's predicted pick, or 2 (the default) "
+              "or more to measure")
     if not flags.selected and not flags.auto:
         given = flags.given_flags()
         if given:
@@ -103,18 +107,15 @@ def _check_edge_slices(run: RunSettings) -> None:
 
 
 def _check_auto(run: RunSettings) -> None:
-    """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself."""
-    if run.support.virtual_stages > 1:
-        _fail("--pipeline-schedule auto chooses the virtual pipeline stages itself: drop "
-              "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
-              "or keep them with --pipeline-schedule 1f1b")
+    """--pipeline-schedule auto chooses among Megatron's schedules and TeraPipe itself (within
+    the virtual pipeline stages the flags fix, when they fix them)."""
     if run.terapipe.slices_given:
         _fail("--pipeline-schedule auto plans the token slices itself: drop --terapipe-slices / "
               "--terapipe-num-slices / --terapipe-edge-slices, or use --pipeline-schedule "
               "terapipe")
     if run.shape.microbatch_group is not None:
-        _fail("--pipeline-schedule auto chooses the virtual pipeline stages and their microbatch "
-              "groups itself: drop --microbatch-group-size-per-virtual-pipeline-stage, or keep it "
+        _fail("--pipeline-schedule auto chooses the microbatch groups of virtual pipeline stages "
+              "itself: drop --microbatch-group-size-per-virtual-pipeline-stage, or keep it "
               "with --pipeline-schedule terapipe or 1f1b and virtual pipeline stages")
 
 

@@ -29,8 +29,14 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group = parser.add_argument_group(title="terapipe")
     group.add_argument("--pipeline-schedule", choices=SCHEDULES, default=DEFAULTS.schedule,
                        help="1f1b: Megatron's own (interleaved with virtual stages); terapipe: "
-                            "token-slice pipelining; auto: the one predicted fastest within "
-                            "--terapipe-memory-budget, chosen at start-up")
+                            "token-slice pipelining; auto: the layout predicted fastest within "
+                            "--terapipe-memory-budget, then the schedule measured fastest on "
+                            "the first iterations (--terapipe-auto-trials)")
+    group.add_argument("--terapipe-auto-trials", type=int, default=DEFAULTS.auto_trials,
+                       metavar="N",
+                       help="with --pipeline-schedule auto: time each shortlisted schedule on N "
+                            "training iterations (after one warm-up each, in interleaved rounds) "
+                            "and keep the fastest measured; 0 keeps the predicted pick")
     group.add_argument("--terapipe-order", choices=ORDERS, default=DEFAULTS.order,
                        help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
     _add_slice_args(group)

@@ -108,6 +108,8 @@ class TeraPipeSettings:
     memory_budget: Optional[float] = None  # bytes
     model_state_memory: Optional[float] = None  # bytes
     memory_profile: Optional[str] = None
+    # --terapipe-auto-trials: counted iterations per candidate auto times (0: predicted pick)
+    auto_trials: int = 2
 
     @classmethod
     def from_args(cls, args) -> "TeraPipeSettings":
@@ -133,7 +135,8 @@ class TeraPipeSettings:
             trace=_flag(args, "terapipe_trace", d.trace),
             memory_budget=_size(args, "terapipe_memory_budget", d.memory_budget),
             model_state_memory=_size(args, "terapipe_model_state_memory", d.model_state_memory),
-            memory_profile=_flag(args, "terapipe_memory_profile", d.memory_profile))
+            memory_profile=_flag(args, "terapipe_memory_profile", d.memory_profile),
+            auto_trials=int(_flag(args, "terapipe_auto_trials", d.auto_trials)))
 
     @property
     def selected(self) -> bool:
@@ -379,3 +382,14 @@ def apply_choice(args, choice: AutoChoice) -> None:
         # TeraPipe's plan keeps the group its search chose, so the flag stays unset for it.
         if chosen.family != TERAPIPE and getattr(args, "microbatch_group_size_per_vp_stage", None) is None:
             args.microbatch_group_size_per_vp_stage = RunShape.from_args(args).pipeline_parallel
+
+
+def apply_layout(args, chunks: int, order: str) -> None:
+    """Write --pipeline-schedule auto's layout into Megatron-LM's args when auto measures
+    within it (auto_trials.py): TeraPipe's schedule, which runs the trials, in `order`, on
+    `chunks` model chunks per stage (Megatron's interleaved schedule, a trial candidate there,
+    keeps its default microbatch groups)."""
+    args.pipeline_schedule, args.terapipe_order = "terapipe", order
+    if chunks > 1:
+        args.num_virtual_stages_per_pipeline_rank = chunks
+        args.virtual_pipeline_model_parallel_size = chunks

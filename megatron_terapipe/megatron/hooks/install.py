@@ -22,9 +22,14 @@ def _terapipe_or_megatron(*args, **kwargs):
         # virtual stages (vp_size) run when the plan has as many chunks: checked at the call
         schedule_groups = kwargs.get("schedule_pg_collection", args[2] if len(args) > 2 else None)
         check_view(RunView(multi_module=compat.is_multi_module_collection(schedule_groups)))
+        terapipe = forward_backward_terapipe
         if STATE.schedule_wrapper is not None:
-            return STATE.schedule_wrapper(forward_backward_terapipe)
-        return forward_backward_terapipe
+            terapipe = STATE.schedule_wrapper(forward_backward_terapipe)
+        if STATE.measured is not None:  # auto's trials: Megatron's schedule is a candidate
+            assert _ORIGINAL_GET_FORWARD_BACKWARD is not None
+            megatron = _ORIGINAL_GET_FORWARD_BACKWARD(*args, **kwargs)
+            return STATE.measured.wrap(megatron, terapipe)  # type: ignore[attr-defined]
+        return terapipe
     assert _ORIGINAL_GET_FORWARD_BACKWARD is not None
     return _ORIGINAL_GET_FORWARD_BACKWARD(*args, **kwargs)
 

@@ -46,6 +46,8 @@ class SelectionState:
     selected: bool = False  # get_forward_backward_func returns TeraPipe's schedule
     default: TeraPipeConfig = field(default_factory=TeraPipeConfig)
     schedule_wrapper: Optional[Callable[[Callable], Callable]] = None  # e.g. MegatronLMCells
+    # --pipeline-schedule auto's trials: a MeasuredChoice (measured_choice.py), or None
+    measured: Optional[object] = None
 
 
 STATE = SelectionState()
@@ -147,6 +149,7 @@ def deselect() -> None:
     STATE.selected = False
     STATE.default = TeraPipeConfig()
     STATE.schedule_wrapper = None
+    STATE.measured = None
 
 
 def selected() -> bool:
@@ -160,3 +163,10 @@ def set_schedule_wrapper(wrapper: Optional[Callable[[Callable], Callable]]) -> N
     None restores the plain schedule.
     """
     STATE.schedule_wrapper = wrapper
+
+
+def set_measured_choice(choice: Optional[object]) -> None:
+    """While TeraPipe is selected, get_forward_backward_func returns `choice.wrap(Megatron's
+    schedule, TeraPipe's)`: a MeasuredChoice (measured_choice.py) times its candidates on the
+    first iterations and keeps the fastest. None: TeraPipe's schedule alone."""
+    STATE.measured = choice

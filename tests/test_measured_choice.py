@@ -1,0 +1,192 @@
+"""MeasuredChoice (hooks/measured_choice.py): --pipeline-schedule auto's trials.
+
+Fake schedules advance a fake clock by a planted time per candidate, so the rule is checked
+exactly: the fastest median wins, ties (within TIE) go to Megatron's schedule, warm-up rounds
+do not count, evaluation calls are not timed, a run too short for the trials keeps the
+predicted pick and says so, a failing trial stops the run naming the candidate, and a
+re-planned candidate is tried beside the leader. On 2 gloo processes whose clocks disagree,
+every rank keeps the same candidate: the one fastest by the maximum over ranks. Exactness
+through the switches between schedules is checked with every gradient in
+test_distributed_optimizer.py (its "switch" case)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import spawn
+from megatron_terapipe import MeasuredChoice, TeraPipePlan, TrialCandidate
+from megatron_terapipe.megatron.hooks.measured_choice import (TIE, choose_measured,
+                                                              trial_iterations, trial_rounds)
+
+MEGATRON = TrialCandidate("Megatron 1F1B", None, predicted_s=0.010)
+FOUR = TrialCandidate("TeraPipe 1f1b", TeraPipePlan([16, 16, 16, 16]), predicted_s=0.008)
+TWO = TrialCandidate("TeraPipe gpipe", TeraPipePlan([32, 32], order="gpipe"), predicted_s=0.009)
+
+TRIAL_LINE = re.compile(r"^terapipe auto: trial (.+): ([0-9.]+) ms measured, ([0-9.]+) ms predicted$")
+KEEP_LINE = re.compile(r"^terapipe auto: keeping (.+) \(([0-9.]+)x (.+) measured\)$")
+
+
+class Fake:
+    """Schedules that advance a clock by each candidate's planted seconds (the first call of
+    each by `warmup_s` more), recording what ran."""
+
+    def __init__(self, seconds: dict[str, float], warmup_s: float = 0.0, fail: str = ""):
+        self.seconds, self.warmup_s, self.fail = seconds, warmup_s, fail
+        self.now, self.ran, self.lines = 0.0, [], []
+
+    def clock(self) -> float:
+        return self.now
+
+    def _run(self, name: str, forward_only: bool) -> list:
+        if name == self.fail:
+            raise ValueError("planted failure")
+        self.ran.append((name, forward_only))
+        self.now += self.seconds[name] + (self.warmup_s if self.ran.count((name, False)) == 1
+                                          and not forward_only else 0.0)
+        return [name]
+
+    def megatron(self, **kwargs):
+        return self._run(MEGATRON.name, kwargs.get("forward_only", False))
+
+    def terapipe(self, plan, **kwargs):
+        name = next(n for n, c in CANDIDATES.items() if c.plan == plan)
+        return self._run(name, kwargs.get("forward_only", False))
+
+    def choice(self, candidates, trials=2, **kwargs) -> tuple[MeasuredChoice, object]:
+        choice = MeasuredChoice(candidates, trials, clock=self.clock, log=self.lines.append,
+                                reduce_max=lambda s: s, peak_memory=lambda: None, **kwargs)
+        return choice, choice.wrap(self.megatron, self.terapipe)
+
+
+CANDIDATES = {c.name: c for c in (MEGATRON, FOUR, TWO)}
+CANDIDATES["TeraPipe 1f1b, calibrated"] = TrialCandidate(
+    "TeraPipe 1f1b, calibrated", TeraPipePlan([24, 24, 16]), predicted_s=0.007)
+
+
+def train(forward_backward, iterations: int) -> None:
+    for _ in range(iterations):
+        forward_backward(forward_only=False)
+
+
+def test_rounds_are_interleaved_after_one_uncounted_warm_up():
+    assert trial_rounds(3, 2) == [(0, False), (1, False), (2, False), (0, True), (1, True),
+                                  (2, True), (0, True), (1, True), (2, True)]
+    assert trial_iterations(3, 2) == 9 and trial_iterations(4, 0) == 4
+
+
+def test_the_fastest_measured_wins_and_every_rank_logs_in_the_documented_form():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.012, TWO.name: 0.008}, warmup_s=1.0)
+    choice, forward_backward = fake.choice([MEGATRON, FOUR, TWO])
+    train(forward_backward, 9 + 3)
+    # the prediction said FOUR; the warm-ups (1 s each) did not count
+    assert choice.kept == TWO and [n for n, _ in fake.ran[-3:]] == [TWO.name] * 3
+    assert [n for n, _ in fake.ran[:3]] == [MEGATRON.name, FOUR.name, TWO.name]
+    trials = [TRIAL_LINE.match(line) for line in fake.lines[:3]]
+    assert all(trials), fake.lines
+    assert [(m[1], float(m[2]), float(m[3])) for m in trials] == [
+        (MEGATRON.name, 10.0, 10.0), (FOUR.name, 12.0, 8.0), (TWO.name, 8.0, 9.0)]
+    keep = KEEP_LINE.match(fake.lines[3])
+    assert keep and (keep[1], float(keep[2]), keep[3]) == (TWO.name, 1.25, MEGATRON.name)
+    assert choice.pick.medians == pytest.approx({MEGATRON.name: 0.010, FOUR.name: 0.012,
+                                                 TWO.name: 0.008})
+
+
+@pytest.mark.parametrize("terapipe_s", [0.010, 0.010 * (1 - TIE / 2)])
+def test_ties_go_to_megatrons_schedule(terapipe_s):
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: terapipe_s})
+    choice, forward_backward = fake.choice([FOUR, MEGATRON])  # Megatron's second: no matter
+    train(forward_backward, 6 + 1)
+    assert choice.kept == MEGATRON and fake.ran[-1][0] == MEGATRON.name
+    assert fake.lines[-1] == f"terapipe auto: keeping {MEGATRON.name} (1.00x {MEGATRON.name} measured)"
+
+
+def test_choose_measured_takes_medians():
+    times = {MEGATRON.name: [0.010, 0.010, 0.010], FOUR.name: [0.005, 0.009, 0.050]}
+    pick = choose_measured([MEGATRON, FOUR], times)
+    assert pick.kept == FOUR and pick.speedup == pytest.approx(10 / 9)
+    with pytest.raises(ValueError, match="no candidate was measured"):
+        choose_measured([MEGATRON], {})
+
+
+def test_evaluation_is_untimed_and_runs_megatrons_schedule_during_the_trials():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.005})
+    choice, forward_backward = fake.choice([MEGATRON, FOUR], trials=1)
+    forward_backward(forward_only=False)
+    forward_backward(forward_only=True)
+    assert fake.ran == [(MEGATRON.name, False), (MEGATRON.name, True)]
+    train(forward_backward, 3)
+    assert choice.kept == FOUR and choice.times[MEGATRON.name] == [pytest.approx(0.010)]
+    forward_backward(forward_only=True)
+    assert fake.ran[-1] == (FOUR.name, True)
+
+
+def test_a_run_too_short_for_the_trials_keeps_the_predicted_pick_and_says_so():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.005, TWO.name: 0.001})
+    choice, forward_backward = fake.choice([MEGATRON, FOUR, TWO], iterations_left=lambda: 8)
+    train(forward_backward, 8)
+    assert choice.kept == FOUR and {n for n, _ in fake.ran} == {FOUR.name}  # predicted fastest
+    assert fake.lines == ["terapipe auto: 8 training iterations are fewer than the 9 the trials "
+                          "need (3 candidates x (2 trials + warm-up)): keeping the predicted pick "
+                          "TeraPipe 1f1b"]
+
+
+def test_zero_trials_run_the_predicted_pick_from_the_first_iteration():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.005})
+    choice, forward_backward = fake.choice([MEGATRON, FOUR], trials=0, predicted=MEGATRON.name)
+    train(forward_backward, 3)
+    assert choice.kept == MEGATRON and fake.ran == [(MEGATRON.name, False)] * 3 and not fake.lines
+
+
+def test_a_failing_trial_stops_the_run_naming_the_candidate():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.005}, fail=FOUR.name)
+    _, forward_backward = fake.choice([MEGATRON, FOUR])
+    forward_backward(forward_only=False)
+    with pytest.raises(RuntimeError, match=r"^terapipe auto: trial TeraPipe 1f1b failed "
+                                           r"\(ValueError: planted failure\)"):
+        forward_backward(forward_only=False)
+
+
+def test_a_replanned_candidate_is_tried_beside_the_leader():
+    calibrated = CANDIDATES["TeraPipe 1f1b, calibrated"]
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.008, calibrated.name: 0.006})
+    asked = []
+
+    def replan(measured):
+        asked.append([(c.name, round(s, 6)) for c, s in measured])
+        return calibrated
+
+    choice, forward_backward = fake.choice([MEGATRON, FOUR], replan=replan)
+    train(forward_backward, 6 + 5 + 1)
+    assert asked == [[(MEGATRON.name, 0.010), (FOUR.name, 0.008)]]
+    assert [n for n, _ in fake.ran[6:11]] == [calibrated.name, calibrated.name, FOUR.name,
+                                              calibrated.name, FOUR.name]
+    assert choice.kept == calibrated and fake.ran[-1][0] == calibrated.name
+    assert fake.lines[-1] == (f"terapipe auto: keeping {calibrated.name} (1.67x {MEGATRON.name} "
+                              "measured)")
+
+
+def test_a_replanned_plan_already_tried_is_not_tried_again():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.008})
+    again = TrialCandidate("TeraPipe 1f1b, calibrated", FOUR.plan)
+    choice, forward_backward = fake.choice([MEGATRON, FOUR], replan=lambda measured: again)
+    train(forward_backward, 7)
+    assert choice.kept == FOUR and len(fake.ran) == 7
+
+
+@pytest.mark.parametrize("trials", [-1, 1.5, True])
+def test_bad_trials_and_candidates_are_refused(trials):
+    with pytest.raises(ValueError, match="trials must be a whole number >= 0"):
+        MeasuredChoice([MEGATRON], trials)
+    with pytest.raises(ValueError, match="candidate names must differ"):
+        MeasuredChoice([MEGATRON, MEGATRON])
+    with pytest.raises(ValueError, match="predicted='nope' is none of the candidates"):
+        MeasuredChoice([MEGATRON], predicted="nope")
+
+
+def test_every_rank_keeps_the_same_candidate_by_the_slowest_rank():
+    """Rank 0 measures TeraPipe faster, rank 1 much slower: by the maximum over ranks
+    Megatron's schedule is faster, and both ranks keep it."""
+    kept = spawn(2, "harness.workers:measured_choice_by_rank")
+    assert kept == [("Megatron 1F1B", 0.012), ("Megatron 1F1B", 0.012)]
