@@ -175,7 +175,10 @@ def make_replan(run: RunSettings, inputs: PlannerInputs, chunks: int,
                           key=lambda pair: pair[0])
         if not terapipe:
             return None
-        return replanned(inputs, calibration, terapipe[0][1].plan.order, chunks)
+        extra = replanned(inputs, calibration, terapipe[0][1].plan.order, chunks)
+        if extra is not None and all(extra.plan != c.plan for c, _ in measured):
+            log(plan_lines([extra])[0])
+        return extra
     return replan
 
 
@@ -242,7 +245,17 @@ def measured_choice(run: RunSettings, inputs: PlannerInputs, table: ScheduleTabl
     log(f"> terapipe auto: timing {len(candidates)} schedules on {chunks} model chunk"
         f"{'s' * (chunks > 1)} per stage, {run.terapipe.auto_trials} iterations each after a "
         f"warm-up, in interleaved rounds: {'; '.join(c.name for c in candidates)}")
+    for line in plan_lines(candidates):
+        log(line)
     return choice, Layout(chunks, order)
+
+
+def plan_lines(candidates: Sequence[TrialCandidate]) -> list[str]:
+    """Each candidate's plan, exactly (`terapipe auto plan: <name> = <plan JSON>`, "megatron"
+    for Megatron's schedule): what a script needs to run one of them again."""
+    return [f"terapipe auto plan: {c.name} = " + (
+        '"megatron"' if c.plan is None else json.dumps(c.plan.to_dict(), sort_keys=True))
+        for c in candidates]
 
 
 def _iterations_left() -> Optional[int]:
