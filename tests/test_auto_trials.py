@@ -6,8 +6,11 @@ test_measured_choice.py; through Megatron-LM's pretrain_gpt.py: the slow matrix.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.args.auto_schedule import predicted_choice
 from megatron_terapipe.megatron.args.auto_trials import (SHORTLIST, calibration_path,
                                                          load_calibration, make_replan,
@@ -47,9 +50,15 @@ def test_the_shortlist_holds_megatrons_schedule_and_terapipes_plans_that_fit():
             assert inputs.budget.fits(inputs.space.simulate(c.plan, inputs.cost_model)
                                       .peak_memory_bytes), c.name
     assert choice.predicted.name == predicted.choice.chosen.name
-    assert lines[-1] == (f"> terapipe auto: timing {len(names)} schedules on {layout.chunks} "
-                         f"model chunk{'s' * (layout.chunks > 1)} per stage, 2 iterations each "
-                         f"after a warm-up, in interleaved rounds: {'; '.join(names)}")
+    timing = len(names) + 1  # the timing line, then each candidate's plan, exactly
+    assert lines[-timing] == (f"> terapipe auto: timing {len(names)} schedules on "
+                              f"{layout.chunks} model chunk{'s' * (layout.chunks > 1)} per "
+                              "stage, 2 iterations each after a warm-up, in interleaved "
+                              f"rounds: {'; '.join(names)}")
+    for line, c in zip(lines[-len(names):], choice.candidates):
+        name, text = line.removeprefix("terapipe auto plan: ").split(" = ")
+        plan = None if text == '"megatron"' else TeraPipePlan.from_dict(json.loads(text))
+        assert (name, plan) == (c.name, c.plan)
 
 
 def test_auto_chooses_within_the_virtual_stages_the_flags_fix():
