@@ -32,6 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent))  # this checkout's package, as the runs it launches import
 from provenance import provenance, script_command  # noqa: E402
 
 TRIAL = re.compile(r"^terapipe auto: trial (.+): ([0-9.]+) ms measured, (.+) predicted$", re.M)
