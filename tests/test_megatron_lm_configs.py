@@ -7,7 +7,8 @@ Megatron's own schedule at every iteration and the same validation loss (relativ
 rows 1e-3), or
 stops before its first iteration with TeraPipe's argument error naming the flag and the way
 out; two runs with the planner's own plans, whose W actions it places; and one with edge
-slicing by hand (--terapipe-edge-slices). Runs only with a
+slicing by hand (--terapipe-edge-slices); and two with --pipeline-schedule auto, whose trials
+switch schedules between iterations, over 24 iterations. Runs only with a
 Megatron-LM checkout (`MEGATRON_LM_PATH`, core_v0.16.1, core_v0.17.1, core_v0.18.2 or
 core_v0.19.0) and `triton` + `pybind11` installed; marked `slow`. docs/megatron-lm.md has the table of
 results.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -249,3 +251,39 @@ def test_terapipe_refuses_before_training(config, flag, megatron_trains):
         theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
                           free_port())
         assert theirs.returncode == 0 and len(theirs.iterations) == 3, theirs.log[-4000:]
+
+
+#: --pipeline-schedule auto that measures: its trials switch schedules between iterations
+#: (Megatron's among them) and it keeps one; every iteration's loss and grad norm equal to a
+#: plain 1f1b run's. 24 iterations hold the trials (at most 5 candidates x 3, and 5 for the
+#: re-planned one).
+AUTO = [
+    Config("auto, 8 microbatches", 2, ("--global-batch-size", "8", "--terapipe-hardware", "h100")),
+    Config("auto within virtual stages (PP=2 x V=2), 8 microbatches", 2, (
+        "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
+        "--global-batch-size", "8", "--terapipe-hardware", "h100"),
+           log_has=("Megatron interleaved, 2 chunks",)),
+]
+AUTO_ITERATIONS = 24
+TRIAL_LINE = re.compile(r"^terapipe auto: trial (.+): [0-9.]+ ms measured, .+ predicted$", re.M)
+
+
+@pytest.mark.parametrize("config", AUTO, ids=[c.name for c in AUTO])
+def test_auto_trials_train_as_1f1b(config):
+    ours = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "auto"],
+                    free_port(), iterations=AUTO_ITERATIONS)
+    assert ours.returncode == 0, ours.log[-4000:]
+    tried = set(TRIAL_LINE.findall(ours.log))
+    assert len(tried) >= 2 and any(name.startswith("Megatron") for name in tried), tried
+    kept = re.findall(r"^terapipe auto: keeping (.+) \([0-9.]+x Megatron", ours.log, re.M)
+    assert len(kept) == 1 and kept[0] in tried, ours.log[-4000:]
+    for text in config.log_has:
+        assert text in ours.log, ours.log[-4000:]
+    theirs = pretrain(CHECKOUT, config.nproc, [*config.flags, "--pipeline-schedule", "1f1b"],
+                      free_port(), iterations=AUTO_ITERATIONS)
+    assert theirs.returncode == 0, theirs.log[-4000:]
+    assert [i for i, _, _ in ours.iterations] == list(range(1, AUTO_ITERATIONS + 1))
+    for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
+        assert loss == pytest.approx(ref_loss, rel=config.rel), f"iteration {i} loss"
+        assert norm == pytest.approx(ref_norm, rel=config.rel), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=config.rel)
