@@ -5,11 +5,13 @@ Megatron's, and does it train as a plain 1f1b run?
 For each microbatch count and cost model (the default; deliberately wrong ones: the analytic
 H100 on this CPU, and this model's measured layer profile scaled 3x), one auto run through the
 launcher (`--terapipe-cpu --pipeline-schedule auto`, 2 stages) logs its shortlist, each trial
-and the kept schedule. Then every candidate of every auto run of that microbatch count is
+and the kept schedule (and each candidate's plan). Then every candidate of every auto run of that microbatch count is
 timed alone (benchmarks/auto_alone.py: the shortlist replaced by that one candidate, its
 median over --trials iterations after one warm-up), in --rounds interleaved rounds; a
 candidate's alone time is the median of its rounds. A plain `--pipeline-schedule 1f1b` run
-gives the losses and grad norms the auto run must log (rel 1e-5).
+gives the losses and grad norms the auto run must log (rel 1e-5). Per auto run: the kept
+schedule's alone time over the fastest of that run's own candidates alone, over the fastest of
+all candidates alone, and over Megatron's 1F1B alone.
 
     python benchmarks/bench_auto.py --checkout MEGATRON_LM [--layers 2] [--rounds 7]
 
@@ -163,10 +165,13 @@ def summarise(microbatches, runs, candidates, times, plain) -> dict:
     for run in runs:
         kept_plan = run["plans"].get(run["kept"])
         kept_s = alone_s.get(kept_plan)
+        own = {name: alone_s[plan] for name, plan in run["plans"].items()}
+        fastest_own = min(own.values())
         worst = max((max(abs(a[1] - b[1]) / abs(b[1]), abs(a[2] - b[2]) / abs(b[2]))
                      for a, b in zip(run["iterations"], plain)), default=None)
         rows.append({**{k: run[k] for k in ("cost_model", "shortlist", "trials", "kept")},
-                     "kept_alone_s": kept_s,
+                     "own_candidates_alone_s": own, "kept_alone_s": kept_s,
+                     "kept_over_fastest_own_alone": kept_s / fastest_own if kept_s else None,
                      "kept_over_fastest_alone": kept_s / fastest if kept_s else None,
                      "kept_over_megatron_alone": kept_s / megatron if kept_s and megatron
                      else None,
@@ -202,7 +207,8 @@ def main(argv=None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps([{"microbatches": c["microbatches"], "runs": [
-        {k: r[k] for k in ("cost_model", "kept", "kept_over_fastest_alone",
+        {k: r[k] for k in ("cost_model", "kept", "kept_over_fastest_own_alone",
+                           "kept_over_fastest_alone",
                            "kept_over_megatron_alone", "worst_loss_or_norm_rel_to_1f1b")}
         for r in c["runs"]]} for c in cases], indent=1))
     return 0

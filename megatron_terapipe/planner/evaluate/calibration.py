@@ -41,6 +41,11 @@ from .simulator import HostFloor, schedule_time
 
 __all__ = ["CalibratedCostModel", "Calibration", "Trial", "fit_calibration"]
 
+#: A negative overhead takes at most this share off a cell's scaled time: fitted on the trials'
+#: cells, it would otherwise price much shorter cells at nothing, and the re-planned plan then
+#: cuts sequences into as many slices as the grid allows (measured on CPU with a profile scaled
+#: 3x: such a plan ran twice as long as the best, benchmarks/results/megatron_lm/auto.json).
+MIN_CELL_SHARE = 0.5
 _SCALE_BOUNDS = (1e-4, 1e4)  # an analytic GPU preset on a CPU is 100x off
 _STEP_OVERHEAD = 1e-6  # seconds: the finite difference for d(time)/d(per_cell_s)
 _STEP_SCALE = 1e-4
@@ -48,7 +53,8 @@ _STEP_SCALE = 1e-4
 
 class CalibratedCostModel(CostModel):
     """`base` with `scale` on every compute time and `per_cell_s` added to each cell's forward
-    and backward (never below zero); transfers and memory as `base` has them. Other attributes
+    and backward (never below MIN_CELL_SHARE of the scaled time); transfers and memory as
+    `base` has them. Other attributes
     (layers_per_stage, model, recompute, ...) are the base model's."""
 
     def __init__(self, base: CostModel, per_cell_s: float = 0.0, scale: float = 1.0):
@@ -68,7 +74,8 @@ class CalibratedCostModel(CostModel):
         return self.per_cell_s + self.scale * float(getattr(self.base, "per_action_s", 0.0))
 
     def _cell(self, seconds):
-        return scalar_or_array(np.maximum(0.0, self.scale * np.asarray(seconds) + self.per_cell_s))
+        scaled = self.scale * np.asarray(seconds, dtype=np.float64)
+        return scalar_or_array(np.maximum(MIN_CELL_SHARE * scaled, scaled + self.per_cell_s))
 
     def _scaled(self, seconds):
         return scalar_or_array(self.scale * np.asarray(seconds, dtype=np.float64))
