@@ -55,10 +55,15 @@ def test_chunks_that_do_not_divide_a_stage_are_refused():
         validate_terapipe_args(args)
 
 
-def test_auto_chooses_the_chunks_itself():
-    args = parse(["--pipeline-schedule", "auto"], **VPP)
-    with pytest.raises(TeraPipeArgumentError, match="--num-virtual-stages-per-pipeline-rank"):
-        validate_terapipe_args(args)
+def test_auto_chooses_within_the_chunks_the_flags_fix():
+    """Virtual-stage flags fix auto's layout: it is accepted, and every row of its table is on
+    those chunks (tests/test_auto_trials.py checks the trials' shortlist)."""
+    from megatron_terapipe.megatron.args.auto_schedule import schedule_table
+
+    run = validate_terapipe_args(parse(["--pipeline-schedule", "auto"], **VPP))
+    chunks = run.support.virtual_stages
+    table, _ = schedule_table(run)
+    assert chunks > 1 and {o.num_chunks for o in table.options} == {chunks}
 
 
 GROUP = "--microbatch-group-size-per-virtual-pipeline-stage"
