@@ -164,19 +164,25 @@ def test_plans_at_the_first_iteration_fit_the_budget():
         plan_and_report(parse(argv + ["--terapipe-num-slices", "1"], **shape), 2048, 2)
 
 
+def gpt3_13b_auto_args(monkeypatch):
+    """gpt3-13b on 8 stages x TP 8 (8 GPUs a node) with --sequence-parallel, 32 sequences of
+    8192 tokens, auto within 20 GiB on the analytic H100 model."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    return parse(["--pipeline-schedule", "auto", "--terapipe-hardware", "h100",
+                  "--terapipe-memory-budget", "20GiB"],
+                 num_layers=40, hidden_size=5120, num_attention_heads=40, vocab_size=50257,
+                 seq_length=8192, micro_batch_size=1, global_batch_size=32, bf16=True,
+                 pipeline_model_parallel_size=8, tensor_model_parallel_size=8, world_size=64,
+                 sequence_parallel=True)
+
+
 def test_auto_chooses_terapipe_on_5_chunks_for_gpt3_13b_with_sequence_parallelism(monkeypatch):
     """The issue-34 question from Megatron-LM's flags (gpt3-13b, 8 stages x TP 8 with
     --sequence-parallel, 32 sequences of 8192 tokens, 20 GiB, the analytic H100 model): auto
     offers TeraPipe on every chunk count up to 8 and runs the W-placed plan on 5 chunks that
     terapipe-plan prints for the same run (benchmarks/results/planner/virtual_stages_sequence_parallel.json),
     writing the chunks into Megatron's virtual pipeline flags."""
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    args = parse(["--pipeline-schedule", "auto", "--terapipe-hardware", "h100",
-                  "--terapipe-memory-budget", "20GiB"],
-                 num_layers=40, hidden_size=5120, num_attention_heads=40, vocab_size=50257,
-                 seq_length=8192, micro_batch_size=1, global_batch_size=32, bf16=True,
-                 pipeline_model_parallel_size=8, tensor_model_parallel_size=8, world_size=64,
-                 sequence_parallel=True)
+    args = gpt3_13b_auto_args(monkeypatch)
     choice = resolve_auto_schedule(RunSettings.from_args(args), log=lambda line: None)
     assert choice.chosen.name == "TeraPipe 1f1b, 5 chunks" and choice.chosen.fits
     assert choice.chosen.plan.wgrad_after  # W placed

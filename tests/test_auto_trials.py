@@ -20,7 +20,7 @@ from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.hooks.measured_choice import MEGATRON
 from megatron_terapipe.planner.evaluate.calibration import CalibratedCostModel
 from test_arguments import parse
-from test_auto_schedule_flags import AUTO, SHAPE
+from test_auto_schedule_flags import AUTO, SHAPE, gpt3_13b_auto_args
 
 
 def choice_for(argv, **shape):
@@ -115,13 +115,7 @@ def test_auto_says_when_it_builds_the_model_in_chunks(monkeypatch, capsys):
     from megatron_terapipe.megatron.hooks import install, selection
     from megatron_terapipe.megatron.wiring import setup_from_args
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    args = parse(["--pipeline-schedule", "auto", "--terapipe-hardware", "h100",
-                  "--terapipe-memory-budget", "20GiB"],
-                 num_layers=40, hidden_size=5120, num_attention_heads=40, vocab_size=50257,
-                 seq_length=8192, micro_batch_size=1, global_batch_size=32, bf16=True,
-                 pipeline_model_parallel_size=8, tensor_model_parallel_size=8, world_size=64,
-                 sequence_parallel=True)
+    args = gpt3_13b_auto_args(monkeypatch)
     try:
         setup_from_args(args)
         assert args.virtual_pipeline_model_parallel_size == 5
