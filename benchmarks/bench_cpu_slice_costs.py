@@ -12,7 +12,7 @@ seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one wa
    bottom-right causal flag, so a masked call computes every block of the query x key
    rectangle, the masked triangle included; the slice attention's CPU path before 2026-11-29
    and still where there is dropout), and `prefix`, the prefix and the slice's own causal
-   block merged by log-sum-exps (runtime/prefix_attention.py: what it computes on CPU now).
+   block merged by log-sum-exps (runtime/attention/cpu_prefix.py: what it computes on CPU now).
 2. One slice over its prefix (twice or three times its length), forward + backward, masked
    against split, by the slice's length: where the split pays (prefix_attention.py,
    SPLIT_ABOVE_TOKENS).
@@ -54,8 +54,8 @@ def attention_ms(seq: int, hidden: int, heads: int, slices: int, repeats: int,
     import torch
     import torch.nn.functional as F
 
-    from megatron_terapipe.runtime.attention import _lower_right_mask
-    from megatron_terapipe.runtime.prefix_attention import prefix_causal_attention
+    from megatron_terapipe.runtime.attention.slice_attention import _lower_right_mask
+    from megatron_terapipe.runtime.attention.cpu_prefix import prefix_causal_attention
 
     d, sq = hidden // heads, seq // slices
     k, v = (torch.randn(1, heads, seq, d) for _ in range(2))
@@ -93,8 +93,8 @@ def split_against_mask(heads: int, head_dim: int, repeats: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from megatron_terapipe.runtime.attention import _lower_right_mask
-    from megatron_terapipe.runtime.prefix_attention import prefix_causal_attention
+    from megatron_terapipe.runtime.attention.slice_attention import _lower_right_mask
+    from megatron_terapipe.runtime.attention.cpu_prefix import prefix_causal_attention
 
     rows = []
     for queries in (128, 256, 384, 512, 640, 768, 1024):

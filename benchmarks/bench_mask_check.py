@@ -38,7 +38,7 @@ def one_microbatch_ms(seq_length: int, slices: int, repeats: int) -> float:
     from megatron_terapipe import TeraPipePlan
     from megatron_terapipe.megatron.hooks.lm_cells import CellBatches
     from megatron_terapipe.runtime.batching import CellData
-    from megatron_terapipe.runtime.buffer_pool import BufferPool
+    from megatron_terapipe.runtime.memory.buffer_pool import BufferPool
     from megatron_terapipe.schedule import microbatch_cells
 
     torch.set_num_threads(1)

@@ -50,7 +50,7 @@ class Row:
 
     def holds_loss(self, pp_rank: int, num_stages: int) -> bool:
         """Whether pipeline rank `pp_rank` reports the row's losses (a V's: rank 0)."""
-        from megatron_terapipe.schedule.placement import loss_stage
+        from megatron_terapipe.schedule.routes import loss_stage
 
         return pp_rank == (num_stages - 1 if self.plan is None else
                            loss_stage(self.plan, num_stages))

@@ -7,7 +7,7 @@
 """
 
 from .plan import TeraPipePlan
-from .plan_table import PlanTable
+from .plan import PlanTable
 from .schedule import Action
 from .schedule import Cell
 from .schedule import Schedule
@@ -47,7 +47,7 @@ _LAZY = {
     "select": "megatron.hooks.selection", "TeraPipeConfig": "megatron.hooks.selection",
     "install_hooks": "megatron.launch",
     "measure_layer_times": "megatron.measure.layers",
-    "TorchNorm": "megatron.hooks.spec", "get_gpt_decoder_block_spec": "megatron.hooks.spec",
+    "TorchNorm": "megatron.platform.torch_norm", "get_gpt_decoder_block_spec": "megatron.hooks.spec",
     "get_gpt_layer_spec": "megatron.hooks.spec",
     "place_in_v": "megatron.hooks.v_chunks", "v_chunk_roles": "megatron.hooks.v_chunks",
     "MeasuredChoice": "megatron.hooks.measured_choice",
@@ -68,6 +68,7 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "Action",

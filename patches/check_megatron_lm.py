@@ -198,7 +198,7 @@ def _model(opts: argparse.Namespace):
     from megatron.core import parallel_state, tensor_parallel
     from model_provider import model_provider
 
-    from megatron_terapipe.runtime.attention import SliceAttention
+    from megatron_terapipe.runtime.attention.slice_attention import SliceAttention
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(opts.tp, opts.pp)

@@ -15,12 +15,12 @@ from megatron_terapipe.planner import FunctionCostModel, chrome_trace, simulate
 from megatron_terapipe.runtime.batching import CellData
 from megatron_terapipe.runtime.executor import StageExecutor, StageModel, StageOptions
 from megatron_terapipe.runtime.trace import RunRecord, gather_trace
-from megatron_terapipe.runtime.transport import Transport
+from megatron_terapipe.runtime.comm.transport import Transport
 from megatron_terapipe.schedule import (
     Action, ActionKind, Lowering, ScheduleError, TimedAction, build_interleaved_schedule,
     build_lowered_schedule, build_schedule, cells_by_name, dump_schedule, format_action,
     load_schedule, lower, parse_action)
-from megatron_terapipe.schedule.grid import format_grid
+from megatron_terapipe.schedule.validate import format_grid
 
 GLOO = Lowering(post_receives_early=True)
 MEGATRON = Lowering(fuse_send_recv=True)
@@ -52,7 +52,7 @@ def test_chunk_cells_of_the_interleaved_schedule_round_trip():
     schedule = build_interleaved_schedule(64, 4, 2, 2, 1)
     cells = cells_by_name(a.cell for actions in schedule.stages for a in actions)
     assert set(cells) == {f"m{m}c{c}" for m in range(4) for c in range(2)}
-    lowered = [a for actions in schedule.lowered() for a in actions]
+    lowered = [a for actions in schedule.build() for a in actions]
     assert {a.kind for a in lowered} >= {ActionKind.F, ActionKind.B, ActionKind.SEND_F,
                                          ActionKind.RECV_B}
     for a in lowered:

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
+from megatron_terapipe.megatron.platform import compat_moe
 from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
 from megatron_terapipe.megatron.args import planning
@@ -16,7 +17,6 @@ from megatron_terapipe.megatron.args.plan_report import PlanReport
 from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, profile_cache_path
 from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.hooks import moe_losses
 from megatron_terapipe.megatron.wiring import setup_from_args
 from harness import spawn
 
@@ -134,7 +134,7 @@ def test_dropless_moe_is_accepted():
     exact (hooks/moe_losses.py) on this megatron-core line."""
     for extra in ({}, dict(moe_aux_loss_coeff=0.0), dict(moe_router_enable_expert_bias=True),
                   dict(moe_aux_loss_coeff=0.5, moe_router_load_balancing_type="none"),
-                  *(MOE_LOSSES if moe_losses.line_problem() is None else [])):
+                  *(MOE_LOSSES if compat_moe.line_problem() is None else [])):
         validate_terapipe_args(parse(["--pipeline-schedule", "terapipe"], num_experts=8, **extra))
 
 

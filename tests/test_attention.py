@@ -4,9 +4,9 @@ of one slice without K/V buffers."""
 import torch
 import torch.nn.functional as F
 
-from megatron_terapipe.runtime.attention import _lower_right_mask
+from megatron_terapipe.runtime.attention.slice_attention import _lower_right_mask
 from megatron_terapipe.runtime.context import running_cell
-from megatron_terapipe.runtime.kv_cache import KVCache
+from megatron_terapipe.runtime.attention.kv_cache import KVCache
 from megatron_terapipe.schedule import Cell
 
 
@@ -49,7 +49,7 @@ def test_a_sequence_of_one_slice_takes_no_k_v_buffer_and_two_slices_agree():
     same sequence in two slices goes through the buffers and gets the same."""
     from types import SimpleNamespace
 
-    from megatron_terapipe.runtime.attention import SliceAttention
+    from megatron_terapipe.runtime.attention.slice_attention import SliceAttention
 
     torch.manual_seed(0)
     attention = SliceAttention(SimpleNamespace(kv_channels=8, attention_dropout=0.0), 1)

@@ -11,8 +11,8 @@ import pytest
 
 from harness.config_reads import config_fields_read, config_refusal
 from megatron_terapipe import TeraPipePlan, configure
+from megatron_terapipe.megatron.platform import compat_moe
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.hooks import moe_losses
 from test_arguments import parse
 
 # (Megatron-LM flags as the namespace holds them, the same as TransformerConfig fields, the
@@ -108,7 +108,7 @@ def test_the_defaults_run():
                                  qk_clip=False, log_max_attention_logit=False, window_size=None,
                                  fine_grained_activation_offloading=False))
     configure(_config(), TeraPipePlan([8, 8]))
-    if moe_losses.line_problem() is None:  # expert bias: token counts only
+    if compat_moe.line_problem() is None:  # expert bias: token counts only
         validate_terapipe_args(parse(["--pipeline-schedule", "terapipe"], num_experts=4,
                                      moe_router_enable_expert_bias=True,
                                      moe_router_load_balancing_type="none"))
@@ -167,7 +167,7 @@ def test_every_field_megatrons_attention_reads_is_accounted_for():
     assert core and around, "the pattern no longer finds config reads"
     unknown = core - set(CORE_COMPUTED) - KERNEL_OR_PRECISION - refused
     assert not unknown, (f"megatron-core's DotProductAttention reads {sorted(unknown)}: compute "
-                         "them in runtime/attention.py or refuse them (hooks/rules.py)")
+                         "them in runtime/attention/slice_attention.py or refuse them (hooks/rules.py)")
     unknown = around - PER_TOKEN - set(ELSEWHERE) - refused
     assert not unknown, (f"megatron-core's self-attention reads {sorted(unknown)}: say what a "
                          "token slice does with them, or refuse them (hooks/rules.py)")

@@ -6,7 +6,7 @@ import torch
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.runtime.batching import (CausalCut, CellData, check_causal_mask,
                                                 is_plain_causal, plain_causal_mask, slice_batch)
-from megatron_terapipe.runtime.buffer_pool import BufferPool
+from megatron_terapipe.runtime.memory.buffer_pool import BufferPool
 from megatron_terapipe.schedule import microbatch_cells
 
 

@@ -85,7 +85,7 @@ def test_layer_submodules_of_a_module_spec_and_of_a_partial():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_terapipe.megatron.hooks.spec import with_slice_attention
-    from megatron_terapipe.runtime.attention import SliceAttention
+    from megatron_terapipe.runtime.attention.slice_attention import SliceAttention
 
     spec = get_gpt_layer_local_spec()
     assert compat.layer_submodules(spec) is spec.submodules

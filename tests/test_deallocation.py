@@ -16,7 +16,7 @@ from harness import spawn
 from megatron_terapipe import TeraPipePlan, build_schedule
 from megatron_terapipe.runtime.batching import CellData
 from megatron_terapipe.runtime.executor import StageExecutor, StageModel, StageOptions
-from megatron_terapipe.runtime.transport import Transport
+from megatron_terapipe.runtime.comm.transport import Transport
 
 HIDDEN, ROWS, SEQ = 8, 2, 8
 

@@ -12,7 +12,7 @@ from megatron_terapipe.runtime.wgrad.deferral import detached, hand_over
 from megatron_terapipe.runtime.wgrad.embedding import defer_embedding
 from megatron_terapipe.runtime.wgrad.linear import BiasGradPiece, deferred_bias
 from megatron_terapipe.runtime.wgrad.norm import NormPiece, defer_norm
-from megatron_terapipe.runtime.kv_cache import KVCache
+from megatron_terapipe.runtime.attention.kv_cache import KVCache
 from megatron_terapipe.runtime.wgrad.store import WeightGradPiece, WeightGradStore, deliver
 from megatron_terapipe.schedule import Cell
 

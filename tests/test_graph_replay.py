@@ -1,4 +1,4 @@
-"""CUDA graphs per compute action replay the right numbers (runtime/graphs/replay_graph.py, on CPU).
+"""CUDA graphs per compute action replay the right numbers (runtime/graphs/cpu_graph.py, on CPU).
 
 A `ReplayGraph` replays like a CUDA graph: the captured ops again, on the captured storages,
 with no Python. Training with `configure(..., cuda_graphs=True, graph_factory=ReplayGraph)`
@@ -22,7 +22,7 @@ import torch
 from harness import spawn
 from harness.replay_runs import ReplayRun
 from megatron_terapipe.runtime.graphs.cell_graphs import CellGraphs
-from megatron_terapipe.runtime.graphs.replay_graph import ReplayGraph
+from megatron_terapipe.runtime.graphs.cpu_graph import ReplayGraph
 
 
 def test_replay_redoes_the_ops_on_the_captured_storages():

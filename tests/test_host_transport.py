@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness import spawn
-from megatron_terapipe.runtime.transport import HostBuffers
+from megatron_terapipe.runtime.comm.transport import HostBuffers
 
 
 def test_the_host_transport_moves_messages_both_ways():

@@ -25,7 +25,7 @@ import pytest
 
 from harness.megatron_lm import pretrain
 from harness.spawn import free_port
-from megatron_terapipe.megatron.hooks import moe_losses
+from megatron_terapipe.megatron.platform import compat_moe
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 
@@ -146,7 +146,7 @@ MOE_LOSSES = [
              "z_loss"), log_has=(">   virtual stages ............ 2 model chunks per stage",)),
      "--moe-aux-loss-coeff"),
 ]
-if moe_losses.line_problem() is None:
+if compat_moe.line_problem() is None:
     EQUAL += [config for config, _ in MOE_LOSSES]
 
 #: (configuration, what TeraPipe's error must say, whether Megatron's 1f1b trains it on CPU:
@@ -165,7 +165,7 @@ REFUSED = [
     # an attention sink: Megatron's core attention adds a learned offset to the softmax
     (Config("attention sink", 2, ("--softmax-type", "learnable")), "--softmax-type learnable", True),
 ]
-if moe_losses.line_problem() is not None:
+if compat_moe.line_problem() is not None:
     REFUSED += [(config, flag, True) for config, flag in MOE_LOSSES]
 
 

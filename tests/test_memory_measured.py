@@ -27,7 +27,7 @@ from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 from megatron_terapipe.planner.memory_search import search_within_budget
 from megatron_terapipe.planner.search import SearchSpace, search
 from megatron_terapipe.schedule import build_schedule
-from megatron_terapipe.schedule.wgrad_places import default_places
+from megatron_terapipe.schedule.build import default_places
 
 #: 4 stages repeat the 2-stage property on more stages (slow: .ci/run runs them).
 STAGES = [2, pytest.param(4, marks=pytest.mark.slow)]

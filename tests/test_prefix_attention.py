@@ -1,4 +1,4 @@
-"""CPU prefix attention (runtime/prefix_attention.py): a slice's attention over its cached
+"""CPU prefix attention (runtime/attention/cpu_prefix.py): a slice's attention over its cached
 prefix as two flash blocks merged by log-sum-exps equals SDPA with the bottom-right causal
 mask, in output and in every input's gradient; the slice attention takes it on CPU for long
 slices without dropout, the masked call otherwise."""
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import megatron_terapipe.runtime.attention as attention_module
-import megatron_terapipe.runtime.prefix_attention as prefix_attention
-from megatron_terapipe.runtime.attention import SliceAttention, _lower_right_mask
+import megatron_terapipe.runtime.attention.slice_attention as attention_module
+import megatron_terapipe.runtime.attention.cpu_prefix as prefix_attention
+from megatron_terapipe.runtime.attention.slice_attention import SliceAttention, _lower_right_mask
 from megatron_terapipe.runtime.context import running_cell
-from megatron_terapipe.runtime.kv_cache import KVCache
-from megatron_terapipe.runtime.prefix_attention import (prefix_attention_available,
+from megatron_terapipe.runtime.attention.kv_cache import KVCache
+from megatron_terapipe.runtime.attention.cpu_prefix import (prefix_attention_available,
                                                         prefix_causal_attention)
 from megatron_terapipe.schedule import Cell
 

@@ -23,7 +23,7 @@ import pytest
 from harness import spawn
 from harness.moe_runs import MoECase, MoEGPT, check_moe_case
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.hooks import moe_losses
+from megatron_terapipe.megatron.platform import compat_moe
 from test_random_edge_slices import draw_edge_plan
 from test_random_virtual_runs import RUNS, SEED, SEQ, _composition, w_places
 
@@ -87,7 +87,7 @@ CASES_2 = random_cases(2, max(1, RUNS // 2), SEED)
 CASES_4 = random_cases(4, max(1, RUNS // 3), SEED)
 
 #: The runs need a megatron-core line whose router TeraPipe reproduces (test_moe_losses.py).
-pytestmark = pytest.mark.skipif(moe_losses.line_problem() is not None,
+pytestmark = pytest.mark.skipif(compat_moe.line_problem() is not None,
                                 reason="TeraPipe refuses MoE router losses on this megatron-core")
 
 

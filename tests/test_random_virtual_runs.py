@@ -31,7 +31,7 @@ from harness.virtual_runs import VirtualCase
 from megatron_terapipe import TeraPipePlan, build_schedule, validate
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
 from megatron_terapipe.schedule.build import allowed_group
-from megatron_terapipe.schedule.wgrad_places import default_places
+from megatron_terapipe.schedule.build import default_places
 
 SEED = int(os.environ.get("TERAPIPE_RANDOM_SEED", "2026"))
 RUNS = int(os.environ.get("TERAPIPE_RANDOM_RUNS", "12"))

@@ -145,7 +145,7 @@ def test_schedule_errors_show_the_grid_with_the_failing_step_marked():
 
 
 def test_long_schedules_show_the_rows_around_the_mark():
-    from megatron_terapipe.schedule.grid import format_grid
+    from megatron_terapipe.schedule.validate import format_grid
 
     schedule = build_schedule(TeraPipePlan([1] * 40, order="gpipe", defer_wgrad=False), 1, 2, 1)
     text = format_grid(schedule.stages, (0, 50)).splitlines()

@@ -21,8 +21,8 @@ HONOURED = ("autocast_dtype", "enable_autocast", "barrier_with_L1_time", "batch_
 NO_EFFECT = {
     "param_sync_func": "Megatron DDP's forward pre-hook starts a bucket's parameter all-gather "
                        "itself when no schedule did (finish_param_sync): only the overlap differs",
-    "overlap_p2p_comm": "TeraPipe's sends never block (runtime/transport.py)",
-    "overlap_p2p_comm_warmup_flush": "TeraPipe's sends never block (runtime/transport.py)",
+    "overlap_p2p_comm": "TeraPipe's sends never block (runtime/comm/transport.py)",
+    "overlap_p2p_comm_warmup_flush": "TeraPipe's sends never block (runtime/comm/transport.py)",
     "cuda_graph_scope": "only with cuda_graph_impl, which is refused",
     "mtp_grad_scale_func": "only with mtp_num_layers, which is refused",
     "experimental_attention_variant_loss_scale_func": "only with experimental_attention_variant, "

@@ -1,4 +1,4 @@
-"""Model chunks in a V (TeraPipePlan.virtual_placement "v"; schedule/placement.py, v_order.py):
+"""Model chunks in a V (TeraPipePlan.virtual_placement "v"; schedule/routes.py, v_order.py):
 rank k holds virtual stages k and 2K - 1 - k. Its schedules validate (deadlock-free, every
 message paired) on every small shape; messages go down the ranks on chunk 0 and back up on
 chunk 1, with no message at the turn; it runs the same work as the ring with both edges on
@@ -24,7 +24,7 @@ from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
 from megatron_terapipe.runtime.executor import StageExecutor
-from megatron_terapipe.runtime.transport import Transport
+from megatron_terapipe.runtime.comm.transport import Transport
 from megatron_terapipe.schedule.lower import lower
 
 BIG = AnalyticCostModel(model_preset("gpt3-13b"), hardware_preset("h100"), layers_per_stage=5,

@@ -24,7 +24,7 @@ from megatron_terapipe.planner.search import SearchSpace
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.virtual_search import search_virtual
 from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
-from megatron_terapipe.schedule.wgrad_places import default_places
+from megatron_terapipe.schedule.build import default_places
 
 COST = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"), layers_per_stage=6,
                          tensor_parallel=2)

@@ -37,7 +37,6 @@ class PlannerInputs:
     busiest_layers: Optional[int] = None
     _searches: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-
     @property
     def layers_per_stage(self) -> int:
         return priced_layers(self.model, self.space.num_stages, self.busiest_layers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
-from ..schedule.trace_events import action_events, chrome_trace_of, write_trace
+from ..schedule.files import action_events, chrome_trace_of, write_trace
 from .evaluate.simulator import SimulationResult
 
 PathLike = Union[str, Path]
@@ -28,7 +28,7 @@ def short_plan_text(plan, limit: int = 110) -> str:
 
 def chrome_trace(result: SimulationResult) -> dict:
     """Trace events: one process per stage, one complete event ('X') per action, memory counters
-    (schedule/trace_events.py, the writer of measured traces too). Times are microseconds."""
+    (schedule/files.py, the writer of measured traces too). Times are microseconds."""
     counters = [{"name": "memory (MiB)", "ph": "C", "pid": k, "tid": 0, "ts": p.time * 1e6,
                  "args": {"activations": p.activation_bytes / 2 ** 20, "kv": p.kv_bytes / 2 ** 20}}
                 for k, points in enumerate(result.memory) for p in points]

@@ -27,9 +27,9 @@ from typing import Optional, Sequence
 from ..plan import TeraPipePlan
 from ..schedule import Action, Schedule, TimedAction, build_schedule
 from ..schedule.actions import peer_cell
-from ..schedule.placement import message_peer
+from ..schedule.routes import message_peer
 from ..schedule.lower import message_ends
-from ..schedule.wgrad_places import default_places
+from ..schedule.build import default_places
 from .cost.cost_model import CostModel
 from .cost.recompute_memory import memory_of
 from .cost.stage_memory import MemoryBudget, StageMemory

@@ -7,7 +7,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..schedule import Cell
-from .buffer_pool import BufferPool
+from .memory.buffer_pool import BufferPool
 
 
 def slice_tensor(x: Any, cell: Cell, seq_length: int, micro_batch_size: int) -> Any:

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..schedule import Action, Cell, format_action
-from .kv_cache import KVCache
+from .attention.kv_cache import KVCache
 from .wgrad.store import WeightGradStore
 
 

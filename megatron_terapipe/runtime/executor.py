@@ -12,24 +12,24 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..schedule import (Action, Cell, LoweredSchedule, Schedule, TimedAction, format_action,
                         opposite)
 from ..schedule.actions import last_virtual_stage
-from ..schedule.placement import hands_over_locally, message_route, turned_cell
+from ..schedule.routes import hands_over_locally, message_route, turned_cell
 from .batching import CellData
-from .buffer_pool import BufferPool
+from .memory.buffer_pool import BufferPool
 from .context import current_action_or_outside, running_action, running_cell
-from .grad_sync import GradSync, SyncFunc
+from .comm.grad_sync import GradSync, SyncFunc
 from .graphs.cell_graphs import CellGraphs
-from .kv_cache import KVCache
+from .attention.kv_cache import KVCache
 from .loss import LossBook
 from .stage_setup import check_v_shape, lowered_for, per_chunk
 from .trace import RunRecord
-from .transport import Transport
+from .comm.transport import Transport
 from .wgrad.store import WeightGradStore
 
 
@@ -67,7 +67,7 @@ class StageExecutor:
     the RunRecord in `record`.
 
     `schedule`: the schedule already validated and lowered for the transport (built once per
-    plan and batch shape, schedule/lowered.py); a plain Schedule is validated and lowered here.
+    plan and batch shape, schedule/build.py); a plain Schedule is validated and lowered here.
     `model`, `data`: the stage's StageModel and CellData, or one of each per model chunk (a
     plan with virtual_stages V > 1)."""
 
@@ -364,8 +364,6 @@ class StageExecutor:
         if input_tensor is None:
             return None
         return input_tensor.grad if input_tensor.grad is not None else torch.zeros_like(input_tensor)
-
-
 
 
 def _backward(root: torch.Tensor, grad: Optional[torch.Tensor], freed: bool) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from ..schedule import Cell
 from .batching import CellData, slice_tensor
-from .buffer_pool import BufferPool
+from .memory.buffer_pool import BufferPool
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Optional, Union
 from ..schedule import LoweredSchedule, Schedule
 from .batching import CellData
 from .graphs.cell_graphs import CellGraphs
-from .transport import Transport
+from .comm.transport import Transport
 
 
 def lowered_for(schedule: Union[LoweredSchedule, Schedule],

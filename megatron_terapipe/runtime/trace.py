@@ -2,7 +2,7 @@
 every rank's per-cell spans, merged into one file on rank 0.
 
 The trace opens in Perfetto (ui.perfetto.dev) or chrome://tracing, next to the simulator's
-trace of the same plan: the same writer (schedule/trace_events.py) and the same record of a
+trace of the same plan: the same writer (schedule/files.py) and the same record of a
 timed action (TimedAction), one process row per pipeline stage, one box per compute action.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ..schedule import Action, Schedule, TimedAction
-from ..schedule.trace_events import action_events, chrome_trace_of, write_trace
+from ..schedule.files import action_events, chrome_trace_of, write_trace
 
 
 @dataclass

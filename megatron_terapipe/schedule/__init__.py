@@ -1,16 +1,20 @@
 """The one schedule representation: per-stage ordered actions on cells.
 
 A cell is (microbatch, batch slice, token slice), on virtual stages also a model chunk
-(`VirtualCell`). A schedule (build.py) says in which order each
-stage runs the forwards (F) and backwards (B) of every cell, in one of the registered orders
-(orders.py), and, when the plan defers weight gradients, the W actions that compute them.
-Lowering (lower.py) adds the communication actions the stage's transport needs; `validate`
-(validate.py) checks a schedule and its lowered lists; `build_lowered_schedule` (lowered.py)
-does all three once per plan and batch shape for the executor, and the timing engines
-(replay.py) time the same lists. An action has one spelling (`format_action`, `parse_action`,
-actions.py); schedule_file.py writes and reads schedules as files; trace_events.py writes the
-Chrome trace of timed actions, predicted or measured. Megatron-Core's interleaved 1F1B
-(interleaved.py) is laid out as action lists too, for the timing engines.
+(`VirtualCell`). An action has one spelling (`format_action`, `parse_action`, actions.py).
+
+- build.py: a schedule says in which order each stage runs the forwards (F) and backwards (B)
+  of every cell, in one of the registered orders (orders.py; v_order.py for a V), and, when the
+  plan defers weight gradients, where the W actions that compute them run;
+  `build_lowered_schedule` builds, lowers and validates once per plan and batch shape for the
+  executor;
+- lower.py: lowering adds the communication actions the stage's transport needs, with the
+  message routes between virtual stages (routes.py);
+- validate.py: the rules the executor relies on, with the stage x step grid errors show;
+- timing.py: the timing engines, which time the same lowered lists with given durations;
+- files.py: schedules and Chrome traces (predicted or measured) as files;
+- interleaved.py: Megatron-Core's interleaved 1F1B laid out as action lists, for the timing
+  engines.
 
 May import: plan, schedule
 """
@@ -32,13 +36,12 @@ from .actions import (
     opposite,
     parse_action,
 )
-from .build import build_schedule
+from .build import LoweredSchedule, build_lowered_schedule, build_schedule
+from .files import dump_schedule, load_schedule
 from .interleaved import ChunkCell, InterleavedSchedule, build_interleaved_schedule
 from .lower import Lowering, lower, lower_stage
-from .lowered import LoweredSchedule, build_lowered_schedule
 from .orders import ORDERS, order_names
-from .replay import replay_timeline, shared_timeline, timeline
-from .schedule_file import dump_schedule, load_schedule
+from .timing import replay_timeline, shared_timeline, timeline
 from .validate import validate
 
 __all__ = [

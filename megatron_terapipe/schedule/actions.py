@@ -171,7 +171,7 @@ def peer_cell(cell: Cell, direction: str, stage: int, num_stages: int) -> Cell:
     next virtual stage, B: to the previous): `cell` itself, except across the ring of
     virtual stages, where the last rank's chunk c feeds the first rank's chunk c + 1 and the
     first rank's chunk c sends its gradient to the last rank's chunk c - 1. (A V's messages
-    keep their chunk: its turn is no message, placement.py.)"""
+    keep their chunk: its turn is no message, routes.py.)"""
     if type(cell) is not VirtualCell or cell.v_shape:
         return cell
     if direction == "F" and stage == num_stages - 1:
@@ -264,7 +264,7 @@ def _cell_named(name: str, cells: Mapping[str, Cell], text: str) -> Cell:
 @dataclass(frozen=True)
 class TimedAction:
     """When a compute action ran on a stage, in seconds: predicted (the timing engines,
-    replay.py) or measured (the runtime's RunRecord, on the rank's perf_counter clock)."""
+    timing.py) or measured (the runtime's RunRecord, on the rank's perf_counter clock)."""
 
     stage: int
     action: Action
@@ -338,7 +338,7 @@ class Schedule:
 
 
 class ScheduleError(ValueError):
-    """A schedule that breaks a dependency or would deadlock. `grid` (schedule/grid.py), when
+    """A schedule that breaks a dependency or would deadlock. `grid` (schedule/validate.py), when
     given, is the stage x step table with the failing step marked, printed under the message."""
 
     def __init__(self, message: str, grid: str = "") -> None:

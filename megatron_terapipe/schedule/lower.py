@@ -3,7 +3,7 @@
 As torch.distributed.pipelining's `_add_send_recv`: a forward that is not on the first stage
 receives its input first (RECV_F), a forward that is not on the last stage sends its output
 after (SEND_F), and a backward does the same the other way (RECV_B / SEND_B). The executor and
-the timing engines (replay.py) run the lowered lists. Two choices depend on the transport:
+the timing engines (timing.py) run the lowered lists. Two choices depend on the transport:
 
 - post_receives_early (gloo): gloo moves a message only once its receive is posted, so before
   every F or B, the receive of the stage's next input and of its next gradient is posted
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 from .actions import (Action, Cell, Schedule, first_virtual_stage, last_virtual_stage, opposite,
                       post, recv, send, send_recv)
-from .placement import hands_over_locally, takes_over_locally
+from .routes import hands_over_locally, takes_over_locally
 
 
 @dataclass(frozen=True)

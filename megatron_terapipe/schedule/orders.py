@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence, TypeVar
 
+from ..plan.orders import ORDER_NAMES
+
 T = TypeVar("T")
 PerMicrobatch = Sequence[Sequence[T]]
 OrderFunction = Callable[[PerMicrobatch, PerMicrobatch, int, int], list]
@@ -156,6 +158,9 @@ CHUNKED_ORDERS: dict[str, ChunkedOrderFunction] = {
     "1f1b": one_forward_one_backward_chunked,
     "gpipe": gpipe_chunked,
 }
+
+
+assert tuple(ORDERS) == tuple(CHUNKED_ORDERS) == ORDER_NAMES, "plan/orders.py names the orders"
 
 
 def order_names() -> tuple[str, ...]:

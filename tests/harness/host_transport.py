@@ -14,7 +14,7 @@ def exchange(rank: int, world_size: int) -> dict:
 
     from megatron_terapipe.megatron.hooks.p2p import make_transport
     from megatron_terapipe.megatron.hooks.selection import TeraPipeConfig
-    from megatron_terapipe.runtime.buffer_pool import BufferPool
+    from megatron_terapipe.runtime.memory.buffer_pool import BufferPool
 
     group = dist.new_group(list(range(world_size)), backend="gloo")
     config = SimpleNamespace(pipeline_dtype=torch.float32, terapipe=TeraPipeConfig(transport="host"))

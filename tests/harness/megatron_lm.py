@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .machine_lock import one_run_at_a_time
+from tests.harness.machine_lock import one_run_at_a_time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,6 +1,6 @@
 """Measured memory per stage, for comparing with the planner's prediction: each run's peak of
 what the stage keeps for backward (autograd's saved tensors, K/V gradient buffers, deferred
-weight-gradient pieces: runtime/buffer_meter.py), and a memory profile of the same model
+weight-gradient pieces: runtime/memory/buffer_bytes.py), and a memory profile of the same model
 measured as the planner's FittedMemory is (megatron/measure/memory.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from tests.harness.models import TinyGPT, build_stage_model, forward_step, make_batches
+from tests.harness.process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,9 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
 
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
-    from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
+    from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from .workers import run_megatron_1f1b
+    from tests.harness.workers import run_megatron_1f1b
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
@@ -67,9 +67,9 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
         forward_backward_pipelining_with_interleaving)
 
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
-    from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
+    from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from .schedule_runs import interleaved_model
+    from tests.harness.schedule_runs import interleaved_model
 
     enable_cpu_mode()
     _, model = interleaved_model(model_cfg, world_size, chunks)
@@ -109,9 +109,9 @@ def measure_virtual_peaks(rank: int, world_size: int, model_cfg: TinyGPT, chunks
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
-    from megatron_terapipe.runtime.buffer_meter import RuntimeMemoryMeter
+    from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from .schedule_runs import interleaved_model
+    from tests.harness.schedule_runs import interleaved_model
 
     enable_cpu_mode()
     config, model = interleaved_model(model_cfg, world_size, chunks)

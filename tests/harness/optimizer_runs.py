@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .cases import baseline
-from .compare import global_name, load_full_state, report_values, unwrap
-from .models import TinyGPT, forward_step, in_precision, make_batches, seed
-from .process_groups import release_model_parallel
+from tests.harness.cases import baseline
+from tests.harness.compare import global_name, load_full_state, report_values, unwrap
+from tests.harness.models import TinyGPT, forward_step, in_precision, make_batches, seed
+from tests.harness.process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)

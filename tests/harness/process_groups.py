@@ -159,7 +159,7 @@ def gloo_threads_around_release_at_exit(rank: int, world_size: int) -> tuple[int
     from megatron.core import parallel_state
 
     from megatron_terapipe.megatron.platform.lm_cpu import release_process_groups
-    from megatron_terapipe.runtime.transport import TorchTransport
+    from megatron_terapipe.runtime.comm.transport import TorchTransport
 
     parallel_state.initialize_model_parallel(1, world_size)
     transport = TorchTransport(parallel_state.get_pipeline_model_parallel_group(), torch.float32,

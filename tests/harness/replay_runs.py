@@ -1,4 +1,4 @@
-"""Training with every compute action replayed as a CUDA graph would (runtime/graphs/replay_graph.py),
+"""Training with every compute action replayed as a CUDA graph would (runtime/graphs/cpu_graph.py),
 against the same training run eager.
 
 `replay_vs_eager` trains one stage model per run twice from the same weights: eager, and with
@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
-from .process_groups import release_model_parallel
+from tests.harness.models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
+from tests.harness.process_groups import release_model_parallel
 
 LEARNING_RATE = 0.05
 
@@ -64,7 +64,7 @@ def graph_maker(device: str):
     """What makes each cell's graph on `device`: torch.cuda.CUDAGraph on a GPU, the ReplayGraph
     stand-in on CPU (it checks the path and numbers, not the speed of CUDA graphs)."""
     from megatron_terapipe.runtime.graphs.cell_graphs import cuda_graph_factory
-    from megatron_terapipe.runtime.graphs.replay_graph import ReplayGraph
+    from megatron_terapipe.runtime.graphs.cpu_graph import ReplayGraph
 
     return cuda_graph_factory(torch.device("cuda")) if device == "cuda" else ReplayGraph
 

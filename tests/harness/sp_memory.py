@@ -1,5 +1,5 @@
 """What one GPT layer keeps for backward with and without sequence parallelism, measured on
-CPU with TP ranks on gloo: the peak of autograd's saved tensors (runtime/memory.py's
+CPU with TP ranks on gloo: the peak of autograd's saved tensors (runtime/memory/saved_bytes.py's
 SavedTensorMeter) over Megatron's own no-pipelining forward and backward of one microbatch, for
 two depths of the same model; their difference is what the extra layers keep."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .models import TinyGPT, forward_step, make_batches, seed
-from .process_groups import release_model_parallel
+from tests.harness.models import TinyGPT, forward_step, make_batches, seed
+from tests.harness.process_groups import release_model_parallel
 
 
 def saved_bytes_per_layer(rank: int, world_size: int, model_cfg: TinyGPT, extra_layers: int,
@@ -20,7 +20,7 @@ def saved_bytes_per_layer(rank: int, world_size: int, model_cfg: TinyGPT, extra_
 
     from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
-    from megatron_terapipe.runtime.memory import SavedTensorMeter
+    from megatron_terapipe.runtime.memory.saved_bytes import SavedTensorMeter
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(world_size, 1)

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .cases import baseline
+from tests.harness.cases import baseline
 import torch
 
-from .compare import FP32, Tolerance, global_name, grad_pairs, load_full_state, report_values, unwrap
-from .models import TinyGPT, forward_step, make_batches, seed
-from .process_groups import release_model_parallel
+from tests.harness.compare import FP32, Tolerance, global_name, grad_pairs, load_full_state, report_values, unwrap
+from tests.harness.models import TinyGPT, forward_step, make_batches, seed
+from tests.harness.process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class VirtualCase:
 
     def holds_loss(self, rank: int) -> bool:
         """Whether pipeline rank `rank` runs the loss (reports the losses)."""
-        from megatron_terapipe.schedule.placement import loss_stage
+        from megatron_terapipe.schedule.routes import loss_stage
 
         return rank == loss_stage(self.plan, self.pp)
 

@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from .cases import Case, baseline
-from .compare import grad_pairs, load_full_state, report_values
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from tests.harness.cases import Case, baseline
+from tests.harness.compare import grad_pairs, load_full_state, report_values
+from tests.harness.models import TinyGPT, build_stage_model, forward_step, make_batches
+from tests.harness.process_groups import release_model_parallel
 
 
 def run_megatron_1f1b(model, config, batches, seq_length: int, micro_batch_size: int,
@@ -36,7 +36,7 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
 
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
-    from megatron_terapipe.runtime.memory import SavedTensorMeter
+    from megatron_terapipe.runtime.memory.saved_bytes import SavedTensorMeter
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
@@ -71,7 +71,7 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
 
     from megatron_terapipe import configure
     from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
-    from megatron_terapipe.plan_table import PlanTable
+    from megatron_terapipe.plan import PlanTable
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

@@ -17,9 +17,9 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 import torch
 
 from ...plan import TeraPipePlan
-from ...runtime.attention import SliceAttention
+from ...runtime.attention.slice_attention import SliceAttention
 from ...runtime.batching import CellData
-from ...runtime.buffer_pool import BufferPool
+from ...runtime.memory.buffer_pool import BufferPool
 from ...runtime.executor import StageExecutor, StageModel, StageOptions
 from ...runtime.graphs.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.trace import RunRecord
@@ -29,7 +29,7 @@ from . import moe_losses
 from .param_deferral import install_wgrad_deferral
 from .p2p import check_shared_link, make_transport
 from .rope import install_rope_offsets
-from .rules import RunView, check_view
+from .rules import check_view
 from .selection import check_replaced_attributes, config_view, run_config
 from .v_chunks import check_v_chunks
 
@@ -125,7 +125,7 @@ POOLS_PER_MODEL = 4
 @dataclass
 class PlanMemory:
     """What a stage keeps across iterations for one plan and batch shape: the schedule,
-    validated and lowered for the stage's transport (schedule/lowered.py: built once, not per
+    validated and lowered for the stage's transport (schedule/build.py: built once, not per
     iteration), the pool that puts cells' buffers at fixed addresses, and the CUDA graphs
     captured on those addresses (they go together: graphs of a dropped pool would read freed
     memory)."""
@@ -138,7 +138,7 @@ class PlanMemory:
 def plan_memory(model: torch.nn.Module, config, device: torch.device, plan: TeraPipePlan,
                 num_microbatches: int, num_stages: int, micro_batch_size: int,
                 forward_only: bool, lowering: Lowering) -> PlanMemory:
-    """The model's PlanMemory for one plan and batch shape (runtime/buffer_pool.py,
+    """The model's PlanMemory for one plan and batch shape (runtime/memory/buffer_pool.py,
     runtime/graphs/cell_graphs.py); the least recently used goes beyond POOLS_PER_MODEL. A new one
     builds and validates the schedule: a bad one raises ScheduleError before any message."""
     kept = model.__dict__.setdefault("_terapipe_pools", OrderedDict())

@@ -28,42 +28,11 @@ import torch
 
 from ...runtime.context import ActiveCell, active_cell
 from ...schedule import ActionKind, Schedule
-from ..platform import compat, compat_moe
+from ..platform import compat_moe
 from .moe_loss_terms import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
                              SwitchTerm, ZLossGrad, ZTerm, squared_logsumexp, token_owners)
 
-#: megatron-core lines whose router losses TeraPipe reproduces (platform/compat_moe.py: how each one
-#: scales and logs them).
-EXACT_LOSS_LINES = tuple(compat_moe.ROUTER_LOSS_CONVENTIONS)
-#: TopKRouter methods replaced per router (name -> the load-balancing type it applies).
-SWITCH_METHODS = {"_apply_aux_loss": "aux_loss", "_apply_seq_aux_loss": "seq_aux_loss",
-                  "_apply_global_aux_loss": "global_aux_loss"}
-ROUTER_METHODS = ("routing", "apply_z_loss", *SWITCH_METHODS)
-TOUCH = "exact MoE router losses (TopKRouter.routing, apply_z_loss, _apply_*aux_loss)"
-
-
-def line_problem() -> Optional[str]:
-    """Why this megatron-core's router losses cannot run exactly under TeraPipe, or None."""
-    version = compat.megatron_core_version()
-    if version[:2] in EXACT_LOSS_LINES:
-        return None
-    lines = ", ".join(f"{a}.{b}.x" for a, b in compat_moe.ROUTER_LOSS_CONVENTIONS)
-    return (f"TeraPipe reproduces the MoE load-balancing losses and the router z-loss of "
-            f"megatron-core {lines} (each line scales and logs them its own way), not those of "
-            f"megatron-core {compat.version_text(version)}: install one of those lines, drop "
-            "--moe-aux-loss-coeff and --moe-z-loss-coeff (use --moe-router-enable-expert-bias "
-            "for balancing), or use --pipeline-schedule 1f1b")
-
-
-def router_class() -> type:
-    """TopKRouter, checked to have the methods the hooks replace."""
-    compat.require_tested(TOUCH)
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    for name in ROUTER_METHODS:
-        if not callable(getattr(TopKRouter, name, None)):
-            raise compat.moved(TOUCH, f"TopKRouter has no {name}")
-    return TopKRouter
+SWITCH_METHODS = compat_moe.SWITCH_METHODS
 
 
 def has_losses(router) -> bool:
@@ -78,8 +47,8 @@ def install_moe_losses(model: torch.nn.Module) -> int:
 
     routers = [m for m in model.modules() if isinstance(m, TopKRouter) and has_losses(m)]
     if routers:
-        router_class()
-        problem = line_problem()
+        compat_moe.router_class()
+        problem = compat_moe.line_problem()
         if problem:
             raise ValueError(problem)
     for router in routers:

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from ...runtime.scatter_gather import ScatterGatherTransport
-from ...runtime.transport import TorchTransport, Transport
+from ...runtime.comm.scatter_gather import ScatterGatherTransport
+from ...runtime.comm.transport import TorchTransport, Transport
 from ...schedule import Lowering, LoweredSchedule
 from ...schedule.actions import peer_cell
 from ..platform import compat
@@ -108,7 +108,7 @@ def make_transport(pp_group, config, device: torch.device, p2p_communicator=None
     no transport for a one-stage pipeline. `ring`: virtual stages, where the last stage sends
     forward to the first (its next model chunk) and the first backward to the last. With
     config.terapipe.scatter_gather and TP > 1, each message goes over it in TP parts, gathered
-    in `tp_group` (runtime/scatter_gather.py; the rules refuse it with sequence parallelism).
+    in `tp_group` (runtime/comm/scatter_gather.py; the rules refuse it with sequence parallelism).
     sends_wait=False: Megatron's communicator sends as on the ring, without waiting for the
     receiver (edge-sliced plans: a stage sends ahead of its neighbour's receives)."""
     from .selection import run_config

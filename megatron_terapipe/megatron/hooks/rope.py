@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime.attention import rope_offset_pre_hook
+from ...runtime.attention.slice_attention import rope_offset_pre_hook
 from ..platform import compat
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from ...runtime.prefix_attention import SPLIT_ABOVE_TOKENS
+from ...runtime.attention.cpu_prefix import SPLIT_ABOVE_TOKENS
 from .stage_layers import StageLayers
 
 #: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
@@ -126,7 +126,7 @@ def _router_loss_flags(v: RunView) -> str:
 
 
 def _router_losses_line_problem() -> Optional[str]:
-    from .moe_losses import line_problem  # imports torch: only for MoE runs with losses
+    from ..platform.compat_moe import line_problem  # imports torch: only for MoE runs with losses
 
     return line_problem()
 

@@ -27,7 +27,7 @@ class TeraPipeConfig:
     on_run: Optional[Callable[[RunRecord], None]] = None  # gets each call's RunRecord
     # "megatron", "torch" or "host" (torch's through host memory: stages sharing one GPU)
     transport: Optional[str] = None  # overrides p2p.py's choice
-    # each TP rank sends 1/TP of a message, the receivers all-gather (runtime/scatter_gather.py)
+    # each TP rank sends 1/TP of a message, the receivers all-gather (runtime/comm/scatter_gather.py)
     scatter_gather: Optional[bool] = None
 
     def over(self, default: "TeraPipeConfig") -> "TeraPipeConfig":

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from ...runtime.attention import SliceAttention
+from ...runtime.attention.slice_attention import SliceAttention
 from ..platform import compat
+from ..platform.torch_norm import TorchNorm
 
 
 def transformer_engine_available() -> bool:
@@ -61,28 +62,6 @@ def get_gpt_layer_spec(backend: str = "local", **kwargs: Any):
     else:
         raise ValueError(f"unknown backend {backend!r}: use 'local', 'te' or 'auto'")
     return with_slice_attention(base)
-
-
-class TorchNorm:
-    """Megatron's torch LayerNorm/RMSNorm, also under sequence parallelism.
-
-    Megatron's local norm refuses sequence parallelism because only TE/apex norms mark their
-    parameters for the tensor-parallel all-reduce of their gradients. This one marks them, so
-    the local spec runs sequence-parallel wherever the collectives exist (gloo included). Being
-    torch's own LayerNorm / RMSNorm, it defers its weight and bias gradients to the W actions
-    (runtime/wgrad/norm.py, hooked with the linear layers by install_wgrad_deferral).
-    """
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        else:
-            raise ValueError(f"TorchNorm supports LayerNorm and RMSNorm, not {config.normalization}")
-        for param in norm.parameters():
-            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
-        return norm
 
 
 def _local_norms_to_torch(spec):

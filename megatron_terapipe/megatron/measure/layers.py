@@ -24,7 +24,7 @@ from ...planner.cost.dims import ModelDims
 from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
 from ...runtime.context import running_cell
-from ...runtime.kv_cache import KVCache
+from ...runtime.attention.kv_cache import KVCache
 from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
 from ..hooks.param_deferral import install_wgrad_deferral

@@ -3,7 +3,7 @@
 Stage models are built as the pipeline builds them (Megatron's GPTModel with TeraPipe's slice
 attention): one and two layers without edges, one layer after the embedding, one layer before
 the output layer and loss. Each runs real token slices, as the executor runs them, under the
-meter the tests use (runtime/buffer_meter.py: autograd's saved tensors, K/V gradient buffers
+meter the tests use (runtime/memory/buffer_bytes.py: autograd's saved tensors, K/V gradient buffers
 and deferred weight-gradient pieces), and the bytes each slice adds are recorded; whole
 microbatches without cells (what Megatron's own schedules keep) and what a deferred backward
 leaves for the W action too. planner/profile/memory_fit.py fits them.
@@ -41,7 +41,7 @@ def memory_cells(seq_length: int, granularity: int = 8) -> list[tuple[int, int, 
 @contextlib.contextmanager
 def _on_first_kv_grad(callback: Callable[[], None]) -> Iterator[None]:
     """Call `callback` when the first K/V gradient buffer is about to be allocated."""
-    from ...runtime.kv_cache import KVBuffer
+    from ...runtime.attention.kv_cache import KVBuffer
 
     original, called = KVBuffer.grad, []
 
@@ -104,7 +104,7 @@ class _Stage:
 def _slice_bytes(stage: _Stage, meter, r: int, t: int, c: int) -> float:
     """Bytes the slice of t tokens after c tokens of context adds (its K/V buffers apart)."""
     from ...runtime.context import running_cell
-    from ...runtime.kv_cache import KVCache
+    from ...runtime.attention.kv_cache import KVCache
 
     gc.collect()  # what earlier runs left behind goes now, not during this one
     cache, kept = KVCache(seq_length=t + c), []
@@ -127,7 +127,7 @@ def _first_backward(stage: _Stage, meter, r: int, t: int, deferred: bool) -> dic
     after the K/V gradients (the input-gradient GEMMs' outputs and the pieces kept for the W
     action can top it later in the layer)."""
     from ...runtime.context import running_cell
-    from ...runtime.kv_cache import KVCache
+    from ...runtime.attention.kv_cache import KVCache
     from ...runtime.wgrad.store import WeightGradStore
 
     gc.collect()
@@ -187,7 +187,7 @@ def measure_memory(model: ModelDims, seq_length: int, vocab_size: Optional[int] 
     """Bytes each kind of stage keeps per cell (`memory_cells`), per deferred backward and per
     whole microbatch (1 and 2 rows of seq_length, seq_length / 2 and / 4 tokens), with the
     vocabulary `vocab_size` (default model.vocab_size; required)."""
-    from ...runtime.buffer_meter import RuntimeMemoryMeter
+    from ...runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
     V = vocab_size if vocab_size is not None else model.vocab_size
     if V is None or int(V) <= 0:

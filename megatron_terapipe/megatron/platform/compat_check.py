@@ -26,7 +26,7 @@ def check_all() -> list[tuple[str, Optional[str]]]:
               ("GPTModel.__init__", compat.gpt_model_class),
               ("CPU mode modules", compat.cpu_mode_modules),
               ("RNG state (tensor_parallel.random)", compat.rng_module),
-              ("TopKRouter's loss methods", _router_class),
+              ("TopKRouter's loss methods", compat_moe.router_class),
               ("MoE loss tracker", compat_moe.metrics_recorder),
               ("TransformerConfig fields", missing_config_fields)]
     results = []
@@ -38,12 +38,6 @@ def check_all() -> list[tuple[str, Optional[str]]]:
             error = f"{type(exc).__name__}: {exc}"
         results.append((name, error))
     return results
-
-
-def _router_class():
-    from ..hooks.moe_losses import router_class
-
-    return router_class()
 
 
 def missing_config_fields() -> list[str]:

@@ -138,3 +138,40 @@ def moe_loss_scale(config, device: torch.device) -> torch.Tensor:
         return scale.reshape(1)
     ones = torch.ones(1, device=device)
     return config.grad_scale_func(ones) if config.grad_scale_func is not None else ones
+
+
+#: TopKRouter methods the MoE hooks replace per router (name -> the load-balancing type it
+#: applies), checked to exist on the installed line.
+SWITCH_METHODS = {"_apply_aux_loss": "aux_loss", "_apply_seq_aux_loss": "seq_aux_loss",
+                  "_apply_global_aux_loss": "global_aux_loss"}
+ROUTER_METHODS = ("routing", "apply_z_loss", *SWITCH_METHODS)
+ROUTER_TOUCH = "exact MoE router losses (TopKRouter.routing, apply_z_loss, _apply_*aux_loss)"
+
+
+def router_class() -> type:
+    """TopKRouter, checked to have the methods the hooks replace."""
+    compat.require_tested(ROUTER_TOUCH)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for name in ROUTER_METHODS:
+        if not callable(getattr(TopKRouter, name, None)):
+            raise compat.moved(ROUTER_TOUCH, f"TopKRouter has no {name}")
+    return TopKRouter
+
+
+#: megatron-core lines whose router losses TeraPipe reproduces (ROUTER_LOSS_CONVENTIONS: how each
+#: one scales and logs them).
+EXACT_LOSS_LINES = tuple(ROUTER_LOSS_CONVENTIONS)
+
+
+def line_problem() -> Optional[str]:
+    """Why this megatron-core's router losses cannot run exactly under TeraPipe, or None."""
+    version = compat.megatron_core_version()
+    if version[:2] in EXACT_LOSS_LINES:
+        return None
+    lines = ", ".join(f"{a}.{b}.x" for a, b in ROUTER_LOSS_CONVENTIONS)
+    return (f"TeraPipe reproduces the MoE load-balancing losses and the router z-loss of "
+            f"megatron-core {lines} (each line scales and logs them its own way), not those of "
+            f"megatron-core {compat.version_text(version)}: install one of those lines, drop "
+            "--moe-aux-loss-coeff and --moe-z-loss-coeff (use --moe-router-enable-expert-bias "
+            "for balancing), or use --pipeline-schedule 1f1b")

@@ -7,7 +7,7 @@ next chunk's compute. On a GPU the sent storage stays reserved until NCCL is don
 receiver posts its receive, by which time the freed memory may hold the next tensor: the
 receiver gets garbage (a NaN loss in some runs). Here every send made through Megatron's
 P2P module keeps a detached alias of the sent storage with its request until it is waited on.
-TeraPipe's own torch transport does the same (runtime/transport.py)."""
+TeraPipe's own torch transport does the same (runtime/comm/transport.py)."""
 
 from __future__ import annotations
 

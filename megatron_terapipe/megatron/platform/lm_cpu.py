@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..hooks.spec import TorchNorm
 from . import compat, compat_checkpoints
+from .torch_norm import TorchNorm
 from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
 
 # The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as

@@ -115,7 +115,7 @@ class LayerStackCostModel(CostModel):
     def receive_time(self, batch, length):
         """With scatter-gather messages, the receiving TP ranks' ring all-gather of the parts
         (TP - 1 steps of a part over the gather link): the runtime runs it where the cell takes
-        its input (runtime/scatter_gather.py), so it is the stage's time, not the link's."""
+        its input (runtime/comm/scatter_gather.py), so it is the stage's time, not the link's."""
         if self.gather_link is None:
             return super().receive_time(batch, length)
         part = self._message_bytes(batch, length)

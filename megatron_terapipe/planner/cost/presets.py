@@ -21,6 +21,7 @@ from .dims import Hardware, Link, ModelDims
 GiB = 1024 ** 3
 GPT2_VOCAB = 50257  # GPT-2 BPE, which GPT-3 reuses
 
+
 def _gpt3(name: str, num_layers: int, hidden_size: int, num_attention_heads: int) -> ModelDims:
     return ModelDims(num_layers=num_layers, hidden_size=hidden_size,
                      num_attention_heads=num_attention_heads, name=name, vocab_size=GPT2_VOCAB)

@@ -4,7 +4,7 @@
 StageMemory to get each stage's peak; the search keeps the plans whose peak plus model state
 fits a budget.
 
-What a stage keeps, as the runtime keeps it (runtime/kv_cache.py, runtime/attention.py):
+What a stage keeps, as the runtime keeps it (runtime/attention/kv_cache.py, runtime/attention/slice_attention.py):
 - a cell's activations, saved by autograd from its forward until its backward;
 - one K/V buffer per (sequence, layer), sized to the whole sequence, from the forward of the
   sequence's first token slice until the backward of that slice (the last to read it); the

@@ -98,7 +98,7 @@ class MemoryWalk:
         `cell` on this stage, cached. rise: a backward that allocates the sequence's K/V
         gradients (its last slice's); slice_rise: any other backward."""
         if cell.num_token_slices == 1 and what in ("kv", "kv_grad", "rise"):
-            # A sequence of one slice has no K/V buffers (runtime/attention.py): its attention
+            # A sequence of one slice has no K/V buffers (runtime/attention/slice_attention.py): its attention
             # saves its K/V, and their gradients live within a layer's backward, as Megatron's.
             return (0.0 if what == "kv_grad" else
                     self.cell_value("whole_kv" if what == "kv" else "slice_rise", cell))

@@ -58,7 +58,6 @@ class SliceTimeFit:
         return {"lengths": self.lengths.tolist(), "base": self.base.tolist(), "coef": self.coef.tolist()}
 
 
-
 class EdgeTimeFit:
     """Seconds of each edge part and direction as a + b * tokens (tokens = batch x length)."""
 
@@ -107,7 +106,6 @@ class EdgeTimeFit:
         md = self.metadata
         return (f"edges measured (vocab {self.vocab_size}, "
                 f"{md.get('position_embedding_type', '?')} positions)")
-
 
 
 class LayerTimeFit:

@@ -57,7 +57,6 @@ class LayerMeasurements:
                 for k in COLUMNS if getattr(self, k) is not None}
 
 
-
 @dataclass
 class EdgeMeasurements:
     """Seconds of the pipeline's edges on cells of `batch` rows by `length` tokens.
@@ -87,7 +86,6 @@ class EdgeMeasurements:
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k).tolist() for k in ("batch", "length") + EDGE_KEYS}
-
 
 
 def default_grid(seq_length: int, batch_sizes: Sequence[int], granularity: int = 8,

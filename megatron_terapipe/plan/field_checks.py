@@ -1,6 +1,5 @@
-"""Checks of TeraPipePlan's fields that plan.py runs when a plan is made (kept apart so that
-plan.py stays readable): whole numbers, early W points, edge slicing, and the virtual-stage and
-W-placement fields."""
+"""Checks of TeraPipePlan's fields, run when a plan is made: whole numbers, early W points, edge
+slicing, and the virtual-stage and W-point fields."""
 
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ def checked_layout(plan) -> tuple[int, tuple[tuple[int, ...], ...], tuple[int, .
             raise ValueError(f"TeraPipePlan.wgrad_after for stage {k} must be non-negative "
                              f"and non-decreasing (W actions keep their order), got {list(p)}")
     return v, places, checked_placement(plan)
-
 
 
 PLACEMENTS = ("ring", "v")

@@ -11,25 +11,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from .plan_fields import as_int_tuple as _as_int_tuple, checked_edges, checked_layout, \
+from .orders import order_names
+from .field_checks import as_int_tuple as _as_int_tuple, checked_edges, checked_layout, \
     checked_wgrad_points
 
 TokenSlices = Union[Sequence[int], Sequence[Sequence[int]]]
-
-
-def order_names() -> tuple[str, ...]:
-    """The orders a plan may name: schedule/orders.py's registry. Imported when asked: the
-    registry's module imports nothing of the package, while the schedule package imports
-    this module."""
-    from .schedule.orders import order_names as registered
-
-    return registered()
-
-
-def __getattr__(name: str):
-    if name == "ORDERS":  # the registry's names, read when asked (see order_names)
-        return order_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)

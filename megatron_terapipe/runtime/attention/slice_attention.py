@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .context import active_cell
+from ..context import active_cell
 from .kv_cache import KVBuffer
-from .prefix_attention import (prefix_attention_available, prefix_causal_attention,
+from .cpu_prefix import (prefix_attention_available, prefix_causal_attention,
                                prefix_split_pays)
 
 try:  # bottom-right aligned causal bias lets SDPA pick flash/efficient kernels on GPU

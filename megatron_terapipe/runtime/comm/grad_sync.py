@@ -23,7 +23,7 @@ from typing import Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 
-from ..schedule import Action
+from ...schedule import Action
 
 SyncFunc = Union[None, Callable, Sequence[Callable]]
 

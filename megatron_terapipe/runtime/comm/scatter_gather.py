@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .buffer_pool import BufferPool
+from ..memory.buffer_pool import BufferPool
 from .transport import Transport
 
 # all_gather_single replaced all_gather_into_tensor in recent torch; both gather a flat part

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from .actions import (COMM_KINDS, COMPUTE_KINDS, Action, Cell, Schedule, ScheduleError,
                       TimedAction, VirtualCell, format_action, opposite, peer_cell, recv)
-from .placement import message_peer
+from .routes import message_peer
 from .lower import Lowering, lower
 
 Lowered = tuple[tuple[Action, ...], ...]  # every stage's lowered list

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..schedule import Cell
-from .buffer_pool import BufferPool
+from ...schedule import Cell
+from ..memory.buffer_pool import BufferPool
 
 
 class KVBuffer:

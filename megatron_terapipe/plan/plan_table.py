@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional
 
-from .plan import TeraPipePlan
+from .terapipe_plan import TeraPipePlan
 
 
 class PlanTable:

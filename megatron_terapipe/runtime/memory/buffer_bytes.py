@@ -15,9 +15,9 @@ from typing import Iterator
 
 import torch
 
-from .kv_cache import KVBuffer
-from .memory import SavedTensorMeter
-from .wgrad.store import WeightGradStore
+from ..attention.kv_cache import KVBuffer
+from .saved_bytes import SavedTensorMeter
+from ..wgrad.store import WeightGradStore
 
 
 class RuntimeMemoryMeter(SavedTensorMeter):

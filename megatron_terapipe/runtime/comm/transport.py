@@ -1,7 +1,7 @@
 """Point-to-point transport between neighbouring pipeline stages.
 
 Messages go in one of two directions: "F" carries an activation to the next stage, "B" a
-gradient to the previous one; in a V of model chunks (schedule/placement.py) chunk 1 runs the
+gradient to the previous one; in a V of model chunks (schedule/routes.py) chunk 1 runs the
 other way, on the routes "F-up" and "B-down", which the methods take where they take a
 direction (`runs_v_shape`: the transports that do). Shapes come from the plan on both sides,
 so no shape handshake is needed. A transport says how it wants the schedule lowered
@@ -24,12 +24,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..schedule import Lowering
-from ..schedule.placement import OPPOSITE_ROUTES
-from .buffer_pool import BufferPool
+from ...schedule import Lowering
+from ...schedule.routes import OPPOSITE_ROUTES
+from ..memory.buffer_pool import BufferPool
 
 # Tags keep the routes apart on gloo, whose matching is per (peer, tag) in order: the two
-# directions, and a V's way back (schedule/placement.py: message_route).
+# directions, and a V's way back (schedule/routes.py: message_route).
 _TAGS = {"F": 7001, "B": 7002, "F-up": 7003, "B-down": 7004}
 
 
