@@ -80,7 +80,7 @@ def install(session: nox.Session, line: str, plugin: bool = True) -> None:
                 f"sys.exit(0 if m.__version__.startswith('{line}.') else 'megatron-core ' "
                 f"+ m.__version__ + ' is installed, not {line}.x: run this session without -R "
                 "(it installs its line)')")
-    session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.platform.compat_check")
+    session.run("python", "-W", "ignore", "-m", "megatron_terapipe.megatron.platform.version_report")
 
 
 #: pytest's default run leaves out `slow` (pyproject.toml); an empty -m selects every test.

@@ -85,7 +85,7 @@ def layer_profile(args, microbatches: int, cache: str) -> str:
         data["measurements"][key] = [None if v is None else 3 * v
                                      for v in data["measurements"][key]]
     scaled = Path(cache) / "layer-profile-scaled-3x.json"
-    from megatron_terapipe.planner.profile.time_fitting import fit_layer_times
+    from megatron_terapipe.planner.profile.least_squares import fit_layer_times
 
     fit = LayerTimeFit.from_dict(data)
     refit = fit_layer_times(fit.measurements)

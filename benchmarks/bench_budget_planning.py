@@ -27,7 +27,8 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_terapipe.planner import cli, memory_search  # noqa: E402
+from megatron_terapipe.planner.cli import command as cli
+from megatron_terapipe.planner import memory_search
 from provenance import provenance, script_command  # noqa: E402
 
 

@@ -14,7 +14,7 @@ seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one wa
    and still where there is dropout), and `prefix`, the prefix and the slice's own causal
    block merged by log-sum-exps (runtime/attention/cpu_prefix.py: what it computes on CPU now).
 2. One slice over its prefix (twice or three times its length), forward + backward, masked
-   against split, by the slice's length: where the split pays (prefix_attention.py,
+   against split, by the slice's length: where the split pays (attention/cpu_prefix.py,
    SPLIT_ABOVE_TOKENS).
 3. One GPT layer (Megatron's, with the slice-aware spec) on the whole sequence: its backward
    with the weight gradients inside, against the backward without them plus the W action that

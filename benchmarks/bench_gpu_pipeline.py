@@ -177,7 +177,7 @@ def w_placed_plans(plans: dict, cost, case: GpuCase) -> dict:
     """The DP plan again with its W actions placed by the planner (`plan_wgrad`, simulated on
     the case's profile), as "terapipe_dp_w_placed"; none where the default places are as fast
     (plan_wgrad then keeps them: the row would repeat the DP's)."""
-    from megatron_terapipe.planner.wgrad_placement import plan_wgrad
+    from megatron_terapipe.planner.wgrad_slots import plan_wgrad
 
     dp = plans["terapipe_dp"]
     if not dp.defer_wgrad:

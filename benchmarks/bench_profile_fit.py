@@ -40,7 +40,7 @@ def fit_errors(path: str) -> dict:
     import numpy as np
 
     from megatron_terapipe.planner import LayerTimeFit
-    from megatron_terapipe.planner.profile.time_fitting import fit_layer_times
+    from megatron_terapipe.planner.profile.least_squares import fit_layer_times
 
     cells = LayerTimeFit.load(path).measurements
     per_seed = [fit_layer_times(cells, seed=seed).holdout_error for seed in SEEDS]

@@ -62,7 +62,7 @@ STAGES = 2
 # ---------------------------------------------------------------------------------------------
 def _mlp_seconds(queue, tokens: int, hidden: int, loops: int, index: int, count: int) -> None:
     """A transformer MLP's forward and backward: the GEMMs and activation traffic of a stage."""
-    from megatron_terapipe.megatron.platform.cpu import pin_to_core
+    from megatron_terapipe.megatron.platform.cpu_mode import pin_to_core
 
     torch.set_num_threads(1)
     pin_to_core(index, count)  # as the stages are

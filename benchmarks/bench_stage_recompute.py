@@ -33,11 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_virtual_limits import plan_of, question  # noqa: E402
-from megatron_terapipe.planner.cost.recompute import FullRecompute  # noqa: E402
+from megatron_terapipe.planner.cost.recompute_time import FullRecompute  # noqa: E402
 from megatron_terapipe.planner.cost.recompute_memory import memory_of  # noqa: E402
 from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
 from megatron_terapipe.planner.evaluate import memory_walk, simulator  # noqa: E402
-from megatron_terapipe.planner.wgrad_placement import plan_wgrad  # noqa: E402
+from megatron_terapipe.planner.wgrad_slots import plan_wgrad  # noqa: E402
 from megatron_terapipe.schedule import build_schedule  # noqa: E402
 from provenance import provenance, script_command  # noqa: E402
 

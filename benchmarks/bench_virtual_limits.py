@@ -33,12 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_virtual_stages import MODEL  # noqa: E402
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
-from megatron_terapipe.planner.cli import build_parser  # noqa: E402
-from megatron_terapipe.planner.cli_inputs import inputs_from_options  # noqa: E402
+from megatron_terapipe.planner.cli.command import build_parser  # noqa: E402
+from megatron_terapipe.planner.cli.arguments import inputs_from_options  # noqa: E402
 from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
 from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists, shared_caches  # noqa: E402
 from megatron_terapipe.planner.evaluate.simulator import plan_time, simulate  # noqa: E402
-from megatron_terapipe.planner.wgrad_placement import plan_wgrad  # noqa: E402
+from megatron_terapipe.planner.wgrad_slots import plan_wgrad  # noqa: E402
 from megatron_terapipe.schedule import build_schedule  # noqa: E402
 from provenance import provenance, script_command  # noqa: E402
 

@@ -43,8 +43,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_terapipe.planner.cli import build_parser  # noqa: E402
-from megatron_terapipe.planner.cli_inputs import inputs_from_options  # noqa: E402
+from megatron_terapipe.planner.cli.command import build_parser  # noqa: E402
+from megatron_terapipe.planner.cli.arguments import inputs_from_options  # noqa: E402
 from megatron_terapipe.planner.cost.stage_memory import GiB  # noqa: E402
 from megatron_terapipe.planner.evaluate.simulator import simulate  # noqa: E402
 from megatron_terapipe.planner.schedule_choice import ScheduleOption, ScheduleTable  # noqa: E402

@@ -72,7 +72,7 @@ def _stage_setup(rank: int, world_size: int, case: SpeedCase, device: str):
 
         enter_stage(rank, world_size)
     if device == "cpu":
-        from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
+        from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
 
         enable_cpu_mode()
         pin_to_core(rank, world_size)  # one core per stage, as one GPU per rank on GPUs
@@ -104,7 +104,7 @@ def _megatron_graphed_model(case: SpeedCase, world_size: int, eager, device: str
 
     from harness import in_precision, to_device
     from harness.models import seed
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
     if device != "cuda":
         raise ValueError("a graphed Megatron row needs CUDA (Megatron-Core's CudaGraphManager "

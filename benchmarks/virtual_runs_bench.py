@@ -206,7 +206,7 @@ def virtual_speed_worker(rank: int, world_size: int, case: VirtualSpeedCase) -> 
     from megatron.core import parallel_state
 
     from harness import release_model_parallel, report_values
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
 
     if case.mps:
         from mps import enter_stage
@@ -265,7 +265,7 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     measured up to a third slower in the stage processes after pipeline iterations than
     fresh, near the pipeline's cells). Returns this rank's profile file."""
     from harness import release_model_parallel
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
     from pipeline_runs import profile_cost_model
 
     enable_cpu_mode()

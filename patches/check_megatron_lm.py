@@ -151,7 +151,7 @@ def main() -> int:
         sys.exit("check_megatron_lm.py: steps 3-5 need --megatron-lm (pretrain_gpt.py)")
     import pretrain_gpt  # the checkout's script, imported (its __main__ block does not run)
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
     _dataset_helpers()

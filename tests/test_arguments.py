@@ -9,11 +9,11 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import compat_moe
+from megatron_terapipe.megatron.platform import router_versions as compat_moe
 from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
-from megatron_terapipe.megatron.args import planning
-from megatron_terapipe.megatron.args.plan_report import PlanReport
+from megatron_terapipe.megatron.args import plans_from_flags as planning
+from megatron_terapipe.megatron.args.startup_log import PlanReport
 from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, profile_cache_path
 from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
@@ -131,7 +131,7 @@ MOE_LOSSES = [dict(moe_aux_loss_coeff=[0.01]), dict(moe_z_loss_coeff=1e-3),
 
 def test_dropless_moe_is_accepted():
     """Top-k routing without dropping or Sinkhorn is token-wise; the router losses are made
-    exact (hooks/moe_losses.py) on this megatron-core line."""
+    exact (model/moe_router_losses.py) on this megatron-core line."""
     for extra in ({}, dict(moe_aux_loss_coeff=0.0), dict(moe_router_enable_expert_bias=True),
                   dict(moe_aux_loss_coeff=0.5, moe_router_load_balancing_type="none"),
                   *(MOE_LOSSES if compat_moe.line_problem() is None else [])):

@@ -11,7 +11,7 @@ import pytest
 
 from harness.config_reads import config_fields_read, config_refusal
 from megatron_terapipe import TeraPipePlan, configure
-from megatron_terapipe.megatron.platform import compat_moe
+from megatron_terapipe.megatron.platform import router_versions as compat_moe
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from test_arguments import parse
 
@@ -128,7 +128,7 @@ KERNEL_OR_PRECISION = {  # which kernel runs, or what sizes and initialises soft
     "attention_softmax_in_fp32", "masked_softmax_fusion", "bf16", "fp16", "params_dtype",
     "init_method", "perform_initialization", "sequence_parallel",
 }
-# ... and each field Megatron's self-attention around it (attention.py) reads: Megatron's own
+# ... and each field Megatron's self-attention around it (attention/slice_attention.py) reads: Megatron's own
 # code runs there under TeraPipe too, one token slice at a time.
 PER_TOKEN = {  # projections, norms and gates of each token on its own, RoPE at its position
     "add_bias_linear", "add_qkv_bias", "hidden_size", "init_method", "output_layer_init_method",
@@ -148,7 +148,7 @@ ELSEWHERE = {
     "flash_decode": "inference decoding", "kv_lora_rank": "multi-latent attention (refused)",
     "cache_mla_latents": "multi-latent attention (refused)",
 }
-# refused (hooks/rules.py), with a value that is: the tests above check each from a config
+# refused (support/refusals.py), with a value that is: the tests above check each from a config
 REFUSED_FIELDS = {
     "softmax_type": "learnable", "window_size": (16, 0), "context_parallel_size": 2,
     "qk_clip": True, "fine_grained_activation_offloading": True, "cuda_graph_impl": "local",
@@ -167,10 +167,10 @@ def test_every_field_megatrons_attention_reads_is_accounted_for():
     assert core and around, "the pattern no longer finds config reads"
     unknown = core - set(CORE_COMPUTED) - KERNEL_OR_PRECISION - refused
     assert not unknown, (f"megatron-core's DotProductAttention reads {sorted(unknown)}: compute "
-                         "them in runtime/attention/slice_attention.py or refuse them (hooks/rules.py)")
+                         "them in runtime/attention/slice_attention.py or refuse them (support/refusals.py)")
     unknown = around - PER_TOKEN - set(ELSEWHERE) - refused
     assert not unknown, (f"megatron-core's self-attention reads {sorted(unknown)}: say what a "
-                         "token slice does with them, or refuse them (hooks/rules.py)")
+                         "token slice does with them, or refuse them (support/refusals.py)")
     assert set(ONLY_WITH_REFUSED.values()) <= set(REFUSED_FIELDS)
 
 

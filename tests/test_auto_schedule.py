@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.stage_memory import GiB, MemoryBudget, MemoryBudgetError
 from megatron_terapipe.planner.schedule_choice import (AUTO_MIN_GAIN, MEGATRON, TERAPIPE,
                                                  ScheduleOption, ScheduleTable,
@@ -178,7 +178,7 @@ def test_model_state_follows_megatrons_accounting(capsys):
 @pytest.mark.parametrize("margin,phrase", [(0.033, "predicted 3.3% faster than the runner-up"),
                                            (8.786, "predicted 9.79x as fast as the runner-up")])
 def test_auto_line_reads_as_a_sentence(margin, phrase):
-    from megatron_terapipe.planner.report import auto_text
+    from megatron_terapipe.planner.cli.report import auto_text
 
     option = lambda name: SimpleNamespace(name=name, fits=True)  # noqa: E731
     choice = SimpleNamespace(chosen=option("TeraPipe 1f1b"), runner_up=option("Megatron 1F1B"),

@@ -11,9 +11,9 @@ import pytest
 
 from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule, schedule_table
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.args.plan_report import WARNING
-from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
-from megatron_terapipe.megatron.args.planning import plan_run
+from megatron_terapipe.megatron.args.startup_log import WARNING
+from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
+from megatron_terapipe.megatron.args.plans_from_flags import plan_run
 from megatron_terapipe.megatron.args.settings import RunSettings, apply_choice
 from megatron_terapipe.megatron.wiring import setup_from_args
 from megatron_terapipe.planner.cost.stage_memory import GiB

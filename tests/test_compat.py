@@ -11,7 +11,8 @@ import re
 import pytest
 
 from megatron_terapipe.megatron.platform import compat
-from megatron_terapipe.megatron.platform import compat_check, compat_checkpoints
+from megatron_terapipe.megatron.platform import version_report as compat_check
+from megatron_terapipe.megatron.platform import checkpoint_versions as compat_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_terapipe")
@@ -84,7 +85,7 @@ def test_layer_submodules_of_a_module_spec_and_of_a_partial():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_terapipe.megatron.hooks.spec import with_slice_attention
+    from megatron_terapipe.megatron.model.layer_specs import with_slice_attention
     from megatron_terapipe.runtime.attention.slice_attention import SliceAttention
 
     spec = get_gpt_layer_local_spec()
@@ -146,7 +147,7 @@ def test_set_current_microbatch_comes_from_the_lines_home():
 def test_cpu_mode_answers_cuda_stream_queries_without_cuda():
     import torch
 
-    from megatron_terapipe.megatron.platform.cpu import _CpuTorchProxy
+    from megatron_terapipe.megatron.platform.cpu_mode import _CpuTorchProxy
 
     proxy = _CpuTorchProxy()
     if torch.cuda.is_available():

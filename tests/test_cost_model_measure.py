@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_terapipe.planner import Link, ProfiledCostModel, solve_slicing
-from megatron_terapipe.planner.profile.time_fitting import non_decreasing
+from megatron_terapipe.planner.profile.least_squares import non_decreasing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

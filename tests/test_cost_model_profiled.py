@@ -138,7 +138,7 @@ def _brute_force_non_decreasing(values, weights):
 def test_the_length_table_is_the_nearest_non_decreasing_one():
     # isotonic regression of the per-length medians equals brute force on small random cases,
     # leaves a non-decreasing table as it is, and pools a dip with what came before it
-    from megatron_terapipe.planner.profile.time_fitting import non_decreasing
+    from megatron_terapipe.planner.profile.least_squares import non_decreasing
 
     rng = np.random.default_rng(0)
     for _ in range(300):

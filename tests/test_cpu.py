@@ -21,7 +21,7 @@ def test_pin_to_core_binds_each_rank_to_its_own_core():
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from megatron_terapipe.megatron.platform.cpu import keep_freed_host_memory
+from megatron_terapipe.megatron.platform.cpu_mode import keep_freed_host_memory
 changed = keep_freed_host_memory() if sys.argv[1] == "keep" else None
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,5 +1,5 @@
 """CPU mode keeps a sent tensor's storage alive until its send is waited on
-(megatron/platform/cpu_p2p.py): Megatron frees stage outputs right after sending them, and gloo
+(megatron/platform/cpu_sends.py): Megatron frees stage outputs right after sending them, and gloo
 reads a send's memory only when the receiver posts its receive. The control (torch.distributed
 directly) shows that the check can fail: the receiver gets the memory's next contents."""
 
@@ -20,7 +20,8 @@ def test_without_the_alias_the_receiver_gets_other_data():
 def test_cpu_mode_sends_through_the_kept_path():
     from megatron.core.pipeline_parallel import p2p_communication
 
-    from megatron_terapipe.megatron.platform import cpu, cpu_p2p
+    from megatron_terapipe.megatron.platform import cpu_mode as cpu
+    from megatron_terapipe.megatron.platform import cpu_sends as cpu_p2p
 
     was_enabled = cpu._ENABLED
     cpu.enable_cpu_mode()

@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = "$ terapipe-plan --model gpt3-1b --hardware v100 --pipeline-stages 8 --seq-length 2048"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_terapipe import TeraPipeConfig, TeraPipePlan
-from megatron_terapipe.megatron.args import planner_inputs as planner_inputs_module
+from megatron_terapipe.megatron.args import inputs_from_flags as planner_inputs_module
 from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.args.settings import RunSettings

@@ -13,8 +13,8 @@ HONOURED = {  # exact in the equivalence tests (tests/test_equivalence.py unless
     "sequence_parallel": "[tp2_pp2_sequence_parallel*]",
     "virtual_pipeline_model_parallel_size": "tests/test_virtual_runs.py",
     "pipeline_model_parallel_layout": "tests/test_stage_split_runs.py, Megatron-LM's matrix",
-    "position_embedding_type": "rope and learned_absolute; mrope refused (hooks/rope.py)",
-    "rotary_base": "the RoPE table, at each slice's offset (hooks/rope.py)",
+    "position_embedding_type": "rope and learned_absolute; mrope refused (model/rope.py)",
+    "rotary_base": "the RoPE table, at each slice's offset (model/rope.py)",
     "rotary_interleaved": "[w_pp2_attention_per_token_options]",
     "use_mup": "per-token multipliers; the attention scale reaches the slice attention as "
                "softmax_scale",
@@ -45,7 +45,7 @@ def test_every_field_megatrons_gpt_model_reads_is_accounted_for():
     known = (set(HONOURED) | SIZES_AND_INIT | INFERENCE | set(ONLY_WITH_REFUSED) | set(REFUSED))
     assert "position_embedding_type" in read, "the pattern no longer finds config reads"
     assert read <= known, (f"megatron-core's GPTModel reads {sorted(read - known)}: say what "
-                           "token slices do with them, or refuse them (hooks/rules.py)")
+                           "token slices do with them, or refuse them (support/refusals.py)")
 
 
 def test_the_refused_model_fields_are_refused_from_a_config():

@@ -1,5 +1,5 @@
-"""Imports go one way: plan and schedule (data) <- planner (numpy) and runtime (torch only) <-
-megatron (the glue: platform <- hooks <- measure <- args <- launch). Each folder's `__init__`
+"""Imports go one way: plan <- schedule (data) <- planner (numpy) and runtime (torch only) <-
+megatron (the glue: platform <- support <- model <- hooks <- measure <- args <- launch). Each folder's `__init__`
 docstring names, on its `May import:` line, the folders its modules may import from; this file
 holds every folder to its line.
 
@@ -78,9 +78,13 @@ def test_the_directions_hold():
     assert "megatron.args" not in allowed_imports("megatron/hooks")
     assert "megatron.measure" not in allowed_imports("megatron/hooks")
     assert "megatron.args" not in allowed_imports("megatron/measure")
-    # platform/ sits under hooks/: it names two hooks modules, never the folder or anything above
+    assert allowed_imports("plan") == ["plan"]
+    # platform/ is the glue's lowest floor; support/ (the rules) sits right above it
+    assert allowed_imports("megatron/platform") == ["megatron.platform"]
+    assert not {"megatron.model", "megatron.hooks", "megatron.measure", "megatron.args"} & set(
+        allowed_imports("megatron/support"))
     assert not {"megatron.hooks", "megatron.measure", "megatron.args"} & set(
-        allowed_imports("megatron/platform"))
+        allowed_imports("megatron/model"))
     for sub in ("runtime/wgrad", "runtime/graphs", "planner/evaluate"):
         parent = sub.split("/")[0]
         assert all(a.split(".")[0] in ("plan", "schedule", parent) for a in allowed_imports(sub))
@@ -151,3 +155,39 @@ def test_files_and_functions_stay_small():
                         if lines > 60:
                             too_long.append(f"{where}: {node.name} is {lines} lines")
     assert not too_long, "\n".join(too_long)
+
+
+def modules_in(folder: str) -> list[str]:
+    """The modules directly in `folder` (no __init__ or __main__), without .py."""
+    return sorted(name[:-3] for name in os.listdir(os.path.join(PACKAGE, folder))
+                  if name.endswith(".py") and name not in ("__init__.py", "__main__.py"))
+
+
+def test_at_most_ten_modules_side_by_side():
+    crowded = {folder or ".": len(modules_in(folder)) for folder in folders()
+               if len(modules_in(folder)) > 10}
+    assert not crowded, f"folders with more than 10 modules: {crowded}"
+
+
+def _stem(name: str) -> str:
+    """The name without an inflection on its last word (rules -> rule, lowered -> lower)."""
+    return re.sub(r"(ing|ed|s)$", "", name)
+
+
+def names_differing_by_a_suffix(names: list[str]) -> list[tuple[str, str]]:
+    """Pairs where one name is the other's stem plus a suffix: lower / lowered, rules /
+    rule_views, time_fit / time_fitting, compat / compat_check."""
+    return sorted({tuple(sorted((a, b))) for a in names for b in names
+                   if a != b and (b.startswith(a) or _stem(a) == _stem(b)
+                                  or b.startswith(_stem(a) + "_"))})
+
+
+def test_no_two_names_in_a_folder_differ_only_by_a_suffix():
+    assert names_differing_by_a_suffix(["lower", "lowered", "routes"]) == [("lower", "lowered")]
+    assert names_differing_by_a_suffix(["rules", "rule_views"]) == [("rule_views", "rules")]
+    assert names_differing_by_a_suffix(["time_fit", "time_fitting"]) == [("time_fit",
+                                                                          "time_fitting")]
+    assert names_differing_by_a_suffix(["search", "edge_search", "slicer"]) == []
+    pairs = {folder or ".": names_differing_by_a_suffix(modules_in(folder)) for folder in folders()}
+    assert not {f: p for f, p in pairs.items() if p}, pairs
+

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
-from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_time import FullRecompute
 from megatron_terapipe.planner.cost.recompute_memory import RecomputedMemory
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory, StageMemory
 from megatron_terapipe.planner.evaluate.list_estimate import ListEstimate, _walked, estimate_lists

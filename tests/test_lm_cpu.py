@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_terapipe.megatron.platform import compat, lm_cpu
-from megatron_terapipe.megatron.platform.cpu import cpu_model_parallel_seed
+from megatron_terapipe.megatron.platform.cpu_mode import cpu_model_parallel_seed
 
 
 def test_seed_takes_megatron_lm_positional_arguments():

@@ -194,7 +194,7 @@ def test_a_device_profile_records_and_prints_what_its_holds_did():
     from megatron_terapipe.megatron.measure.clocks import clock_metadata
     from megatron_terapipe.megatron.measure.layers import measure_layer_times, summary_lines
     from megatron_terapipe.planner.cost.dims import ModelDims
-    from megatron_terapipe.planner.profile.time_fitting import fit_layer_times
+    from megatron_terapipe.planner.profile.least_squares import fit_layer_times
 
     clock = DeviceClock(_FakeCuda(host_slow_tries=1), hold_cycles=1000, now=lambda: 0.0)
     clock.retried(lambda: _region(clock))

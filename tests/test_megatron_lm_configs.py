@@ -25,7 +25,7 @@ import pytest
 
 from harness.megatron_lm import pretrain
 from harness.spawn import free_port
-from megatron_terapipe.megatron.platform import compat_moe
+from megatron_terapipe.megatron.platform import router_versions as compat_moe
 
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
 
@@ -119,7 +119,7 @@ EQUAL = [
 ]
 
 #: MoE router losses: equal to Megatron's on the megatron-core lines whose losses TeraPipe
-#: reproduces (hooks/moe_losses.py), refused with the flags named elsewhere.
+#: reproduces (model/moe_router_losses.py), refused with the flags named elsewhere.
 MOE_LOSSES = [
     (Config("MoE + load-balancing loss (aux_loss)", 2, (*MOE, "--moe-aux-loss-coeff", "1e-2"),
             ("load_balancing_loss",)), "--moe-aux-loss-coeff"),

@@ -121,7 +121,7 @@ def test_each_plan_is_one_row_of_the_table(capsys):
     """Under a budget the search's steps start from plans the table already lists (gpt3-13b,
     32 microbatches, 20 GiB: the unbudgeted choice and the leaner uniform plan): each plan
     gets one row."""
-    from megatron_terapipe.planner.cli import main
+    from megatron_terapipe.planner.cli.command import main
 
     main(["--model", "gpt3-13b", "--hardware", "h100", "--pipeline-stages", "8",
           "--tensor-parallel-size", "8", "--seq-length", "8192", "--micro-batch-size", "1",

@@ -20,7 +20,7 @@ from harness import TinyGPT, spawn
 from harness.memory_runs import MemoryRun
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
-from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_time import FullRecompute
 from megatron_terapipe.planner.cost.recompute_memory import with_recompute
 from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
 from megatron_terapipe.planner.profile.memory_fit import FittedMemory

@@ -192,7 +192,7 @@ def test_megatron_schedules_keep_whole_microbatches():
 def test_a_memory_profile_must_match_the_runs_tp_layout(tmp_path, capsys):
     """Bytes measured at one TP size are not another's per rank: refused before planning,
     naming the option, as is a profile whose sequence parallelism differs from the run's."""
-    from megatron_terapipe.planner.cli import main
+    from megatron_terapipe.planner.cli.command import main
     from megatron_terapipe.planner.inputs import stage_memory
 
     m = synthetic_measurements()

@@ -16,7 +16,7 @@ loss of its own tokens), must fail.
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import compat_moe
+from megatron_terapipe.megatron.platform import router_versions as compat_moe
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from harness import FP32, WorkerError, max_relative_error, spawn
 from harness.moe_runs import THREADS_AFTER_RELEASE, MoECase, MoEGPT, check_moe_case

@@ -1,6 +1,6 @@
 """Every model-config field Megatron's MoE router reads (megatron/core/transformer/moe/router.py)
 routes each token on its own (so a token slice routes as the whole microbatch would), is made
-exact by TeraPipe (the router losses, hooks/moe_losses.py), only sizes or initialises the
+exact by TeraPipe (the router losses, model/moe_router_losses.py), only sizes or initialises the
 router, or is refused before any work. A megatron-core line whose router reads a new field fails
 here until the field is classified."""
 
@@ -16,7 +16,7 @@ TOKEN_WISE = {  # a token's experts and weights depend on that token's logits on
     "moe_router_dtype", "moe_router_fusion",
     "moe_router_enable_expert_bias",  # the bias update only adds up tokens per expert
 }
-EXACT_BY_TERAPIPE = {  # a whole microbatch's routing, rebuilt from its cells (moe_losses.py)
+EXACT_BY_TERAPIPE = {  # a whole microbatch's routing, rebuilt from its cells (model/moe_router_losses.py)
     "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_load_balancing_type",
     "calculate_per_token_loss",
 }
@@ -44,7 +44,7 @@ def test_every_field_megatrons_router_reads_is_accounted_for():
              | set(REFUSED))
     assert "moe_router_topk" in read, "the pattern no longer finds config reads"
     assert read <= known, (f"megatron-core's MoE router reads {sorted(read - known)}: say how a "
-                           "token slice routes with them, or refuse them (hooks/rules.py)")
+                           "token slice routes with them, or refuse them (support/refusals.py)")
     assert set(ONLY_WITH_REFUSED.values()) <= set(REFUSED)
 
 

@@ -20,10 +20,10 @@ from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, valida
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
 from megatron_terapipe.megatron.args.profile_cache import profile_cache_key
 from megatron_terapipe.megatron.args.settings import TeraPipeSettings
-from megatron_terapipe.megatron.hooks import spec
-from megatron_terapipe.megatron.hooks.rule_views import view_from_args
+from megatron_terapipe.megatron.model import layer_specs as spec
+from megatron_terapipe.megatron.support.run_views import view_from_args
 from megatron_terapipe.megatron.platform import compat
-from megatron_terapipe.planner.cli import build_parser
+from megatron_terapipe.planner.cli.command import build_parser
 from megatron_terapipe.planner.search import SearchSpace
 from harness import spawn
 from test_arguments import parse, run_settings

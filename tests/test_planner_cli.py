@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
-from megatron_terapipe.planner.cli import build_parser, main
-from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.planner.cli.command import build_parser, main
+from megatron_terapipe.planner.cli.arguments import inputs_from_options
 from megatron_terapipe.planner.schedule_choice import TERAPIPE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,7 +157,7 @@ def test_profile_of_another_model_is_refused(tmp_path, capsys):
 def test_terapipe_plan_starts_without_torch_or_megatron():
     """The planner is numpy only: terapipe-plan must not pay torch's and Megatron-Core's import
     (1.7 s on this machine); the package imports them on first use of a name that needs them."""
-    code = ("import sys, megatron_terapipe.planner.cli, megatron_terapipe as mt; "
+    code = ("import sys, megatron_terapipe.planner.cli.command, megatron_terapipe as mt; "
             "assert mt.TeraPipePlan and mt.solve; "
             "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules)); "
             "mt.get_gpt_layer_spec; print('torch' in sys.modules)")
@@ -174,7 +174,7 @@ def test_the_flags_line_runs_autos_choice(capsys, monkeypatch):
     """The printed flags, in a Megatron-LM script with the question's model and parallel
     flags, make the start-up planner plan the very plan terapipe-plan's auto chose (TeraPipe
     on 3 model chunks here), and name the schedule of a Megatron choice."""
-    from megatron_terapipe.megatron.args.planning import plan_run
+    from megatron_terapipe.megatron.args.plans_from_flags import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
     from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
     from test_arguments import parse
@@ -253,7 +253,7 @@ def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, group, monkeyp
     microbatches, model state and TeraPipe plan (on one chunk, or on the run's 2, in the run's
     groups), predicted time included, as the start-up planner of a Megatron-LM run with those
     flags."""
-    from megatron_terapipe.megatron.args.planning import plan_run
+    from megatron_terapipe.megatron.args.plans_from_flags import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
     from test_arguments import parse
 

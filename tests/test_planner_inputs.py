@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
 from megatron_terapipe.megatron.args.settings import RunSettings
-from megatron_terapipe.planner.cli import build_parser
-from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.planner.cli.command import build_parser
+from megatron_terapipe.planner.cli.arguments import inputs_from_options
 from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
 from test_arguments import parse
 

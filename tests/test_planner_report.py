@@ -7,7 +7,7 @@ import re
 import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
-from megatron_terapipe.planner.report import compact_slices, slice_picture
+from megatron_terapipe.planner.cli.report import compact_slices, slice_picture
 
 
 def boxes(row: str) -> list[str]:

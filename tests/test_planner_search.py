@@ -10,7 +10,7 @@ import pytest
 
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, solve
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.search import (DEFER_MIN_GAIN, SearchSpace, choose_deferral,
                                               deferral_pays, pipeline_link, search,
                                               stages_cross_nodes)
@@ -113,10 +113,10 @@ def test_cli_and_flags_price_the_links_alike(monkeypatch):
     """TP=1 on 16 stages, 8 GPUs a node: the CLI and the flags both use the inter-node link."""
     import argparse
 
-    from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+    from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
     from megatron_terapipe.megatron.args.settings import RunSettings
-    from megatron_terapipe.planner.cli import build_parser
-    from megatron_terapipe.planner.cli_inputs import inputs_from_options
+    from megatron_terapipe.planner.cli.command import build_parser
+    from megatron_terapipe.planner.cli.arguments import inputs_from_options
 
     parser = build_parser()
     cli_args = parser.parse_args(["--model", "gpt3-13b", "--pipeline-stages", "20",

@@ -23,7 +23,7 @@ def initialize_and_release(rank: int, world_size: int, cycles: int) -> dict:
 
     from harness.process_groups import (holds_group, os_thread_count, release_model_parallel,
                                         subgroups)
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()  # the rotary embedding asks for the current CUDA device
 

@@ -23,7 +23,7 @@ import pytest
 from harness import spawn
 from harness.moe_runs import MoECase, MoEGPT, check_moe_case
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import compat_moe
+from megatron_terapipe.megatron.platform import router_versions as compat_moe
 from test_random_edge_slices import draw_edge_plan
 from test_random_virtual_runs import RUNS, SEED, SEQ, _composition, w_places
 

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
 from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_time import FullRecompute
 from megatron_terapipe.planner.cost.recompute_memory import (RecomputedMemory, backward_walk,
                                                              memory_of)
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory

@@ -10,10 +10,10 @@ import pytest
 
 from megatron_terapipe.megatron.args.settings import RunShape, TeraPipeArgumentError
 from megatron_terapipe.plan import TeraPipePlan
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
 from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from megatron_terapipe.planner.cost.recompute import FullRecompute
+from megatron_terapipe.planner.cost.recompute_time import FullRecompute
 from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
 from megatron_terapipe.planner.evaluate.simulator import simulate, simulate_plan
 from megatron_terapipe.schedule import build_interleaved_schedule, build_schedule

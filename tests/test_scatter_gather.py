@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
 from megatron_terapipe.megatron.args.settings import RunSettings
-from megatron_terapipe.planner.cli import build_parser, main
-from megatron_terapipe.planner.cli_inputs import inputs_from_options
+from megatron_terapipe.planner.cli.command import build_parser, main
+from megatron_terapipe.planner.cli.arguments import inputs_from_options
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
 from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists

@@ -28,7 +28,7 @@ NO_EFFECT = {
     "experimental_attention_variant_loss_scale_func": "only with experimental_attention_variant, "
                                                       "which is refused",
 }
-# refused: a config with this value is refused by the support rules (hooks/rules.py)
+# refused: a config with this value is refused by the support rules (support/refusals.py)
 REFUSED = {
     "cuda_graph_impl": "local",
     "defer_embedding_wgrad_compute": True,
@@ -49,14 +49,14 @@ def test_every_field_megatrons_schedules_read_is_accounted_for():
     known = set(HONOURED) | set(NO_EFFECT) | set(REFUSED)
     assert "deallocate_pipeline_outputs" in read, "the pattern no longer finds config reads"
     assert read <= known, (f"megatron-core's pipeline schedules read {sorted(read - known)}: "
-                           "honour them in TeraPipe's schedule or refuse them (hooks/rules.py)")
+                           "honour them in TeraPipe's schedule or refuse them (support/refusals.py)")
 
 
 def test_the_honoured_fields_are_read_by_terapipe():
     import megatron_terapipe
 
     package = Path(megatron_terapipe.__file__).parent
-    rules = {"rules.py", "rule_views.py"}
+    rules = {"support/refusals.py", "support/run_views.py"}
     text = "\n".join(p.read_text() for p in package.rglob("*.py") if p.name not in rules)
     missing = [name for name in HONOURED if name not in text]
     assert not missing, f"no TeraPipe code reads {missing}: classify them again"

@@ -13,7 +13,7 @@ import pytest
 
 from harness import TinyGPT, spawn
 from megatron_terapipe.plan import TeraPipePlan
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.analytic import AnalyticCostModel
 from megatron_terapipe.planner.cost.dims import LayerMemory, ModelDims
 from megatron_terapipe.planner.cost.presets import HARDWARE_PRESETS, MODEL_PRESETS

@@ -159,7 +159,7 @@ def test_presets_know_the_gpt2_vocabulary():
 
 
 def test_terapipe_plan_vocab_size_flag(capsys):
-    from megatron_terapipe.planner.cli import main
+    from megatron_terapipe.planner.cli.command import main
 
     base = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8",
             "--pipeline-stages", "2", "--seq-length", "512", "--granularity", "64"]

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_terapipe.megatron.hooks.stage_layers import chunk_layers, stage_layers
+from megatron_terapipe.megatron.support.stage_layers import chunk_layers, stage_layers
 
 
 def _megatron_count(num_layers, pp, vp, stage, chunk, first, last, embedding, loss):
@@ -89,7 +89,7 @@ HARDWARE = ["--terapipe-hardware", "a100"]
 
 
 def test_the_planner_prices_every_stage_as_the_busiest():
-    from megatron_terapipe.megatron.args.planner_inputs import planner_inputs
+    from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
     from megatron_terapipe.megatron.args.settings import RunSettings
     from test_arguments import parse
 

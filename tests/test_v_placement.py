@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from megatron_terapipe import (ScheduleError, TeraPipePlan, build_schedule, place_in_v,
                                v_chunk_roles, validate)
-from megatron_terapipe.megatron.hooks.v_chunks import check_v_chunks
+from megatron_terapipe.megatron.model.v_chunks import check_v_chunks
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
 from megatron_terapipe.planner.evaluate.simulator import plan_time
-from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
+from megatron_terapipe.planner.wgrad_slots import POLICIES, WgradPlacer, plan_wgrad
 from megatron_terapipe.runtime.executor import StageExecutor
 from megatron_terapipe.runtime.comm.transport import Transport
 from megatron_terapipe.schedule.lower import lower

@@ -25,7 +25,7 @@ from harness import TinyGPT, check_case, spawn
 from harness.virtual_runs import VirtualCase
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
-from megatron_terapipe.planner.wgrad_placement import plan_wgrad
+from megatron_terapipe.planner.wgrad_slots import plan_wgrad
 
 
 def plan(slices=(5, 7, 4), V=2, order="1f1b", defer=True, **kwargs) -> TeraPipePlan:

@@ -1,4 +1,4 @@
-"""W placement as a planned decision (planner/wgrad_placement.py, TeraPipePlan.wgrad_after):
+"""W placement as a planned decision (planner/wgrad_slots.py, TeraPipePlan.wgrad_after):
 the builder lays W actions out where the plan says, the list scheduler never loses to the
 default places, reaches the brute-force optimum of small cases, is timed by the simulator to
 the bit and keeps every stage within its memory limit; the planner searches it with virtual
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from megatron_terapipe import TeraPipePlan, build_schedule, validate
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
-from megatron_terapipe.planner.cli import main
+from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.stage_memory import CostModelMemory, MemoryBudget
 from megatron_terapipe.planner.cost.stage_memory import MemoryBudgetError
 from megatron_terapipe.planner.memory_search import search_within_budget
@@ -23,7 +23,7 @@ from megatron_terapipe.planner.schedule_choice import compare_schedules
 from megatron_terapipe.planner.search import SearchSpace
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.virtual_search import search_virtual
-from megatron_terapipe.planner.wgrad_placement import POLICIES, WgradPlacer, plan_wgrad
+from megatron_terapipe.planner.wgrad_slots import POLICIES, WgradPlacer, plan_wgrad
 from megatron_terapipe.schedule.build import default_places
 
 COST = AnalyticCostModel(model_preset("gpt3-1b"), hardware_preset("a100"), layers_per_stage=6,

@@ -52,7 +52,7 @@ class TeraPipePlan:
     virtual_placement: where the chunks sit: "ring" (rank k holds virtual stages k, K + k,
         ...: Megatron's) or "v" (2 chunks, rank k holding k and 2K - 1 - k: down the ranks and
         back, the loss on rank 0, as Zero Bubble's ZB-V; schedule/actions.py; the chunks
-        built for it: megatron/hooks/v_chunks.py). chunk_layers: layers of each chunk when they
+        built for it: megatron/model/v_chunks.py). chunk_layers: layers of each chunk when they
         differ (e.g. (2, 3) for a stage of 5 layers on 2 chunks; empty: equal chunks;
         planned and simulated only).
     edge_slices: ((n, slices), (m, slices)): the first n and last m microbatches cut into these

@@ -8,12 +8,13 @@
 Folders and modules, in the order they build on each other: cost/ (the CostModel interface,
 model and GPU shapes, the analytic model, a stage's memory), profile/ (measured time samples and
 memory, their fits, the profiled cost model), evaluate/ (the timing and memory replays of the
-schedule's action lists: simulator, memory_walk, list_estimate); slicer (the DP), hill_climb
-(simulator-guided refinement of a plan's slices), search (the one plan search), memory_search
-(within a budget), wgrad_placement (where W actions run, by list scheduling), virtual_search
-(plans on virtual stages: V model chunks per rank), schedule_choice (Megatron's schedules vs
-TeraPipe's), inputs (PlannerInputs: what every question to the planner starts from), report and
-timeline (text and pictures), cli and cli_inputs (terapipe-plan).
+schedule's action lists: simulator, memory_walk, list_estimate, calibration); slicer (the DP),
+hill_climb (simulator-guided refinement of a plan's slices), search (the one plan search),
+memory_search (within a budget), wgrad_slots (where W actions run, by list scheduling),
+edge_search (finer slices at the pipeline's fill and drain), virtual_search (plans on virtual
+stages: V model chunks per rank), schedule_choice (Megatron's schedules vs TeraPipe's), inputs
+(PlannerInputs: what every question to the planner starts from); cli/ (terapipe-plan, its
+tables and timelines).
 
 May import: plan, schedule, planner
 """
@@ -26,13 +27,13 @@ from .evaluate.simulator import SimulationResult, plan_time, simulate, simulate_
 from .hill_climb import fewer_cells, place_wgrad_points, refine
 from .profile.profiled_cost import ProfiledCostModel
 from .profile.time_fit import EdgeTimeFit, LayerTimeFit
-from .profile.time_fitting import fit_edge_times, fit_layer_times
+from .profile.least_squares import fit_edge_times, fit_layer_times
 from .profile.time_samples import EdgeMeasurements, LayerMeasurements, default_grid
 from .search import SearchResult, SearchSpace, search, solve
 from .slicer import SlicingSolution, best_uniform_slicing, plan_objective, solve_slicing
-from .timeline import chrome_trace, write_chrome_trace, write_png
+from .cli.timeline import chrome_trace, write_chrome_trace, write_png
 from .virtual_search import search_virtual
-from .wgrad_placement import place_wgrad, plan_wgrad
+from .wgrad_slots import place_wgrad, plan_wgrad
 
 __all__ = [
     "AnalyticCostModel",

@@ -9,7 +9,7 @@ flight on stage k: schedule/orders.py).
 The search walks (first microbatches cut, their slices, last microbatches cut, theirs) from
 (2, 2, 2, 2) (within its bounds: a quarter of the microbatches at each end, 2 to 8 slices) to
 the best neighbour (one of them one more or one fewer) until none is faster,
-every candidate with its W actions placed (wgrad_placement.py) and held to the budget. Each
+every candidate with its W actions placed (wgrad_slots.py) and held to the budget. Each
 candidate is one simulation per placement policy, so the walk runs only where it can pay:
 1f1b, deferred weight gradients, one chunk per rank, at least 2K microbatches.
 """
@@ -25,7 +25,7 @@ from .cost.cost_model import CostModel
 from .cost.stage_memory import MemoryBudget
 from .evaluate.list_estimate import ListCaches, estimate_lists, shared_caches
 from .search import Candidate, SearchResult, SearchSpace
-from .wgrad_placement import plan_wgrad
+from .wgrad_slots import plan_wgrad
 
 Edges = tuple[int, int, int, int]  # first microbatches cut, their slices, last ones, theirs
 START: Edges = (2, 2, 2, 2)

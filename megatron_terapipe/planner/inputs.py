@@ -1,7 +1,7 @@
 """PlannerInputs: everything a question to the planner starts from (the model, the cost model,
 the run's search space with its stage memory, the memory budget), and the builders both of its
 adapters share. It has exactly two adapters, one per way of asking: terapipe-plan's options
-(cli_inputs.py) and Megatron-LM's flags (megatron/args/planner_inputs.py). Everything that plans,
+(cli/arguments.py) and Megatron-LM's flags (megatron/args/inputs_from_flags.py). Everything that plans,
 compares schedules or predicts memory takes a PlannerInputs, so the same configuration asked
 either way gets the same plan (tests/test_planner_inputs.py)."""
 
@@ -14,7 +14,7 @@ from ..plan import TeraPipePlan
 from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
-from .cost.recompute import FullRecompute
+from .cost.recompute_time import FullRecompute
 from .cost.recompute_memory import with_recompute
 from .cost.stage_memory import (MemoryBudget, MemoryBudgetError, ModelStateConfig, StageMemory,
                                 model_state_bytes)

@@ -9,7 +9,7 @@ state) held against a per-GPU budget.
    (both modes when it is automatic: deferring holds more). The fastest that fits wins.
 3. Refinement (hill climb, fewer cells) polishes it; a step counts only if it still fits.
 4. With `SearchSpace.place_wgrad`, the chosen plan's W actions are placed where its stages
-   would wait (wgrad_placement.py), within the budget, when that is faster; with many
+   would wait (wgrad_slots.py), within the budget, when that is faster; with many
    microbatches, whole sequences with the first and last ones cut (edge_search.py) are
    tried too, and win when faster.
 If nothing fits, MemoryBudgetError names the smallest peak found and what to change.
@@ -32,7 +32,7 @@ from .hill_climb import fewer_cells
 from .hill_climb import refine as hill_climb
 from .search import Candidate, SearchResult, SearchSpace, search
 from .slicer import cell_arrays
-from .wgrad_placement import plan_wgrad
+from .wgrad_slots import plan_wgrad
 
 MAX_CANDIDATES = 120  # simulations of step 2
 
@@ -179,7 +179,7 @@ def search_within_budget(cost_model: CostModel, space: SearchSpace,
 def with_placed_wgrad(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                       result: SearchResult) -> SearchResult:
     """Step 4: the chosen plan with its W actions placed where its stages would wait
-    (wgrad_placement.py), as one more step, when that is faster: never slower, and within
+    (wgrad_slots.py), as one more step, when that is faster: never slower, and within
     the budget wherever the chosen plan is."""
     chosen = result.chosen
     if not chosen.plan.defer_wgrad:

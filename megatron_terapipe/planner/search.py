@@ -74,7 +74,7 @@ class SearchSpace:
     memory: Optional[StageMemory] = None  # what stages keep (default: the cost model's)
     # model chunks per stage the schedule table may also try (virtual_search.py), besides 1
     virtual_stages: tuple[int, ...] = ()
-    # plan where W actions run (wgrad_placement.py), as terapipe-plan and the flags do by default
+    # plan where W actions run (wgrad_slots.py), as terapipe-plan and the flags do by default
     place_wgrad: bool = True
     # microbatches per group of the interleaved order when the run fixes it (Megatron-LM's
     # --microbatch-group-size-per-virtual-pipeline-stage), for Megatron's rows and TeraPipe's

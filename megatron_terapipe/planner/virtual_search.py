@@ -16,7 +16,7 @@ shrinks and each cell crosses more links, so the search here times plans instead
    a 1f1b plan that does not fit is tried with a shorter warm-up (virtual_warmup 1, then 0:
    fewer activations alive, as fast when one group holds every microbatch);
 3. with `SearchSpace.place_wgrad`, the fastest few then get their W actions placed
-   (wgrad_placement.py), within the budget; the fastest of all is chosen.
+   (wgrad_slots.py), within the budget; the fastest of all is chosen.
 In a V (`placement` "v": 2 chunks, rank k holding virtual stages k and 2K - 1 - k, v_order.py)
 there are no groups: each slicing is tried with each of V_LEADS units in flight on rank 0
 beyond K + C - 1 (`virtual_warmup`: more cover the turn and the way back, and hold more).
@@ -37,7 +37,7 @@ from .evaluate.list_estimate import estimate_lists, shared_caches
 from .evaluate.simulator import plan_time
 from .memory_search import compute_floor
 from .search import Candidate, SearchSpace
-from .wgrad_placement import plan_wgrad
+from .wgrad_slots import plan_wgrad
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)
 PLACED = 2  # the fastest fitting plans whose W actions are placed

@@ -47,7 +47,7 @@ class StageOptions:
     autocast_dtype: Optional[torch.dtype] = None
     # Megatron's deallocate_pipeline_outputs: free a stage output's data once it is sent.
     deallocate_outputs: bool = False
-    # one callable, or one per model chunk (grad_sync.py)
+    # one callable, or one per model chunk (comm/grad_sync.py)
     no_sync_func: SyncFunc = contextlib.nullcontext
     grad_sync_func: SyncFunc = None
 

@@ -93,7 +93,7 @@ def load_schedule(path: PathLike, lowering: Lowering = Lowering()) -> Schedule:
 
 
 # Chrome-trace JSON (Perfetto, chrome://tracing) of timed actions: the one writer for the
-# simulator's predicted timelines (planner/timeline.py) and the runtime's measured ones
+# simulator's predicted timelines (planner/cli/timeline.py) and the runtime's measured ones
 # (runtime/trace.py), so a prediction and a run open side by side with the same rows and names.
 #
 # One process row per pipeline stage, one complete ('X') event per compute action, named as

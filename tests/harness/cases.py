@@ -100,7 +100,7 @@ def _run_baseline(case: Case, batches: list[dict]) -> tuple[list[Any], dict[str,
 
 def _terapipe_spec(case: Case, config):
     """The slice-aware spec (or, for the refusal cases, Megatron's stock or a non-causal one)."""
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     if not case.slice_spec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -184,7 +184,7 @@ def run_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

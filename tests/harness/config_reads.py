@@ -22,7 +22,7 @@ def config_fields_read(source_of) -> set[str]:
 
 def config_refusal(**fields: Any) -> Optional[str]:
     """The support rules' refusal of a config holding just `fields` (None: TeraPipe runs it)."""
-    from megatron_terapipe.megatron.hooks.rule_views import view_from_config
-    from megatron_terapipe.megatron.hooks.rules import refusal
+    from megatron_terapipe.megatron.support.run_views import view_from_config
+    from megatron_terapipe.megatron.support.refusals import refusal
 
     return refusal(view_from_config(argparse.Namespace(**fields)))

@@ -14,8 +14,8 @@ def freed_before_received(rank: int, world_size: int, keep: bool, batched: bool)
     """Rank 0 sends 0..N-1, frees the tensor's storage as deallocate_output_tensor does and
     fills new tensors of the same size with -1; rank 1 posts its receive later. Whether rank 1
     got what was sent."""
-    from megatron_terapipe.megatron.platform import cpu_p2p
-    from megatron_terapipe.megatron.platform.cpu import keep_freed_host_memory
+    from megatron_terapipe.megatron.platform import cpu_sends as cpu_p2p
+    from megatron_terapipe.megatron.platform.cpu_mode import keep_freed_host_memory
 
     keep_freed_host_memory()
     api = cpu_p2p if keep else dist

@@ -103,7 +103,7 @@ def _pool_allocations(model) -> int:
 
 
 def audit_runs(rank: int, world_size: int, runs: list[AuditRun]) -> dict[str, Any]:
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
     return {run.name: audit_one(run, world_size) for run in runs}
@@ -115,7 +115,7 @@ def graph_runs(rank: int, world_size: int, iterations: int, defer_wgrad: bool) -
     from megatron.core import parallel_state
 
     from megatron_terapipe import TeraPipePlan, configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.graphs.cell_graphs import RecordingGraph
 

@@ -62,7 +62,7 @@ STEPS = {"three_value": forward_step, "legacy": legacy_forward_step,
 def _build(model_cfg: TinyGPT, ddp: bool):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
     seed(model_cfg.seed)
     config = model_cfg.config()
@@ -79,7 +79,7 @@ def count_host_cost(rank: int, world_size: int, slice_counts: list[int], runs: l
     from megatron.core import parallel_state
 
     from megatron_terapipe import TeraPipePlan
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

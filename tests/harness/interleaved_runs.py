@@ -20,7 +20,7 @@ def record_interleaved_calls(rank: int, world_size: int, model_cfg: TinyGPT,
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving)
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
     config, model = interleaved_model(model_cfg, world_size, chunks)

@@ -29,7 +29,7 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
 
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
@@ -66,7 +66,7 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
     from megatron.core.pipeline_parallel.schedules import (
         forward_backward_pipelining_with_interleaving)
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
     from tests.harness.schedule_runs import interleaved_model
@@ -107,7 +107,7 @@ def measure_virtual_peaks(rank: int, world_size: int, model_cfg: TinyGPT, chunks
     import gc
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 

@@ -86,7 +86,7 @@ class TinyGPT:
 
 
 def seed(value: int) -> None:
-    from megatron_terapipe.megatron.platform.cpu import cpu_model_parallel_seed
+    from megatron_terapipe.megatron.platform.cpu_mode import cpu_model_parallel_seed
 
     cpu_model_parallel_seed(value)
 
@@ -95,7 +95,7 @@ def build_stage_model(model_cfg: TinyGPT, tp: int, pp: int, spec=None):
     """This rank's pipeline stage of `model_cfg`, with the slice-aware spec by default."""
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
     config = model_cfg.config(tp, pp)
     seed(model_cfg.seed)

@@ -109,7 +109,7 @@ def _baseline_spec(case: MoECase, config):
     from megatron.core.transformer.transformer_block import (TransformerBlock,
                                                               TransformerBlockSubmodules)
 
-    from megatron_terapipe.megatron.hooks.spec import TorchNorm, _local_norms_to_torch
+    from megatron_terapipe.megatron.model.layer_specs import TorchNorm, _local_norms_to_torch
 
     layer = _local_norms_to_torch(spec)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
@@ -117,7 +117,7 @@ def _baseline_spec(case: MoECase, config):
 
 
 def _terapipe_spec(case: MoECase, config, vp_stage: Optional[int] = None):
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     if config.sequence_parallel:
         return get_gpt_decoder_block_spec(config, vp_stage=vp_stage, **case.model.spec_kwargs)
@@ -243,7 +243,7 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.hooks import moe_losses
+    from megatron_terapipe.megatron.model import moe_router_losses as moe_losses
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
@@ -319,7 +319,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
     results: dict[str, Any] = {THREADS_AFTER_RELEASE: []}
@@ -342,7 +342,7 @@ def run_moe_cases(rank: int, world_size: int, cases: list[MoECase]) -> dict[str,
 
 def expected_logs(model: MoEGPT) -> set[str]:
     """The tracker names Megatron logs for `model`'s losses."""
-    from megatron_terapipe.megatron.hooks.moe_loss_terms import SWITCH_LOSS_NAMES
+    from megatron_terapipe.megatron.model.moe_loss_sums import SWITCH_LOSS_NAMES
 
     names = {SWITCH_LOSS_NAMES[kind] for kind, coeff in zip(model.balancing, model.aux_coeffs)
              if coeff > 0 and kind in SWITCH_LOSS_NAMES}

@@ -68,7 +68,7 @@ def _chunks(case: OptimizerCase, full_state: dict, terapipe: bool):
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
     V = case.chunks
     config = case.model.config(case.tp, case.pp)
@@ -203,7 +203,7 @@ def run_optimizer_case(rank: int, world_size: int, case: OptimizerCase) -> dict[
     batches (this data-parallel rank's share of each iteration's)."""
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     enable_cpu_mode()
     dp = world_size // (case.tp * case.pp)

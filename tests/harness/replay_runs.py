@@ -94,7 +94,7 @@ def _model(model_cfg: TinyGPT, run: ReplayRun, dp: int, graphs: Optional[list]):
 
     spec = None
     if model_cfg.sequence_parallel:  # its norms need the decoder block spec, as in the equivalence tests
-        from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec
+        from megatron_terapipe.megatron.model.layer_specs import get_gpt_decoder_block_spec
 
         spec = get_gpt_decoder_block_spec(model_cfg.config(run.tp, run.pp))
     config, model = build_stage_model(model_cfg, run.tp, run.pp, spec)
@@ -173,7 +173,7 @@ def train(run: ReplayRun, world_size: int, graphed: bool) -> list[dict[str, Any]
 
 
 def replay_vs_eager(rank: int, world_size: int, runs: list[ReplayRun]) -> dict[str, Any]:
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
     if any(run.device == "cuda" for run in runs):
         torch.cuda.set_device(0)

@@ -28,7 +28,7 @@ def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int, initialize: 
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
     from tests.harness.models import seed
 
@@ -79,7 +79,7 @@ def time_schedules(rank: int, world_size: int, runs: ScheduleRuns) -> dict[str, 
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode, pin_to_core
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
 
     enable_cpu_mode()
     pin_to_core(rank, world_size)

@@ -18,8 +18,8 @@ def saved_bytes_per_layer(rank: int, world_size: int, model_cfg: TinyGPT, extra_
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_decoder_block_spec
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.runtime.memory.saved_bytes import SavedTensorMeter
 
     enable_cpu_mode()
@@ -32,7 +32,7 @@ def saved_bytes_per_layer(rank: int, world_size: int, model_cfg: TinyGPT, extra_
             cfg = replace(model_cfg, num_layers=layers, sequence_parallel=sp)
             config = cfg.config(world_size, 1)
             seed(cfg.seed)
-            # the block spec: its norms run sequence-parallel on CPU (hooks/spec.py's TorchNorm)
+            # the block spec: its norms run sequence-parallel on CPU (model/layer_specs.py's TorchNorm)
             model = cfg.build(config, get_gpt_decoder_block_spec(config))
             with SavedTensorMeter(exclude=tuple(model.parameters())) as meter:
                 forward_backward_no_pipelining(

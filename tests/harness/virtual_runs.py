@@ -72,7 +72,7 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_terapipe import place_in_v, v_chunk_roles
-    from megatron_terapipe.megatron.hooks.spec import get_gpt_decoder_block_spec, get_gpt_layer_spec
+    from megatron_terapipe.megatron.model.layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_spec
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
     config = case.model.config(case.tp, case.pp)
@@ -146,7 +146,7 @@ def run_virtual_case(rank: int, world_size: int, case: VirtualCase) -> dict[str,
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     enable_cpu_mode()

@@ -34,7 +34,7 @@ def measure_peak_activations(rank: int, world_size: int, model_cfg: TinyGPT, pla
     stages), each measured by the same SavedTensorMeter; "megatron_1f1b" is Megatron's 1F1B."""
     from megatron.core import parallel_state
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.saved_bytes import SavedTensorMeter
 
@@ -70,7 +70,7 @@ def run_variable_lengths(rank: int, world_size: int, lengths: list[int], plans: 
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.plan import PlanTable
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
@@ -102,7 +102,7 @@ def run_with_mismatched_batch(rank: int, world_size: int, seq_length: int, batch
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
@@ -152,7 +152,7 @@ def run_with_failure(rank: int, world_size: int, fail_rank: int, where: str,
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.plan import TeraPipePlan
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
@@ -185,8 +185,8 @@ def grads_with_and_without_deferral_hooks(rank: int, world_size: int) -> float:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
-    from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
-    from megatron_terapipe.megatron.hooks.param_deferral import install_wgrad_deferral
+    from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
+    from megatron_terapipe.megatron.model.param_deferral import install_wgrad_deferral
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, 1)
@@ -214,7 +214,7 @@ def pinned_core(rank: int, world_size: int) -> tuple[Optional[int], list[list[in
     """pin_to_core in a worker: the core it chose and every thread's affinity after."""
     import os
 
-    from megatron_terapipe.megatron.platform.cpu import pin_to_core, process_thread_ids
+    from megatron_terapipe.megatron.platform.cpu_mode import pin_to_core, process_thread_ids
 
     core = pin_to_core(rank, world_size)
     return core, [sorted(os.sched_getaffinity(t)) for t in process_thread_ids()]

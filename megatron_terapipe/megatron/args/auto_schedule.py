@@ -20,10 +20,10 @@ from typing import Callable
 
 from ...planner.cost.stage_memory import MemoryBudgetError
 from ...planner.inputs import PlannerInputs
-from ...planner.report import auto_text, megatron_1f1b_time, schedule_row
+from ...planner.cli.report import auto_text, megatron_1f1b_time, schedule_row
 from ...planner.schedule_choice import AutoChoice, ScheduleTable, interleaved_chunk_counts
-from .plan_report import WARNING
-from .planner_inputs import budget_error, planner_inputs
+from .startup_log import WARNING
+from .inputs_from_flags import budget_error, planner_inputs
 from .profile_cache import profile_cache_path
 from .settings import RunSettings, TeraPipeArgumentError
 

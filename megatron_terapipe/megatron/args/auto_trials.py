@@ -26,7 +26,7 @@ from ...planner.evaluate.calibration import (CalibratedCostModel, Calibration, T
                                              fit_calibration)
 from ...planner.inputs import PlannerInputs
 from ...planner.schedule_choice import MEGATRON, TERAPIPE, ScheduleOption, ScheduleTable
-from ...planner.wgrad_placement import place_wgrad, stage_limits
+from ...planner.wgrad_slots import place_wgrad, stage_limits
 from ...schedule import build_schedule
 from ..hooks.measured_choice import MeasuredChoice, TrialCandidate
 from ..platform import compat

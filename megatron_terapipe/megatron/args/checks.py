@@ -1,12 +1,12 @@
 """Checking the flags before any work: `validate_terapipe_args` parses them (settings.py) and
 raises TeraPipeArgumentError, naming the flag and the fix, for TeraPipe flags that make no
-sense and, through the support rules (hooks/rules.py), for what the schedule cannot run."""
+sense and, through the support rules (support/refusals.py), for what the schedule cannot run."""
 
 from __future__ import annotations
 
 import os
 
-from ..hooks.rules import refusal
+from ..support.refusals import refusal
 from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
 from .settings import (RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error,
                        check_edge_microbatches)

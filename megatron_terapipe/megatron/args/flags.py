@@ -113,7 +113,7 @@ def _add_wgrad_args(group) -> None:
 
 
 def _add_memory_args(group) -> None:
-    from ...planner.cli_inputs import MEMORY_HELP
+    from ...planner.cli.arguments import MEMORY_HELP
 
     for flag, metavar, key in (("--terapipe-memory-budget", "SIZE", "budget"),
                                ("--terapipe-model-state-memory", "SIZE", "model_state"),

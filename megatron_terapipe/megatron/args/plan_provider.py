@@ -1,7 +1,7 @@
 """ArgsPlanProvider: the plan source Megatron-LM runs get from their flags.
 
 The schedule asks it for a plan the first time it runs a (seq_length, micro_batch_size); every
-rank asks at the same time. Rank 0 chooses the plan (planning.py, which calls the planner's
+rank asks at the same time. Rank 0 chooses the plan (plans_from_flags.py, which calls the planner's
 search) and broadcasts it, so every rank runs the identical plan. With a measured profile every
 rank measures at once (tensor-parallel layers need all their ranks, and nobody waits in a
 collective while others measure); rank 0 fits and caches it (profile_cache.py).
@@ -16,9 +16,9 @@ from typing import Any, Callable, Optional, TypeVar, Union
 from ...plan import TeraPipePlan
 from ...planner.profile.time_fit import LayerTimeFit
 from ..platform import compat
-from .plan_report import PlanReport
-from .planner_inputs import planner_inputs
-from .planning import plan_run, wants_profile, write_simulated_trace
+from .startup_log import PlanReport
+from .inputs_from_flags import planner_inputs
+from .plans_from_flags import plan_run, wants_profile, write_simulated_trace
 from .profile_cache import (default_measure, device_name, fit_measurements, is_cached,
                             profile_cache_path, profile_cells, save_profile)
 from .settings import RunSettings, TeraPipeArgumentError

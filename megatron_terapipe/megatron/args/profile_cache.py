@@ -11,7 +11,7 @@ import platform
 from pathlib import Path
 
 from ...planner.profile.time_fit import LayerTimeFit
-from ...planner.profile.time_fitting import fit_layer_times
+from ...planner.profile.least_squares import fit_layer_times
 from ...planner.profile.time_samples import LayerMeasurements, default_grid
 from ..platform.compat import UnsupportedMegatronError
 from .settings import RunSettings

@@ -2,7 +2,7 @@
 TransformerConfig once): `RunSettings.from_args(args)` reads the TeraPipe flags
 (`TeraPipeSettings`, each with its one default), the run's shape and parallelism (`RunShape`),
 the model (`ModelDims`) and how the model state is kept. Everything downstream takes these
-values; `from_args` and the support rules' adapter (hooks/rule_views.py: view_from_args) are the
+values; `from_args` and the support rules' adapter (support/run_views.py: view_from_args) are the
 only readers of the argparse namespace. Names are Megatron-LM's (seq_length,
 tensor_model_parallel_size, ...); a name a script does not define counts as unset.
 """
@@ -16,11 +16,11 @@ from typing import Iterator, Optional
 
 from ...plan import SliceGrid, SliceNames
 from ...planner.cost.dims import ModelDims
-from ...planner.cost.recompute import FullRecompute
+from ...planner.cost.recompute_time import FullRecompute
 from ...planner.cost.stage_memory import ModelStateConfig, parse_bytes
 from ...planner.schedule_choice import TERAPIPE, AutoChoice
-from ..hooks.rule_views import view_from_args
-from ..hooks.rules import RunView
+from ..support.run_views import view_from_args
+from ..support.refusals import RunView
 
 
 class TeraPipeArgumentError(ValueError):
@@ -310,7 +310,7 @@ class RunSettings:
     model_state: ModelStateConfig = field(default_factory=ModelStateConfig)
     position_embedding_type: str = "learned_absolute"
     attention_backend: str = "auto"  # --attention-backend by name
-    support: RunView = RunView()  # what the support rules test (hooks/rules.py)
+    support: RunView = RunView()  # what the support rules test (support/refusals.py)
 
     @classmethod
     def from_args(cls, args) -> "RunSettings":

@@ -1,10 +1,9 @@
-"""What runs inside Megatron: the TeraPipe schedule (forward_backward.py) and the getter hook
-that routes Megatron to it (install.py), config.terapipe (selection.py), the one table of what
-TeraPipe refuses (rules.py) and the layers each stage holds (stage_layers.py), P2P (p2p.py),
-Megatron-LM's forward step per cell (lm_cells.py); and into Megatron's model: the slice-aware
-layer spec (spec.py), RoPE offsets (rope.py), parameter-gradient deferral (param_deferral.py),
-exact MoE router losses (moe_losses.py, moe_loss_terms.py). The version checks and CPU mode
-are platform/.
+"""What runs inside Megatron's training step: the TeraPipe schedule, with the signature of
+Megatron's own (forward_backward.py); the getter hook that routes Megatron to it (install.py);
+which plan runs, as config.terapipe (selection.py); `--pipeline-schedule auto`'s measured
+choice between schedules (measured_choice.py); the stage-to-stage transport through Megatron's
+P2P (p2p.py); and Megatron-LM's forward step per cell (lm_cells.py). The model's layers are
+model/, the rules of what runs support/, the version checks and CPU mode platform/.
 
-May import: plan, schedule, runtime, megatron.platform, megatron.hooks
+May import: plan, schedule, runtime, megatron.platform, megatron.support, megatron.model, megatron.hooks
 """

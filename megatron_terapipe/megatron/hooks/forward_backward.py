@@ -25,13 +25,13 @@ from ...runtime.graphs.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.trace import RunRecord
 from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
 from ..platform import compat
-from . import moe_losses
-from .param_deferral import install_wgrad_deferral
+from ..model import moe_router_losses as moe_losses
+from ..model.param_deferral import install_wgrad_deferral
 from .p2p import check_shared_link, make_transport
-from .rope import install_rope_offsets
-from .rules import check_view
+from ..model.rope import install_rope_offsets
+from ..support.refusals import check_view
 from .selection import check_replaced_attributes, config_view, run_config
-from .v_chunks import check_v_chunks
+from ..model.v_chunks import check_v_chunks
 
 RunCallback = Callable[[RunRecord], None]
 
@@ -257,7 +257,7 @@ def check_run(config, models: List[torch.nn.Module], plan: TeraPipePlan, groups,
 def check_support(config, model, groups=None, seq_length: Optional[int] = None,
                   decoder_seq_length: Optional[int] = None, adjust_tensor_shapes_fn=None,
                   plan: Optional[TeraPipePlan] = None) -> None:
-    """The support rules (rules.py) on the model's config and what only this call knows: the
+    """The support rules (support/refusals.py) on the model's config and what only this call knows: the
     context-parallel group, the model chunks (`model`: one module or the list of chunks) and
     the plan's, Megatron DDP's overlap_grad_reduce, the shapes."""
     models = list(model) if isinstance(model, (list, tuple)) else [model]

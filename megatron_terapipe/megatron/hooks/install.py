@@ -8,7 +8,7 @@ import functools
 from typing import Callable, Optional
 
 from ..platform import compat
-from .rules import RunView, check_view
+from ..support.refusals import RunView, check_view
 from .selection import STATE
 
 _ORIGINAL_GET_FORWARD_BACKWARD: Optional[Callable] = None
@@ -58,7 +58,7 @@ def install() -> None:
 # ---------------------------------------------------------------------------------------------
 def slice_attention_spec(spec):
     """`spec` (a GPT layer ModuleSpec, or a block spec with layer_specs) with SliceAttention."""
-    from .spec import with_slice_attention
+    from ..model.layer_specs import with_slice_attention
 
     layer_specs = getattr(spec, "layer_specs", None)
     if layer_specs is not None:  # TransformerBlockSubmodules: one spec per layer

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 from ...plan import TeraPipePlan
 from ...runtime.trace import RunRecord
-from .rule_views import view_from_config
-from .rules import CONFIGURE_GRAPHS, FLAG_GRAPHS, RunView, check_view
+from ..support.run_views import view_from_config
+from ..support.refusals import CONFIGURE_GRAPHS, FLAG_GRAPHS, RunView, check_view
 
 
 @dataclass
@@ -100,7 +100,7 @@ def configure(config, plan, cuda_graphs: Optional[bool] = None,
 
 def check_config(config, plan: Optional[TeraPipePlan] = None, cuda_graphs: bool = False,
                  graph_factory: Optional[Callable[[str], object]] = None) -> None:
-    """What `configure` refuses: the support rules (rules.py) on `config` with the CUDA graphs
+    """What `configure` refuses: the support rules (support/refusals.py) on `config` with the CUDA graphs
     asked for and the plan's model chunks per stage, and a plan whose slices sequence parallelism cannot split over the TP ranks."""
     device = ""
     if cuda_graphs and graph_factory is None:

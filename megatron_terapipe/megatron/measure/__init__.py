@@ -2,5 +2,5 @@
 token slices, the pipeline's edges, and the bytes a stage keeps for backward
 (`python -m megatron_terapipe.megatron.measure {layers,memory} ...`).
 
-May import: plan, schedule, planner, runtime, megatron.platform, megatron.hooks, megatron.measure
+May import: plan, schedule, planner, runtime, megatron.platform, megatron.support, megatron.model, megatron.hooks, megatron.measure
 """

@@ -20,7 +20,7 @@ Measure = Callable[[argparse.Namespace, ModelDims], tuple[object, list[str]]]
 
 
 def _measure_layers(args: argparse.Namespace, model: ModelDims) -> tuple[object, list[str]]:
-    from ...planner.profile.time_fitting import fit_layer_times
+    from ...planner.profile.least_squares import fit_layer_times
     from ...planner.profile.time_samples import default_grid
     from .layers import measure_layer_times, summary_lines
 

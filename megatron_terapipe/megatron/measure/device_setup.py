@@ -62,7 +62,7 @@ class MeasureDevice:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         self.on_gpu = torch.cuda.is_available() if device is None else device.startswith("cuda")
         if not self.on_gpu:
-            from ..platform.cpu import enable_cpu_mode
+            from ..platform.cpu_mode import enable_cpu_mode
 
             enable_cpu_mode()
         _ensure_parallel_state()

@@ -1,7 +1,7 @@
 """Measure one Megatron transformer layer on token slices, for ProfiledCostModel.
 
 Each measured cell is a real slice: the layer (Megatron's GPT layer with our slice-aware core
-attention, spec.py) first runs the `context` tokens as token slice 0 of a sequence, which fills
+attention, model/layer_specs.py) first runs the `context` tokens as token slice 0 of a sequence, which fills
 the K/V cache; then slice 1 of `length` tokens runs forward (timed) and backward (timed), reading
 that cache exactly as the executor does. Context-free cells also run with deferred weight
 gradients: the backward without them (timed) and the W action that computes them (timed), as the
@@ -27,11 +27,11 @@ from ...runtime.context import running_cell
 from ...runtime.attention.kv_cache import KVCache
 from ...runtime.wgrad.store import WeightGradStore
 from ...schedule import Cell
-from ..hooks.param_deferral import install_wgrad_deferral
+from ..model.param_deferral import install_wgrad_deferral
 from .clocks import clock_metadata, make_clock
 from .device_setup import MeasureDevice, check_position_type, check_repeats, timed_rounds
 from .edges import edge_points_for, measure_edge_times
-from ..hooks.spec import get_gpt_layer_spec
+from ..model.layer_specs import get_gpt_layer_spec
 
 Seconds = tuple[float, float, float, float]  # forward, backward, deferred backward, W
 

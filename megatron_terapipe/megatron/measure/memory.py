@@ -65,8 +65,8 @@ class _Stage:
                  seq_length: int, position_embedding_type: str):
         from megatron.core.models.gpt import GPTModel
 
-        from ..hooks.param_deferral import install_wgrad_deferral
-        from ..hooks.spec import get_gpt_layer_spec
+        from ..model.param_deferral import install_wgrad_deferral
+        from ..model.layer_specs import get_gpt_layer_spec
 
         self.layers, self.first, self.last = STAGE_KINDS[kind]
         config = env.config(model)

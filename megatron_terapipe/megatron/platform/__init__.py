@@ -1,10 +1,9 @@
-"""Megatron's versions and platforms: the version checks of every private Megatron internal we
-touch (compat.py; compat_moe.py for the MoE router losses, compat_checkpoints.py for Megatron-LM's
-checkpoints; compat_check.py runs them all as a report), and CPU mode (cpu.py for Megatron-Core,
-cpu_p2p.py for its pipeline sends, lm_cpu.py for Megatron-LM's training script).
+"""Megatron's versions and platforms, the lowest floor of the glue: the version checks of every
+private Megatron internal we touch (compat.py; router_versions.py for the MoE router and its
+losses, checkpoint_versions.py for Megatron-LM's checkpoints; version_report.py runs them all
+as a report: python -m megatron_terapipe.megatron.platform.version_report), and CPU mode
+(cpu_mode.py for Megatron-Core, cpu_sends.py for its pipeline sends, lm_cpu.py for Megatron-LM's
+training script, torch_norm.py for the norm that runs sequence-parallel on gloo).
 
-Two modules of hooks/ are named below: lm_cpu builds hooks/spec.py's TorchNorm under
---sequence-parallel, and compat_check runs hooks/moe_losses.py's router check with the others.
-
-May import: megatron.platform, megatron.hooks.spec, megatron.hooks.moe_losses
+May import: megatron.platform
 """

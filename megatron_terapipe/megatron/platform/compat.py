@@ -7,7 +7,7 @@ a helper whose home moved) goes through a function here that calls `require_test
 first: on an untested megatron-core that raises `UnsupportedMegatronError` naming the touch
 point, the installed version and the supported lines, unless ALLOW_UNTESTED_ENV=1 says to try
 anyway. docs/megatron.md lists every touch point and what moved between the lines;
-`python -m megatron_terapipe.megatron.platform.compat_check` runs every check here.
+`python -m megatron_terapipe.megatron.platform.version_report` runs every check here.
 """
 
 from __future__ import annotations

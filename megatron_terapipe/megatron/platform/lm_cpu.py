@@ -37,9 +37,10 @@ from typing import Any, Callable
 
 import torch
 
-from . import compat, compat_checkpoints
+from . import compat
+from . import checkpoint_versions as compat_checkpoints
 from .torch_norm import TorchNorm
-from .cpu import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
+from .cpu_mode import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
 
 # The Megatron-LM modules (and the one Megatron-Core module they drive) that see the CPU as
 # CUDA differ per line: compat.MEGATRON_LM_CPU_MODULES.

@@ -1,6 +1,6 @@
 """TorchNorm: Megatron's torch LayerNorm / RMSNorm that also runs sequence-parallel.
 
-Kept on the platform floor because both the layer specs (hooks/spec.py) and CPU mode for
+Kept on the platform floor because both the layer specs (model/layer_specs.py) and CPU mode for
 Megatron-LM's script (lm_cpu.py) build it.
 """
 

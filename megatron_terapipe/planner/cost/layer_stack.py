@@ -13,7 +13,7 @@ import numpy as np
 from .arrays import as_float_arrays, broadcast_shape, scalar_or_array
 from .cost_model import CostModel, combine_edges
 from .dims import LayerMemory, Link, ModelDims
-from .recompute import FullRecompute
+from .recompute_time import FullRecompute
 
 
 class LayerStackCostModel(CostModel):
@@ -48,7 +48,7 @@ class LayerStackCostModel(CostModel):
         self.recompute: Optional[FullRecompute] = None  # set by with_recompute
 
     def with_recompute(self, recompute: Optional[FullRecompute]) -> "LayerStackCostModel":
-        """This model with Megatron's full recomputation (recompute.py): each backward reruns
+        """This model with Megatron's full recomputation (recompute_time.py): each backward reruns
         the forward of the recomputed layers of its chunk."""
         out = copy.copy(self)
         out.recompute = recompute

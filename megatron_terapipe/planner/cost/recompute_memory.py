@@ -1,6 +1,6 @@
 """What Megatron's full recomputation saves in memory, and what its backward rematerialises.
 
-With `--recompute-granularity full` a model chunk's checkpointed groups (recompute.py) run
+With `--recompute-granularity full` a model chunk's checkpointed groups (recompute_time.py) run
 their forward without keeping activations: each group keeps only its input (Megatron's
 CheckpointFunction saves the hidden states it was called with), and a backward reruns the
 group's forward, so the group's activations exist again while it runs backward. The layers
@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .cost_model import CostModel
-from .recompute import FullRecompute
+from .recompute_time import FullRecompute
 from .stage_memory import CostModelMemory, StageMemory
 
 

@@ -1,5 +1,5 @@
 """ProfiledCostModel: layer times measured on a real device (megatron/measure/layers.py), fitted
-(planner/profile/time_fitting.py) and saved as a layer profile (planner/profile/time_fit.py).
+(planner/profile/least_squares.py) and saved as a layer profile (planner/profile/time_fit.py).
 
 Weight gradients: format-3 profiles measured the W action and what deferring saves the
 backward on context-free cells; older profiles estimate both from the forward and backward

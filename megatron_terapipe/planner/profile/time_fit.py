@@ -7,7 +7,7 @@ One direction at one batch size follows the TeraPipe paper's form (SliceTimeFit)
 t(l, 0) is the measured table of context-free slices (piecewise linear in l, made
 non-decreasing). Batch sizes between measured ones interpolate linearly; beyond the largest,
 time grows in proportion to the rows (LayerTimeFit.seconds). Edges are a + b * tokens per part
-and direction (EdgeTimeFit). planner/profile/time_fitting.py makes these fits from measurements.
+and direction (EdgeTimeFit). planner/profile/least_squares.py makes these fits from measurements.
 
 Format versions: 2 added the edges, 3 the measured weight gradients ("wgrad": the W action;
 "wgrad_saving": what deferring saved the backward); older files still load.

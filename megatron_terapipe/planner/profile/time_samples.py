@@ -1,6 +1,6 @@
 """Measured seconds a layer profile is fitted to: one layer on (batch, length, context) cells,
 and the pipeline's edges (embedding; output layer and loss) on (batch, length) points.
-megatron/measure/layers.py and megatron/measure/edges.py measure them; planner/profile/time_fitting.py fits them."""
+megatron/measure/layers.py and megatron/measure/edges.py measure them; planner/profile/least_squares.py fits them."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Each (sequence, layer) has one buffer: a slice writes its keys and values at its token offset
 and attends over the buffer's prefix (a view), so autograd keeps one copy however many later
 slices read it. Its gradient buffers collect what later slices send back to earlier ones.
-All four come from the executor's BufferPool (buffer_pool.py), so for a fixed plan they sit at
+All four come from the executor's BufferPool (memory/buffer_pool.py), so for a fixed plan they sit at
 the same addresses every iteration, as a CUDA graph replaying a cell needs.
 """
 

@@ -3,7 +3,7 @@
 The executor announces the cell it is running (context.py). While it runs, every
 `SliceAttention` module appends the slice's keys and values to a per-sequence, per-layer cache
 and attends over the whole prefix with a bottom-right causal mask (on CPU, a slice of over 512
-tokens: the prefix and its own causal block, merged: prefix_attention.py).
+tokens: the prefix and its own causal block, merged: attention/cpu_prefix.py).
 
 Gradients, computed once per node (no retain_graph):
 - Each (sequence, layer) of more than one slice has one K/V buffer. A slice writes its K/V at
@@ -156,7 +156,7 @@ class SliceAttention(torch.nn.Module):
                                                  dropout_p=dropout, scale=self.softmax_scale)
         elif dropout == 0.0 and _PREFIX_ATTENTION and prefix_split_pays(sq):
             # CPU, a long slice: the prefix and the slice's own causal block, merged
-            # (prefix_attention.py), without computing the scores a mask would hide.
+            # (attention/cpu_prefix.py), without computing the scores a mask would hide.
             out = prefix_causal_attention(q, k, v, self.softmax_scale)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right_mask(sq, sk, q),
@@ -183,7 +183,7 @@ def _lower_right_mask(queries: int, keys: int, like: torch.Tensor) -> torch.Tens
 
 def rope_offset_pre_hook(module, args, kwargs):
     """Forward pre-hook for a rotary embedding module whose forward takes `offset` (Megatron's
-    RotaryEmbedding: megatron/hooks/rope.py hooks it): a slice's positions start at its first token."""
+    RotaryEmbedding: megatron/model/rope.py hooks it): a slice's positions start at its first token."""
     active = active_cell()
     if active is not None and active.cell.token_start:
         kwargs = dict(kwargs)

@@ -4,7 +4,7 @@ A token-sliced stage pays its host work per cell: on CPU each cell dispatches ab
 aten ops as a whole unsliced pass (benchmarks/bench_host_ops.py), so the host work grows with
 the number of slices, and on a GPU it bounds the eager stage (docs/performance.md, "One GPU stage with token
 slices"). A plan fixes every
-cell's shape, and the buffer pool (buffer_pool.py)
+cell's shape, and the buffer pool (memory/buffer_pool.py)
 puts everything a cell reads across its boundary at the same address every iteration, so each
 compute action (a cell's forward, its backward, a sequence's W action) can be captured once
 and replayed: its host work then no longer grows with the number of slices.

@@ -1,5 +1,5 @@
 """Counting, besides autograd's saved tensors, the buffers the runtime keeps itself: the K/V
-buffers of the slice attention and their gradients (kv_cache.py) and the pieces deferred
+buffers of the slice attention and their gradients (attention/kv_cache.py) and the pieces deferred
 weight gradients wait with (wgrad/store.py). Together they are what a stage holds for
 backward, as the planner's memory model (planner/cost/stage_memory.py) predicts it.
 

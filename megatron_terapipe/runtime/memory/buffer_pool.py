@@ -3,7 +3,7 @@
 A CUDA graph replays kernels on the addresses it captured, so every buffer a cell reads or
 writes across its boundary must sit at the same address each time the cell runs. The runtime's
 own cross-cell buffers (the slice attention's K/V buffers and their gradient buffers,
-kv_cache.py) come from a `BufferPool` kept per plan (megatron/hooks/forward_backward.py keeps one per
+attention/kv_cache.py) come from a `BufferPool` kept per plan (megatron/hooks/forward_backward.py keeps one per
 model, plan and batch shape). After the first iteration the pool allocates nothing: each
 request takes an existing tensor.
 

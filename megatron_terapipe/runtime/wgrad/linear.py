@@ -6,7 +6,7 @@ WeightGradStore (store.py) instead of computing the weight gradient; a bias adde
 layer takes its gradient from the same output gradients in the W action. A bias the layer hands
 out to be added elsewhere (Megatron's skip_bias_add, or RowParallelLinear's add after its
 all-reduce) goes through `DeferredBias`, whose backward keeps the per-slice gradient for the W
-action. megatron/hooks/param_deferral.py routes Megatron's ColumnParallelLinear and
+action. megatron/model/param_deferral.py routes Megatron's ColumnParallelLinear and
 RowParallelLinear through them inside TeraPipe cells.
 """
 

@@ -24,7 +24,7 @@ Megatron's own gradient-accumulation fusion does.
 
 Outside a TeraPipe cell, and for frozen parameters, parameters that are not leaves, Megatron-FSDP
 parameters and the output layer's own `defer_embedding_wgrad_compute` buffer, the layers run
-their original code unchanged (megatron/hooks/param_deferral.py makes that choice and patches them).
+their original code unchanged (megatron/model/param_deferral.py makes that choice and patches them).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def _initialize_distributed():
     args = get_args()
     if not torch.cuda.is_available():
         # The real Megatron-LM requires CUDA; the stand-in runs on CPU with gloo.
-        from megatron_terapipe.megatron.platform.cpu import enable_cpu_mode
+        from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
 
         enable_cpu_mode()
     backend = "nccl" if torch.cuda.is_available() else "gloo"

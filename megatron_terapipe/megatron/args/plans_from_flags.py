@@ -14,12 +14,12 @@ from ...plan import SliceGrid, TeraPipePlan
 from ...planner.cost.stage_memory import MemoryBudget, MemoryBudgetError, format_size
 from ...planner.inputs import PlannerInputs
 from ...planner.search import SearchResult, choose_deferral
-from ...planner.timeline import write_chrome_trace
+from ...planner.cli.timeline import write_chrome_trace
 from ...planner.virtual_search import NoAllowedGroupError
 from ...schedule.build import allowed_group
 from .flags import COST_MODELS
-from .plan_report import PlanReport, attention_text
-from .planner_inputs import budget_error, planner_inputs
+from .startup_log import PlanReport, attention_text
+from .inputs_from_flags import budget_error, planner_inputs
 from .settings import (RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings,
                        as_flag_error, check_edge_microbatches)
 
@@ -53,7 +53,7 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
         _refuse_unpredicted(flags)
     inputs = inputs or (lambda: planner_inputs(run))
     chunks = run.support.virtual_stages  # Megatron's virtual pipeline stages: model chunks
-    group = run.microbatch_group  # the planner's inputs carry it too (planner_inputs.py)
+    group = run.microbatch_group  # the planner's inputs carry it too (inputs_from_flags.py)
     check_edge_microbatches(flags, shape)  # this batch's count (checks.py: the flags' batch)
     fixed = fixed_plan(flags, run.grid, shape.seq_length)
     given = inputs() if predicted else None

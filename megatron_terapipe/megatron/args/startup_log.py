@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ...plan import TeraPipePlan
-from ...planner.report import slice_picture
+from ...planner.cli.report import slice_picture
 from ...schedule.build import virtual_group
-from ..hooks.rules import SLICE_ATTENTION
+from ..support.refusals import SLICE_ATTENTION
 
 PICTURE_WIDTH = 60  # columns of boxes; with the row names and the "> " prefix under 80
 #: Notes that must not be missed (a guessed GPU, ...): logged as `> terapipe: WARNING: ...`.

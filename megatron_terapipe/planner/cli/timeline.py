@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Union
 
-from ..schedule.files import action_events, chrome_trace_of, write_trace
-from .evaluate.simulator import SimulationResult
+from ...schedule.files import action_events, chrome_trace_of, write_trace
+from ..evaluate.simulator import SimulationResult
 
 PathLike = Union[str, Path]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..plan import TeraPipePlan
-from .cost.stage_memory import MemoryBudget
-from .schedule_choice import AutoChoice, ScheduleOption, ScheduleTable
-from .search import SearchResult
+from ...plan import TeraPipePlan
+from ..cost.stage_memory import MemoryBudget
+from ..schedule_choice import AutoChoice, ScheduleOption, ScheduleTable
+from ..search import SearchResult
 
 GiB = 1024 ** 3
 

@@ -3,7 +3,7 @@ a RunView and the message naming the flag and the fix. A RunView describes a run
 whether it comes from Megatron-LM's flags (`view_from_args`; args/checks.py applies the table at
 start-up) or from a TransformerConfig (`view_from_config`; `configure` applies it, and every
 schedule call with what only the call knows: its process groups, model chunks and shapes); the
-two adapters live in rule_views.py.
+two adapters live in support/run_views.py.
 Adding a refusal is one entry in RULES (plus the view's field, if the view lacks it).
 """
 
@@ -15,7 +15,7 @@ from typing import Callable, Optional, Union
 from ...runtime.attention.cpu_prefix import SPLIT_ABOVE_TOKENS
 from .stage_layers import StageLayers
 
-#: What the layers' core attention runs under TeraPipe, whatever the spec had (spec.py).
+#: What the layers' core attention runs under TeraPipe, whatever the spec had (model/layer_specs.py).
 SLICE_ATTENTION = ("slice attention (torch scaled_dot_product_attention over the cached prefix, "
                    "bottom-right causal mask; torch picks the kernel, on CPU split in two for "
                    f"slices over {SPLIT_ABOVE_TOKENS} tokens)")
@@ -126,7 +126,7 @@ def _router_loss_flags(v: RunView) -> str:
 
 
 def _router_losses_line_problem() -> Optional[str]:
-    from ..platform.compat_moe import line_problem  # imports torch: only for MoE runs with losses
+    from ..platform.router_versions import line_problem  # imports torch: only for MoE runs with losses
 
     return line_problem()
 
@@ -176,7 +176,7 @@ VIRTUAL_STAGE_RULES = (
 
 # Dropless top-k MoE routing is token-wise: a cell routes its tokens as the whole microbatch
 # would. The load-balancing losses and the z-loss need the whole microbatch's counts: each cell
-# adds its counts and its backward takes the microbatch's gradient (moe_losses.py), on the
+# adds its counts and its backward takes the microbatch's gradient (model/moe_router_losses.py), on the
 # megatron-core lines whose router TeraPipe reproduces. Refused: Sinkhorn (normalised over all
 # the tokens at once) and capacity-based dropping (counted per forward pass). Expert bias only
 # adds up token counts.

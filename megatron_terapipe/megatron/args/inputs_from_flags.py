@@ -3,7 +3,7 @@ preset and the links between stages, the analytic or profiled cost model, the se
 its stage memory (--terapipe-memory-profile), and the budget (--terapipe-memory-budget) with the
 model state (--terapipe-model-state-memory, or Megatron's accounting from the precision, data
 parallelism and --use-distributed-optimizer). terapipe-plan's options are the other adapter
-(planner/cli_inputs.py); both build through planner/inputs.py."""
+(planner/cli/arguments.py); both build through planner/inputs.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ...planner.cost.presets import hardware_preset
 from ...planner.inputs import PlannerInputs, layer_cost_model, memory_budget, stage_memory
 from ...planner.profile.time_fit import LayerTimeFit
 from ...planner.search import SearchSpace, stages_cross_nodes
-from .plan_report import WARNING
+from .startup_log import WARNING
 from .profile_cache import device_name, profile_cache_path
 from .settings import RunSettings, RunShape, TeraPipeArgumentError
 

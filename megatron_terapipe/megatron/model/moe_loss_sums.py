@@ -19,7 +19,7 @@ layout (`token_owners`) and summed over TP when the microbatch is complete.
 Formulas, scaling and logging follow megatron-core's router.py and moe_utils.py
 (`switch_load_balancing_loss_func`, `attach_and_log_load_balancing_loss`, `apply_z_loss`); where
 0.16 and 0.19 scale per-token losses differently, LossShape carries the line's convention
-(platform/compat_moe.py).
+(platform/router_versions.py).
 """
 
 from __future__ import annotations

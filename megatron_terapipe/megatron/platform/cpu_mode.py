@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from . import compat
-from .cpu_p2p import P2PTorchProxy, p2p_module
+from .cpu_sends import P2PTorchProxy, p2p_module
 
 _ENABLED = False
 _PATCHED: list[tuple[Any, str, Any]] = []  # (owner, attribute, original), in patching order
@@ -170,7 +170,7 @@ def enable_cpu_mode() -> None:
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     _moe_on_cpu({m.__name__: m for m in modules})
     _optimizers_on_cpu({m.__name__: m for m in modules})
-    p2p = p2p_module()  # sends keep their storage until waited on (cpu_p2p.py)
+    p2p = p2p_module()  # sends keep their storage until waited on (cpu_sends.py)
     patch_for_cpu(p2p, "torch", P2PTorchProxy(p2p.torch))
     keep_freed_host_memory()
     _ENABLED = True

@@ -12,17 +12,17 @@ import sys
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-from ..schedule.orders import ORDERS
-from .cli_inputs import add_memory_args, inputs_from_options
-from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from .cost.recompute import METHODS as RECOMPUTE_METHODS
-from .cost.stage_memory import MemoryBudgetError
-from ..plan import TeraPipePlan
-from .evaluate.simulator import SimulationResult
-from .inputs import PlannerInputs
+from ...schedule.orders import ORDERS
+from .arguments import add_memory_args, inputs_from_options
+from ..cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from ..cost.recompute_time import METHODS as RECOMPUTE_METHODS
+from ..cost.stage_memory import MemoryBudgetError
+from ...plan import TeraPipePlan
+from ..evaluate.simulator import SimulationResult
+from ..inputs import PlannerInputs
 from .report import auto_text, comparison_lines, schedule_table_lines, slices_text
-from .schedule_choice import TERAPIPE, AutoChoice, ScheduleTable
-from .search import SearchResult
+from ..schedule_choice import TERAPIPE, AutoChoice, ScheduleTable
+from ..search import SearchResult
 from .timeline import short_plan_text
 
 GiB = 1024 ** 3
@@ -319,5 +319,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if choice is not None else 1
 
 
-if __name__ == "__main__":  # python -m megatron_terapipe.planner.cli
+if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The support rules' adapters: a run as a RunView (rules.py), from Megatron-LM's args
+"""The support rules' adapters: a run as a RunView (support/refusals.py), from Megatron-LM's args
 (`view_from_args`: the flags' names, megatron/training/arguments.py) or from a TransformerConfig
 (`view_from_config`). Megatron-LM makes most of its model flags from the config's fields, so
 the two read the same names where they can."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .rules import CONFIGURE_GRAPHS, RunView
+from .refusals import CONFIGURE_GRAPHS, RunView
 from .stage_layers import StageLayers, stage_layers
 
 
@@ -98,7 +98,7 @@ def megatron_graphs(source) -> str:
 def _virtual_fields(args) -> dict:
     """Chunks per pipeline stage as Megatron-LM's validate_args sets them from its flags
     (virtual_pipeline_model_parallel_size once validated), and the layers of a stage (of every
-    stage where the split is even; stage_layers.py)."""
+    stage where the split is even; support/stage_layers.py)."""
     pp = int(getattr(args, "pipeline_model_parallel_size", None) or 1)
     layers = getattr(args, "num_layers", None)
     per_stage = int(layers) // pp if layers is not None and int(layers) % pp == 0 else None

@@ -1,7 +1,7 @@
 """Megatron-Core's MoE router losses, exact under token slices.
 
 The load-balancing losses (aux_loss, seq_aux_loss, global_aux_loss) and the z-loss are
-functions of a whole microbatch's routing (moe_loss_terms.py says how). `install_moe_losses`
+functions of a whole microbatch's routing (model/moe_loss_sums.py says how). `install_moe_losses`
 hooks every TopKRouter that has one, per instance:
 
 - `routing`: in the forward of a training cell, count the cell's tokens per expert (as
@@ -28,8 +28,8 @@ import torch
 
 from ...runtime.context import ActiveCell, active_cell
 from ...schedule import ActionKind, Schedule
-from ..platform import compat_moe
-from .moe_loss_terms import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
+from ..platform import router_versions as compat_moe
+from .moe_loss_sums import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
                              SwitchTerm, ZLossGrad, ZTerm, squared_logsumexp, token_owners)
 
 SWITCH_METHODS = compat_moe.SWITCH_METHODS

@@ -79,7 +79,7 @@ class P2PTorchProxy(types.ModuleType):
 
 
 def p2p_module():
-    """Megatron's P2P module, whose sends CPU mode keeps alive (cpu_p2p.py): it must call
+    """Megatron's P2P module, whose sends CPU mode keeps alive (cpu_sends.py): it must call
     torch.distributed's isend and batch_isend_irecv through its module-level `torch`."""
     from megatron.core.pipeline_parallel import p2p_communication
 

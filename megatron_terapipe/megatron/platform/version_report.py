@@ -1,6 +1,6 @@
 """Every check of megatron/platform/compat.py on the installed megatron-core, as a report:
 
-    python -m megatron_terapipe.megatron.platform.compat_check
+    python -m megatron_terapipe.megatron.platform.version_report
 
 Exit status 0 when megatron-core is on a tested line and every touch point checks out (the nox
 sessions print it before their tests; tests/test_compat.py asserts it).
@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from . import compat, compat_moe
+from . import compat
+from . import router_versions as compat_moe
 
 
 def check_all() -> list[tuple[str, Optional[str]]]:

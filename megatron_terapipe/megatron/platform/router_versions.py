@@ -1,4 +1,4 @@
-"""The version-sensitive part of the MoE router-loss touch point (moe_losses.py), checked as
+"""The version-sensitive part of the MoE router-loss touch point (model/moe_router_losses.py), checked as
 compat.py checks the others.
 
 megatron-core 0.16 to 0.19 compute the same router losses

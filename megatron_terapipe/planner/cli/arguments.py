@@ -2,7 +2,7 @@
 model (the analytic model of a GPU preset, or a --profile), the search space with its stage
 memory (--memory-profile), and the budget (--memory-budget) with the model state (given, or
 Megatron's accounting). Megatron-LM's flags are the other adapter (megatron/args/
-planner_inputs.py); both build through inputs.py. Errors name the option (parser.error)."""
+inputs_from_flags.py); both build through inputs.py. Errors name the option (parser.error)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import argparse
 from dataclasses import replace
 from typing import Optional
 
-from ..plan import SliceGrid, SliceNames
-from .cost.cost_model import CostModel
-from .cost.dims import Hardware, ModelDims
-from .cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
-from .cost.recompute import FullRecompute
-from .cost.stage_memory import MemoryBudget, ModelStateConfig, parse_bytes
-from .inputs import PlannerInputs, layer_cost_model, memory_budget, stage_memory
-from .search import SearchSpace, stages_cross_nodes
-from .slicer import resolve_batch_sizes
+from ...plan import SliceGrid, SliceNames
+from ..cost.cost_model import CostModel
+from ..cost.dims import Hardware, ModelDims
+from ..cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from ..cost.recompute_time import FullRecompute
+from ..cost.stage_memory import MemoryBudget, ModelStateConfig, parse_bytes
+from ..inputs import PlannerInputs, layer_cost_model, memory_budget, stage_memory
+from ..search import SearchSpace, stages_cross_nodes
+from ..slicer import resolve_batch_sizes
 
 
 #: How slice-length errors name terapipe-plan's options.
