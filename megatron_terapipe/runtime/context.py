@@ -1,11 +1,20 @@
-"""The cell the executor is running now, for the layers that act per cell.
+"""The cell the executor is running now: the runtime's one implicit channel.
 
-Slice attention reads the cell's K/V cache, the RoPE hook its token offset, and the deferring
-linear layers its weight-gradient store. They sit deep inside the model, where the executor
-cannot pass arguments, so the executor announces the cell here (`running_cell`) and they look
-it up (`active_cell`). `running_action` names every compute action (F, B and W, which runs
-outside a cell) for the tools that attribute work to it: the capture audit (graphs/graph_audit.py)
-and the buffer pool's log.
+Some layers act per cell but sit deep inside Megatron's model, where the executor cannot pass
+them an argument. So the executor announces the cell here and they look it up; nothing else in
+the package passes state this way.
+
+Who writes (`running_cell`, a context manager; `running_action` names every compute action,
+F, B and W, the last of which runs outside a cell):
+- runtime/executor.py, around each forward and backward cell and each action;
+- megatron/measure/layers.py and memory.py, around the cells they time or measure.
+Who reads (`active_cell`, None outside a cell; `current_action`):
+- runtime/attention/slice_attention.py: the cell's K/V cache, its token offset (also for the
+  RoPE offset hook) and its phase;
+- runtime/wgrad/deferral.py: the cell's weight-gradient store;
+- megatron/hooks/lm_cells.py: the cell's rows and tokens, to cut Megatron-LM's batch;
+- megatron/model/moe_router_losses.py: the cell, to sum router losses per microbatch;
+- runtime/graphs/graph_audit.py and the buffer pool's log: which action did the work.
 """
 
 from __future__ import annotations
