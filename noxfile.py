@@ -39,19 +39,23 @@ LINES = {
 LINE_EXTRAS = {"0.17": ("pyyaml",), "0.18": ("pyyaml",)}
 #: The field and interface checks: the config, schedule and router fields each line has, the
 #: launcher and patch on Megatron-LM's argument parser, the compatibility checks. Every line.
-FIELD_TESTS = ("tests/test_launch.py", "tests/test_compat.py",
-               "tests/test_attention_features.py", "tests/test_schedule_fields.py",
-               "tests/test_moe_router_fields.py", "tests/test_gpt_model_fields.py",
-               "tests/test_compat_megatron_lm.py")
+FIELD_TESTS = ("tests/glue/test_launch.py", "tests/glue/platform/test_compat.py",
+               "tests/glue/platform/test_attention_features.py",
+               "tests/glue/platform/test_schedule_fields.py",
+               "tests/glue/platform/test_moe_router_fields.py",
+               "tests/glue/platform/test_gpt_model_fields.py",
+               "tests/glue/test_compat_megatron_lm.py")
 #: Plus equivalence against Megatron's own schedules, its MoE losses and attention.
-INTERFACE_TESTS = FIELD_TESTS + ("tests/test_equivalence.py", "tests/test_moe_losses.py",
-                                 "tests/test_prefix_attention.py")
+INTERFACE_TESTS = FIELD_TESTS + ("tests/equivalence/test_equivalence.py",
+                                 "tests/equivalence/test_moe_losses.py",
+                                 "tests/runtime/test_prefix_attention.py")
 #: Plus the runs built on them (virtual stages, the V, uneven splits, edge slicing, the
 #: distributed optimizer).
 EQUIVALENCE_TESTS = INTERFACE_TESTS + (
-    "tests/test_virtual_runs.py", "tests/test_random_virtual_runs.py",
-    "tests/test_stage_layers.py", "tests/test_edge_slices.py", "tests/test_stage_split_runs.py",
-    "tests/test_distributed_optimizer.py")
+    "tests/equivalence/test_virtual_runs.py", "tests/equivalence/test_random_virtual_runs.py",
+    "tests/glue/test_stage_layers.py", "tests/plan/test_edge_slices.py",
+    "tests/equivalence/test_stage_split_runs.py",
+    "tests/equivalence/test_distributed_optimizer.py")
 
 
 def interpreter(version: str) -> str:

@@ -1,6 +1,6 @@
-"""How far below its tolerances each case of tests/test_distributed_optimizer.py is: TeraPipe
-against Megatron's own schedule with the distributed optimizer, 3 Adam steps. Per case, over
-every rank: the worst max|g - g_ref| / max|g_ref| of any parameter's main_grad in any
+"""How far below its tolerances each case of tests/equivalence/test_distributed_optimizer.py
+is: TeraPipe against Megatron's own schedule with the distributed optimizer, 3 Adam steps. Per
+case, over every rank: the worst max|g - g_ref| / max|g_ref| of any parameter's main_grad in any
 iteration (references below 1e-8 left out, as harness.check_gradients does; asserted 1e-5), the
 largest relative difference of the step's gradient norm (asserted 1e-5), and the largest
 difference of any weight after the last step in units of the learning rate (asserted 5e-3) and
@@ -14,7 +14,10 @@ Run: python benchmarks/grad_errors_distributed_optimizer.py
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)  # the harness imports itself as tests.harness
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "equivalence"))  # the cases of the tests it reads
 from harness import spawn  # noqa: E402
 import test_distributed_optimizer as dist  # noqa: E402
 

@@ -8,7 +8,10 @@ far below it each case is. Run: python benchmarks/grad_errors_new_cases.py
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)  # the harness imports itself as tests.harness
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "equivalence"))  # the cases of the tests it reads
 from harness import spawn  # noqa: E402
 import test_equivalence as eq  # noqa: E402
 import test_moe_losses as moe  # noqa: E402

@@ -1,5 +1,5 @@
-"""How far below its tolerances each chunks-in-a-V case of tests/test_virtual_runs.py is:
-TeraPipe on 2 chunks in a V against Megatron's no-pipelining run on the full model. Per case,
+"""How far below its tolerances each chunks-in-a-V case of tests/equivalence/test_virtual_runs.py
+is: TeraPipe on 2 chunks in a V against Megatron's no-pipelining run on the full model. Per case,
 over every rank: the worst max|g - g_ref| / max|g_ref| of any parameter's gradient
 (harness.max_relative_error; the test asserts every element within rtol 1e-4 / atol 1e-6) and
 the worst relative difference of any reported loss (asserted rtol 1e-6).
@@ -8,7 +8,10 @@ Run: python benchmarks/grad_errors_v_shape.py
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)  # the harness imports itself as tests.harness
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "equivalence"))  # the cases of the tests it reads
 from harness import max_relative_error, spawn  # noqa: E402
 import test_virtual_runs as runs  # noqa: E402
 

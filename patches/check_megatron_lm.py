@@ -9,7 +9,7 @@ Use the checkout of the release matching the installed megatron-core: core_v0.16
 core_v0.17.1 for 0.17.x, core_v0.18.2 for 0.18.x, core_v0.19.0 for 0.19.x. Without --megatron-lm,
 the megatron.training that megatron-core 0.17's to 0.19's wheels ship is used (0.16's wheel has
 none; there is no pretrain_gpt.py either, so only --args-only runs). --args-only stops after
-step 2 and needs no torchrun (tests/test_compat_megatron_lm.py runs it).
+step 2 and needs no torchrun (tests/glue/test_compat_megatron_lm.py runs it).
 
 What it runs, with Megatron-LM's own code wherever the drop-in touches it:
 1. `megatron_terapipe.megatron.launch.install_hooks()`, then Megatron-LM's `megatron.training.training` is

@@ -1,11 +1,8 @@
 import os
-import sys
 import tempfile
 
-# Tests import the package from the checkout, installed or not.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# The multi-process harness (tests/harness) is imported as `harness`, also by spawned workers.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The package, `harness` and the benchmarks' modules are importable through pyproject.toml's
+# `pythonpath` (spawned workers get the same import path).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Multi-process runs of every pytest session on this machine take turns (harness/machine_lock.py):
 # .ci/run's 0.19 session runs beside the default run on 2 cores.

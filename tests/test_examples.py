@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 from harness.machine_lock import one_run_at_a_time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness.paths import ROOT
 
 
 def _run(args, timeout=300):

@@ -11,8 +11,7 @@ import ast
 import os
 import re
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "megatron_terapipe")
+from harness.paths import PACKAGE
 
 
 def folders() -> list[str]:

@@ -3,7 +3,7 @@ the run's search space with its stage memory, the memory budget), and the builde
 adapters share. It has exactly two adapters, one per way of asking: terapipe-plan's options
 (cli/arguments.py) and Megatron-LM's flags (megatron/args/inputs_from_flags.py). Everything that plans,
 compares schedules or predicts memory takes a PlannerInputs, so the same configuration asked
-either way gets the same plan (tests/test_planner_inputs.py)."""
+either way gets the same plan (tests/planner/cli/test_planner_inputs.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ passes the larger of the limit and the default's peak.
 
 The result is data on the plan (`TeraPipePlan.wgrad_after`: per stage, how many F/B actions
 run before each W); the builder lays the W actions out there, the executor runs that list and
-the simulator times it: the time `place_wgrad` computed, to the bit (tests/test_wgrad_placement.py).
+the simulator times it: the time `place_wgrad` computed, to the bit (tests/planner/test_wgrad_placement.py).
 """
 
 from __future__ import annotations

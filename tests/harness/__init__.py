@@ -4,7 +4,10 @@ spawn: run one function on several gloo processes. models: a small GPT, its batc
 pretrain_gpt-style forward_step. compare: weights and gradients between the full model and its
 shards, and the tolerances TeraPipe must meet. cases: the equivalence experiment (Case,
 run_cases, check_case). replay_runs: training with a graph per compute action against
-eager, and use_cell_graphs. workers: the other multi-process worker bodies.
+eager, and use_cell_graphs. workers: the other multi-process worker bodies. What several test
+files share, imported from its module: flags (Megatron-LM's flags without Megatron-LM),
+cost_models (analytic models, synthetic measurements), draws (the random tests' draws), paths
+(the checkout's folders).
 
 Workers are named to `spawn` as "harness:<function>", so every worker is exported here.
 """

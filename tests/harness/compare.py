@@ -111,6 +111,20 @@ def grad_pairs(model, full_grads: dict[str, torch.Tensor]) -> Pairs:
     return out
 
 
+def chunk_grads(chunks, zeros_if_absent: bool = False) -> dict[str, Optional[torch.Tensor]]:
+    """Every chunk's gradients by global name (main_grad under Megatron DDP, else .grad), as
+    float32 copies; a parameter with neither: None, or zeros of its shape (`zeros_if_absent`)."""
+    out = {}
+    for inner in map(unwrap, chunks):
+        for name, param in inner.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is None and zeros_if_absent:
+                grad = torch.zeros_like(param)
+            out[global_name(inner, name)] = None if grad is None else grad.detach().float().clone()
+    return out
+
+
 def max_relative_error(pairs: Pairs) -> tuple[float, str]:
     """Worst over parameters of max|g - g_ref| / max|g_ref|, and that parameter's name."""
     worst, worst_name = 0.0, ""

@@ -1,4 +1,5 @@
-"""Workers for tests/test_cpu_sends.py: a send whose tensor is freed before the receiver posts."""
+"""Workers for tests/glue/platform/test_cpu_sends.py: a send whose tensor is freed before the
+receiver posts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workers for tests/test_host_transport.py: TeraPipe's torch transport staged through host
+"""Workers for tests/runtime/test_host_transport.py: TeraPipe's torch transport staged through host
 memory (config.terapipe.transport = "host"), on gloo processes."""
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ fp32 GPT and `--terapipe-cpu`; the caller adds the configuration's flags and the
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -15,8 +16,25 @@ import time
 from dataclasses import dataclass, field
 
 from tests.harness.machine_lock import one_run_at_a_time
+from tests.harness.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: The Megatron-LM checkout the runs use (MEGATRON_LM_PATH; None: the tests skip).
+CHECKOUT = os.environ.get("MEGATRON_LM_PATH")
+
+
+def needs_checkout(*more) -> list:
+    """The marks of a test module that runs Megatron-LM's pretrain_gpt.py: `slow`, skipped
+    without a checkout or without triton; then `more`."""
+    import pytest  # here, not at the top: benchmarks import this module without pytest
+
+    return [
+        pytest.mark.slow,
+        pytest.mark.skipif(not CHECKOUT, reason="set MEGATRON_LM_PATH to a Megatron-LM checkout "
+                           "to run its pretrain_gpt.py"),
+        pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                           reason="Megatron-LM's training modules import triton: pip install triton"),
+        *more,
+    ]
 
 MODEL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
          "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from tests.harness.cases import batches_key, once_per_worker
-from tests.harness.compare import FP32, Tolerance, check_gradients, check_losses, global_name, report_values, unwrap
+from tests.harness.compare import FP32, Tolerance, check_gradients, check_losses, chunk_grads, global_name, report_values, unwrap
 from tests.harness.models import TinyGPT, forward_step, loss_func, make_batches, seed
 from tests.harness.process_groups import os_thread_count, release_model_parallel
 
@@ -145,17 +145,6 @@ def _wrap_chunks(case: MoECase, config, chunks: list) -> list:
     return chunks
 
 
-def _grads(*chunks) -> dict[str, torch.Tensor]:
-    out = {}
-    for inner in map(unwrap, chunks):
-        for name, param in inner.named_parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            grad = torch.zeros_like(param) if grad is None else grad
-            out[global_name(inner, name)] = grad.detach().float().clone()
-    return out
-
-
 def _buffers(*chunks) -> dict[str, torch.Tensor]:
     return {global_name(inner, name): buf.detach().clone() for inner in map(unwrap, chunks)
             for name, buf in inner.named_buffers() if name.rsplit(".", 1)[-1] in ROUTER_BUFFERS}
@@ -233,8 +222,8 @@ def _run_baseline(case: MoECase, batches: list[dict], solo_group) -> dict[str, A
         forward_step_func=_forward_step(case), data_iterator=iter(batches), model=[model],
         num_microbatches=case.num_microbatches, seq_length=case.model.seq_length,
         micro_batch_size=case.micro_batch_size)
-    result = {"losses": report_values(losses), "grads": _grads(model), "state": state,
-              "buffers": _buffers(model), "logged": _logged(solo_group)}
+    result = {"losses": report_values(losses), "grads": chunk_grads([model], zeros_if_absent=True),
+              "state": state, "buffers": _buffers(model), "logged": _logged(solo_group)}
     del model, config
     return result
 
@@ -266,7 +255,7 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
     finally:
         if case.per_cell_losses:
             moe_losses.install_moe_losses = original
-    result = {"losses": report_values(losses), "grads": _grads(*chunks),
+    result = {"losses": report_values(losses), "grads": chunk_grads(chunks, zeros_if_absent=True),
               "buffers": _buffers(*chunks),
               "logged": _logged(parallel_state.get_pipeline_model_parallel_group())}
     del chunks, config

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tests.harness.cases import baseline
-from tests.harness.compare import global_name, load_full_state, report_values, unwrap
+from tests.harness.compare import chunk_grads, global_name, load_full_state, report_values, unwrap
 from tests.harness.models import TinyGPT, forward_step, in_precision, make_batches, seed
 from tests.harness.process_groups import release_model_parallel
 
@@ -149,11 +149,6 @@ def _schedule(case: OptimizerCase, config, terapipe: bool):
     return forward_backward_terapipe
 
 
-def _grads(chunks) -> dict[str, torch.Tensor]:
-    return {global_name(unwrap(chunk), name): param.main_grad.detach().float().clone()
-            for chunk in chunks for name, param in unwrap(chunk).named_parameters()}
-
-
 def _params(chunks) -> dict[str, torch.Tensor]:
     return {global_name(unwrap(chunk), name): param.detach().float().clone()
             for chunk in chunks for name, param in unwrap(chunk).named_parameters()}
@@ -182,7 +177,7 @@ def train(case: OptimizerCase, full_state: dict, batches: list, terapipe: bool) 
                           model=chunks, num_microbatches=case.num_microbatches,
                           seq_length=case.model.seq_length,
                           micro_batch_size=case.micro_batch_size)
-        record["grads"].append(_grads(chunks))
+        record["grads"].append(chunk_grads(chunks))
         choice = getattr(schedule, "measured_choice", None)
         if choice is not None:  # which candidate ran: the last one timed, or the kept one
             record.setdefault("ran", []).append(choice.last_run)

@@ -6,7 +6,7 @@ against the same training run eager.
 capture, replays after). Every iteration takes fresh batches and ends with an in-place SGD step,
 as training does, so a replay that read a stale input, a stale weight or a value frozen at
 capture would give other numbers. Returns per run and iteration the losses and every parameter
-gradient of both, and the graphs' counts. With `device="cuda"` (tests/test_gpu_graphs.py) the
+gradient of both, and the graphs' counts. With `device="cuda"` (tests/runtime/test_gpu_graphs.py) the
 stage runs on the GPU and each action is a real torch.cuda.CUDAGraph.
 """
 

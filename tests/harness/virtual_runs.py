@@ -16,7 +16,7 @@ from typing import Any, Optional
 from tests.harness.cases import baseline
 import torch
 
-from tests.harness.compare import FP32, Tolerance, global_name, grad_pairs, load_full_state, report_values, unwrap
+from tests.harness.compare import FP32, Tolerance, chunk_grads, grad_pairs, load_full_state, report_values
 from tests.harness.models import TinyGPT, forward_step, make_batches, seed
 from tests.harness.process_groups import release_model_parallel
 
@@ -109,18 +109,6 @@ def build_chunks(case: VirtualCase, full_state: dict, ddp: bool):
         for chunk in chunks:
             chunk.zero_grad_buffer()
     return config, chunks
-
-
-def chunk_grads(chunks) -> dict:
-    """Every chunk's gradients by global name (main_grad under Megatron DDP), float32 copies."""
-    out = {}
-    for chunk in chunks:
-        inner = unwrap(chunk)
-        for name, param in inner.named_parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            out[global_name(inner, name)] = None if grad is None else grad.detach().float().clone()
-    return out
 
 
 def megatron_interleaved(case: VirtualCase, full_state: dict, batches: list) -> tuple[list, dict]:

@@ -26,7 +26,7 @@ SUPPORTED = ("megatron-core 0.16.x (Python 3.10 or newer), 0.17.x, 0.18.x or 0.1
              "(Python 3.12 or newer)")
 ALLOW_UNTESTED_ENV = "MEGATRON_TERAPIPE_ALLOW_UNTESTED_MEGATRON"
 
-#: TransformerConfig fields the project reads or sets (tests/test_compat.py checks each one
+#: TransformerConfig fields the project reads or sets (tests/glue/platform/test_compat.py checks each one
 #: exists on the installed megatron-core, and that megatron/ and runtime/ touch no other).
 CONFIG_FIELDS_READ = (
     "attention_dropout", "autocast_dtype", "barrier_with_L1_time", "calculate_per_token_loss",

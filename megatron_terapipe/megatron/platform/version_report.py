@@ -3,7 +3,7 @@
     python -m megatron_terapipe.megatron.platform.version_report
 
 Exit status 0 when megatron-core is on a tested line and every touch point checks out (the nox
-sessions print it before their tests; tests/test_compat.py asserts it).
+sessions print it before their tests; tests/glue/platform/test_compat.py asserts it).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ num-layers / --decoder-last-pipeline-num-layers (uneven first and last stages),
 and the loss count as a layer of the first and last stage), or --pipeline-model-parallel-layout
 (any split). The arithmetic is Megatron-Core's `get_num_layers_to_build` (transformer_block.py),
 written out here because the plan is made from the flags, before the model and its parallel state
-exist; tests/test_stage_layers.py holds it equal to Megatron's function. A layout string is read
+exist; tests/glue/test_stage_layers.py holds it equal to Megatron's function. A layout string is read
 with Megatron-Core's own parser.
 """
 

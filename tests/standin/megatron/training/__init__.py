@@ -1,4 +1,4 @@
-"""A small stand-in for Megatron-LM's `megatron.training` package (tests/test_launch.py only).
+"""A small stand-in for Megatron-LM's `megatron.training` package (tests/glue/test_launch.py only).
 
 What it stands for: the parts of Megatron-LM (NVIDIA/Megatron-LM at tag core_v0.16.1) that the
 TeraPipe launcher touches, under the same module and function names, so that
@@ -20,8 +20,8 @@ model builders, CUDA and NCCL, and the megatron-core 0.19 entry points
 (parse_and_validate_args). Megatron-LM's real pretrain_gpt.py is not run here.
 
 Megatron-LM is not pip-installable (the megatron-core wheel ships only megatron/core), which is
-why a stand-in exists. `megatron` is a namespace package, so with this directory on sys.path
-`megatron.core` still comes from the installed megatron-core. Runs on CPU with gloo.
+why a stand-in exists. `megatron` is a namespace package, so with this directory on the import
+path `megatron.core` still comes from the installed megatron-core. Runs on CPU with gloo.
 """
 
 from tests.standin.megatron.training.global_vars import get_args, get_timers

@@ -2,7 +2,7 @@
 
 Flag names, destinations and defaults follow megatron/training/arguments.py at core_v0.16.1.
 Every other Megatron-LM flag is missing here; the launcher reads the ones it checks with
-getattr and a default, and tests/test_arguments.py covers those checks without a parser.
+getattr and a default, and tests/glue/args/test_arguments.py covers those checks without a parser.
 """
 
 import argparse
