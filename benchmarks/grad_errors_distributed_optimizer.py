@@ -15,7 +15,6 @@ import os
 import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)  # the harness imports itself as tests.harness
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "equivalence"))  # the cases of the tests it reads
 from harness import spawn  # noqa: E402

@@ -12,15 +12,15 @@ cost_models (analytic models, synthetic measurements), draws (the random tests' 
 Workers are named to `spawn` as "harness:<function>", so every worker is exported here.
 """
 
-from tests.harness.cases import Case, baseline, check_case, run_case, run_cases
-from tests.harness.compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad_pairs,
+from .cases import Case, baseline, check_case, run_case, run_cases
+from .compare import (BF16, FP32, Tolerance, check_gradients, check_losses, grad_pairs,
                       load_full_state, max_relative_error, report_values, unwrap)
-from tests.harness.models import (TinyGPT, build_stage_model, forward_step, in_precision, legacy_forward_step,
+from .models import (TinyGPT, build_stage_model, forward_step, in_precision, legacy_forward_step,
                      loss_func, make_batches, to_device)
-from tests.harness.process_groups import os_thread_count, release_model_parallel
-from tests.harness.replay_runs import use_cell_graphs
-from tests.harness.spawn import GLOO_AND_NCCL, WorkerError, free_port, spawn
-from tests.harness.workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
+from .process_groups import os_thread_count, release_model_parallel
+from .replay_runs import use_cell_graphs
+from .spawn import GLOO_AND_NCCL, WorkerError, free_port, spawn
+from .workers import (InjectedFailure, grads_with_and_without_deferral_hooks,
                       measure_peak_activations, pinned_core, run_megatron_1f1b,
                       run_variable_lengths, run_with_failure, run_with_mismatched_batch)
 

@@ -8,10 +8,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tests.harness.compare import (FP32, Tolerance, check_gradients, check_losses, grad_pairs, load_full_state,
+from .compare import (FP32, Tolerance, check_gradients, check_losses, grad_pairs, load_full_state,
                       report_values, unwrap)
-from tests.harness.models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
-from tests.harness.process_groups import release_model_parallel
+from .models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
+from .process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)

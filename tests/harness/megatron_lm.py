@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tests.harness.machine_lock import one_run_at_a_time
-from tests.harness.paths import ROOT
+from .machine_lock import one_run_at_a_time
+from .paths import ROOT
 
 #: The Megatron-LM checkout the runs use (MEGATRON_LM_PATH; None: the tests skip).
 CHECKOUT = os.environ.get("MEGATRON_LM_PATH")

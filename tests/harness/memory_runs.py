@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from tests.harness.models import TinyGPT, build_stage_model, forward_step, make_batches
-from tests.harness.process_groups import release_model_parallel
+from .models import TinyGPT, build_stage_model, forward_step, make_batches
+from .process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from tests.harness.workers import run_megatron_1f1b
+    from .workers import run_megatron_1f1b
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)
@@ -69,7 +69,7 @@ def measure_interleaved_peak(rank: int, world_size: int, model_cfg: TinyGPT, chu
     from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from tests.harness.schedule_runs import interleaved_model
+    from .schedule_runs import interleaved_model
 
     enable_cpu_mode()
     _, model = interleaved_model(model_cfg, world_size, chunks)
@@ -111,7 +111,7 @@ def measure_virtual_peaks(rank: int, world_size: int, model_cfg: TinyGPT, chunks
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from tests.harness.schedule_runs import interleaved_model
+    from .schedule_runs import interleaved_model
 
     enable_cpu_mode()
     config, model = interleaved_model(model_cfg, world_size, chunks)

@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from tests.harness.models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
-from tests.harness.process_groups import release_model_parallel
+from .models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
+from .process_groups import release_model_parallel
 
 LEARNING_RATE = 0.05
 

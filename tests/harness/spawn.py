@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from tests.harness.machine_lock import one_run_at_a_time
+from .machine_lock import one_run_at_a_time
 
 
 def free_port() -> int:

@@ -52,7 +52,7 @@ def test_chunk_cells_of_the_interleaved_schedule_round_trip():
     schedule = build_interleaved_schedule(64, 4, 2, 2, 1)
     cells = cells_by_name(a.cell for actions in schedule.stages for a in actions)
     assert set(cells) == {f"m{m}c{c}" for m in range(4) for c in range(2)}
-    lowered = [a for actions in schedule.build() for a in actions]
+    lowered = [a for actions in schedule.lowered() for a in actions]
     assert {a.kind for a in lowered} >= {ActionKind.F, ActionKind.B, ActionKind.SEND_F,
                                          ActionKind.RECV_B}
     for a in lowered:

@@ -69,7 +69,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import random as tp_random
 from megatron_terapipe.megatron.platform import compat
-from megatron_terapipe.megatron.platform import cpu
+from megatron_terapipe.megatron.platform import cpu_mode as cpu
 
 def names():
     owners = [(torch.cuda, "current_device"), (torch.cuda, "synchronize"),

@@ -24,9 +24,9 @@ why a stand-in exists. `megatron` is a namespace package, so with this directory
 path `megatron.core` still comes from the installed megatron-core. Runs on CPU with gloo.
 """
 
-from tests.standin.megatron.training.global_vars import get_args, get_timers
-from tests.standin.megatron.training.initialize import initialize_megatron
-from tests.standin.megatron.training.training import pretrain
-from tests.standin.megatron.training.utils import print_rank_0
+from .global_vars import get_args, get_timers
+from .initialize import initialize_megatron
+from .training import pretrain
+from .utils import print_rank_0
 
 __all__ = ["get_args", "get_timers", "initialize_megatron", "pretrain", "print_rank_0"]
