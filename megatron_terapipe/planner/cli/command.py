@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from ...schedule.orders import ORDERS
 from .arguments import add_memory_args, inputs_from_options
-from ..cost.presets import HARDWARE_PRESETS, MODEL_PRESETS
+from ..cost.presets import HARDWARE_PRESETS, MODEL_PRESETS, trust_line
 from ..cost.recompute_time import METHODS as RECOMPUTE_METHODS
 from ..cost.stage_memory import MemoryBudgetError
 from ...plan import TeraPipePlan
@@ -26,7 +26,7 @@ from ..search import SearchResult
 from .timeline import short_plan_text
 
 GiB = 1024 ** 3
-DEFAULT_GRANULARITY = 8  # the Megatron-LM flags' default too (tests/test_planner_cli.py)
+DEFAULT_GRANULARITY = 8  # the Megatron-LM flags' default too (tests/planner/cli/test_planner_cli.py)
 
 
 def _positive_int(text: str) -> int:
@@ -238,7 +238,7 @@ def megatron_flags(args, choice: AutoChoice) -> str:
     flags (model, parallelism, batch, recomputation): the schedule (and its model chunks), and
     for TeraPipe the --terapipe-*
     flags that give the start-up planner terapipe-plan's cost model, budget and options, so
-    that it plans what the table shows (tests/test_planner_cli.py checks that it does)."""
+    that it plans what the table shows (tests/planner/cli/test_planner_cli.py checks that it does)."""
     chosen = choice.chosen
     flags = ["--pipeline-schedule", "terapipe" if chosen.family == TERAPIPE else "1f1b"]
     if chosen.num_chunks > 1:
@@ -292,6 +292,21 @@ def _progress() -> Callable[[str], None]:
     return say
 
 
+def trust_text(args, inputs: PlannerInputs) -> str:
+    """How far the table can be trusted: the profile's own error on its held-out cells, or the
+    preset's error on what it was fitted on (presets.py)."""
+    if not args.profile:
+        return trust_line(args.hardware)
+    errors = dict(getattr(getattr(inputs.cost_model, "fit", None), "holdout_error", {}) or {})
+    cells = errors.pop("cells", 0)
+    if not cells or not errors:
+        return (f"profile {args.profile}: measured, with no held-out cells: its own fit error "
+                "is unknown")
+    worst = max(e["max_relative"] for e in errors.values())
+    return (f"profile {args.profile}: its fit predicts {cells} held-out cells within "
+            f"{worst * 100:.0f}%")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -312,6 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lines, choice = schedule_lines(table)
     for line in lines:
         print(line)
+    print(trust_text(args, inputs))
     if choice is not None:
         print(megatron_flags(args, choice))
     for line in _write_outputs(args, table, choice):

@@ -10,13 +10,19 @@ from .layer_stack import LayerStackCostModel
 
 
 class AnalyticCostModel(LayerStackCostModel):
-    """Roofline estimate of a GPT layer: max(FLOPs / achievable FLOP/s, bytes / HBM bandwidth),
-    plus a fixed per-layer overhead and, with tensor parallelism, its all-reduces.
+    """A small physical model of GPT layers on a named GPU type, its parameters fitted to
+    published and measured runs (presets.py; benchmarks/fit_presets.py). Per layer and pass:
 
-    Short slices use GPUs poorly: the achievable FLOP/s ramps up linearly with rows x tokens
-    until `hardware.saturation_tokens`, so a 1-token slice costs about as much as a slice of
-    `saturation_tokens` tokens (the TeraPipe paper's observation on V100).
-    Backward counts twice the forward FLOPs and bytes (input and weight gradients).
+    - GEMMs and attention: FLOPs / (peak x efficiency), where the efficiency grows with the
+      cell's rows (batch x tokens) as E n / (n + n_half): short slices use GPUs poorly; or the
+      HBM traffic / bandwidth where that is longer (a roofline);
+    - a fixed cost per layer pass (`layer_overhead`: launches and the cell's own work);
+    - attention over the K/V prefix: `prefix_slice_overhead` per earlier slice of the cell's
+      length (context / length), what handling the cached pieces costs (so a thin slice behind
+      a long prefix may cost more than a longer one; the slicer assumes no monotonicity);
+    - with tensor parallelism, two all-reduces on the node's link.
+    Backward counts twice the forward's compute, traffic and fixed costs. The data-parallel
+    gradient reduction, where not overlapped, is `data_parallel_time`.
 
     Edge costs, when `model.vocab_size` is known (zero otherwise): the last stage's output layer
     is a hidden -> vocab GEMM of 2 b l h V / t FLOPs forward and twice that backward, plus the
@@ -66,11 +72,27 @@ class AnalyticCostModel(LayerStackCostModel):
 
     def _roofline(self, b, l, c, scale: float) -> np.ndarray:
         hw = self.hardware
-        utilisation = hw.matmul_efficiency * np.minimum(1.0, np.maximum(b * l, 1.0) / hw.saturation_tokens)
-        compute = scale * self.layer_flops(b, l, c) / (hw.peak_flops * utilisation)
+        compute = scale * self.layer_flops(b, l, c) / (hw.peak_flops * hw.gemm_efficiency(b * l))
         memory = scale * self.layer_bytes(b, l, c) / hw.memory_bandwidth
-        return (np.maximum(compute, memory) + scale * hw.layer_overhead
+        prefix = scale * hw.prefix_slice_overhead * c / np.maximum(l, 1.0)
+        return (np.maximum(compute, memory) + scale * hw.layer_overhead + prefix
                 + self._tp_allreduce_time(b, l))
+
+    def data_parallel_time(self, data_parallel: int) -> float:
+        """Seconds per iteration of the gradient all-reduce over `data_parallel` ranks on
+        other nodes (a ring on the inter-node link, which `gpus_per_nic` GPUs of a node share
+        while all of them reduce), for the stage holding the most parameters (its layers, and
+        the embedding or output layer on the first or last stage), times the share not
+        overlapped with the backward (`dp_exposed`); 0 without data parallelism."""
+        d = int(data_parallel)
+        if d <= 1:
+            return 0.0
+        hw, m = self.hardware, self.model
+        params = self.layers_per_stage * m.params_per_layer + (m.vocab_size or 0) * m.hidden_size
+        nbytes = params / self.tensor_parallel * self.dtype_bytes
+        bandwidth = hw.inter_node.bandwidth / hw.gpus_per_nic
+        ring = 2 * (d - 1) * hw.inter_node.latency + 2 * (d - 1) / d * nbytes / bandwidth
+        return float(hw.dp_exposed * ring)
 
     def layer_forward_time(self, batch, length, context):
         return self._roofline(batch, length, context, 1.0)
@@ -134,8 +156,7 @@ class AnalyticCostModel(LayerStackCostModel):
             return np.zeros(np.broadcast(b, l).shape)
         hw = self.hardware
         scale = 1.0 if direction == "forward" else 2.0
-        utilisation = hw.matmul_efficiency * np.minimum(1.0, np.maximum(b * l, 1.0) / hw.saturation_tokens)
-        compute = scale * self.edge_flops(part, b, l) / (hw.peak_flops * utilisation)
+        compute = scale * self.edge_flops(part, b, l) / (hw.peak_flops * hw.gemm_efficiency(b * l))
         memory = self.edge_bytes(part, direction, b, l) / hw.memory_bandwidth
         activation = b * l * self.model.hidden_size * self.dtype_bytes
         if part == "embedding":  # forward: the vocab-parallel lookup's all-reduce

@@ -114,10 +114,20 @@ class Hardware:
     memory_bytes: float  # HBM capacity per GPU
     gpus_per_node: int
     intra_node: Link  # GPU to GPU inside a node
-    inter_node: Link  # GPU to GPU across nodes, per GPU's share of the node's network
-    matmul_efficiency: float = 0.6  # fraction of peak large GEMMs reach
-    saturation_tokens: int = 256  # rows x tokens at which a layer's GEMMs reach that efficiency
-    layer_overhead: float = 20e-6  # fixed seconds per layer forward (kernel launches etc.)
+    inter_node: Link  # GPU to GPU across nodes: one GPU's message over the network
+    gpus_per_nic: int = 1  # GPUs whose traffic shares one inter-node link when all send at once
+    # The rest is fitted to published and measured runs (benchmarks/fit_presets.py):
+    matmul_efficiency: float = 0.6  # fraction of peak that large GEMMs reach
+    gemm_half_rows: float = 256.0  # rows (batch x tokens) at which GEMMs reach half of that
+    layer_overhead: float = 20e-6  # fixed seconds per layer forward (launches, the cell's own work)
+    prefix_slice_overhead: float = 0.0  # seconds per layer forward per earlier token slice
+    dp_exposed: float = 1.0  # share of the data-parallel gradient reduction not overlapped
+
+    def gemm_efficiency(self, rows):
+        """Fraction of peak a layer's GEMMs reach on `rows` (batch x tokens) rows: short slices
+        use the GPU poorly (E n / (n + n_half))."""
+        n = np.maximum(np.asarray(rows, dtype=np.float64), 1.0)
+        return self.matmul_efficiency * n / (n + self.gemm_half_rows)
 
 
 # ---- memory held per layer (shared by the analytic and the profiled models) ----------------

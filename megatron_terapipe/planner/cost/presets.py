@@ -9,12 +9,21 @@ presets keep that size; a Megatron run pads it to a multiple of 128 x TP (50304 
 at TP=8), under 2% more output-layer work: replace(preset, vocab_size=...) to count it.
 
 Hardware figures are vendor datasheet peaks (dense fp16/bf16 tensor-core FLOP/s, HBM bandwidth)
-and public instance specifications. The efficiency figures (`matmul_efficiency`,
-`saturation_tokens`, `layer_overhead`) are modelling assumptions, not measurements: replace them
-with a ProfiledCostModel measured on your own GPUs for planning that matters.
+and public instance specifications. The rest of each preset (GEMM efficiency and its ramp with
+a cell's rows, the fixed cost per layer pass, the K/V prefix's cost per earlier slice, the links'
+effective bandwidth and latency, the share of the data-parallel reduction not overlapped) is
+fitted to published runs and this project's own GPU measurements by benchmarks/fit_presets.py,
+which writes fitted_presets.json beside this file: the parameters, what they were fitted on and
+each fitted row's error (`preset_fit`, `trust_line`). A preset without a fit keeps assumed
+figures and says so.
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Optional
 
 from .dims import Hardware, Link, ModelDims
 
@@ -38,37 +47,82 @@ MODEL_PRESETS: dict[str, ModelDims] = {
     "gpt3-175b": _gpt3("gpt3-175b", 96, 12288, 96),
 }
 
-# One row per node type, in Hardware's field order: name, peak FLOP/s, HBM bytes/s, HBM GiB,
-# GPUs per node, intra-node link (bytes/s, s), inter-node link per GPU (bytes/s, s),
-# matmul_efficiency, saturation_tokens, layer_overhead (s).
+# Datasheet rows, in Hardware's field order: name, peak FLOP/s, HBM bytes/s, HBM GiB, GPUs per
+# node, intra-node link (bytes/s, s), inter-node link (bytes/s, s), GPUs sharing that link.
 #
 # v100: AWS p3.16xlarge, the TeraPipe paper's machine: 8x V100-SXM2 16 GB.
 #   125 TFLOP/s fp16 tensor core and 900 GB/s HBM2 (NVIDIA V100 datasheet).
 #   NVLink 2.0 hybrid cube mesh: 25 GB/s per link per direction, neighbours share 1-2 links.
 #   25 Gbit/s Ethernet between instances (AWS instance specification), shared by the node.
-#   saturation_tokens=256: the paper reports one token costing about as much as 256 on a
-#   GPT3-1B layer, which this ramp reproduces.
 # a100: DGX A100 80 GB: 312 TFLOP/s bf16 dense, 2039 GB/s HBM2e (A100 datasheet); NVLink 3
 #   through NVSwitch, 600 GB/s per GPU both directions; 8x 200 Gbit/s HDR InfiniBand, one per GPU.
 # h100: DGX H100: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3 (H100 SXM datasheet); NVLink 4 through
 #   NVSwitch, 900 GB/s per GPU both directions; 8x 400 Gbit/s NDR InfiniBand, one per GPU.
-_NODES = {
-    "v100": ("v100 (p3.16xlarge)", 125e12, 900e9, 16, 8, (50e9, 10e-6), (25e9 / 8, 50e-6), 0.6, 256, 30e-6),
-    "a100": ("a100 (DGX A100 80GB)", 312e12, 2039e9, 80, 8, (300e9, 8e-6), (200e9 / 8, 15e-6), 0.7, 512, 20e-6),
-    "h100": ("h100 (DGX H100)", 989e12, 3350e9, 80, 8, (450e9, 8e-6), (400e9 / 8, 15e-6), 0.6, 1024, 15e-6),
+_DATASHEETS = {
+    "v100": ("v100 (p3.16xlarge)", 125e12, 900e9, 16, 8, (50e9, 10e-6), (25e9 / 8, 50e-6), 8),
+    "a100": ("a100 (DGX A100 80GB)", 312e12, 2039e9, 80, 8, (300e9, 8e-6), (200e9 / 8, 15e-6), 1),
+    "h100": ("h100 (DGX H100)", 989e12, 3350e9, 80, 8, (450e9, 8e-6), (400e9 / 8, 15e-6), 1),
 }
+#: What a preset without a fit assumes beyond its datasheet.
+ASSUMED = {"matmul_efficiency": 0.6, "gemm_half_rows": 256.0, "layer_overhead": 20e-6,
+           "prefix_slice_overhead": 0.0, "dp_exposed": 1.0}
+#: Written by benchmarks/fit_presets.py.
+FITTED_PRESETS_FILE = Path(__file__).with_name("fitted_presets.json")
 
 
-def _node(name, peak_flops, memory_bandwidth, memory_gib, gpus_per_node, intra, inter,
-          matmul_efficiency, saturation_tokens, layer_overhead) -> Hardware:
-    return Hardware(name=name, peak_flops=peak_flops, memory_bandwidth=memory_bandwidth,
+@dataclass(frozen=True)
+class PresetFit:
+    """What a preset's parameters were fitted on, and how well they predict those runs."""
+
+    preset: str
+    parameters: dict  # Hardware fields; links as [bandwidth bytes/s, latency s]
+    fitted_on: str  # e.g. "4 published TeraPipe rows and its 175B slice ablation"
+    error: float  # the largest |predicted / measured - 1| over them
+    measure: str  # what was compared, e.g. "iteration time"
+
+
+def datasheet(key: str) -> Hardware:
+    """The preset's datasheet figures with the assumed efficiencies (no fit)."""
+    name, peak, bandwidth, memory_gib, gpus_per_node, intra, inter, per_nic = _DATASHEETS[key]
+    return Hardware(name=name, peak_flops=peak, memory_bandwidth=bandwidth,
                     memory_bytes=memory_gib * GiB, gpus_per_node=gpus_per_node,
-                    intra_node=Link(*intra), inter_node=Link(*inter),
-                    matmul_efficiency=matmul_efficiency, saturation_tokens=saturation_tokens,
-                    layer_overhead=layer_overhead)
+                    intra_node=Link(*intra), inter_node=Link(*inter), gpus_per_nic=per_nic,
+                    **ASSUMED)
 
 
-HARDWARE_PRESETS: dict[str, Hardware] = {key: _node(*row) for key, row in _NODES.items()}
+def with_parameters(hardware: Hardware, parameters: dict) -> Hardware:
+    """`hardware` with fitted `parameters` (links given as [bandwidth, latency])."""
+    values = {k: (Link(*v) if k in ("intra_node", "inter_node") else float(v))
+              for k, v in parameters.items()}
+    return replace(hardware, **values)
+
+
+def _load_fits() -> dict[str, PresetFit]:
+    if not FITTED_PRESETS_FILE.is_file():
+        return {}
+    data = json.loads(FITTED_PRESETS_FILE.read_text())
+    return {key: PresetFit(key, fit["parameters"], fit["fitted_on"], float(fit["error"]),
+                           fit["measure"]) for key, fit in data.get("presets", {}).items()}
+
+
+PRESET_FITS: dict[str, PresetFit] = _load_fits()
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    key: with_parameters(datasheet(key), PRESET_FITS[key].parameters) if key in PRESET_FITS
+    else datasheet(key) for key in _DATASHEETS}
+
+
+def preset_fit(name: str) -> Optional[PresetFit]:
+    return PRESET_FITS.get(name.lower())
+
+
+def trust_line(name: str) -> str:
+    """One line on how far the preset's predictions can be trusted."""
+    fit = preset_fit(name)
+    if fit is None:
+        return (f"{name} preset: not fitted to any measurement (datasheet figures, assumed "
+                f"efficiencies): measure a profile (--profile) for planning that matters")
+    return (f"{name} preset: fitted on {fit.fitted_on}; {fit.measure} within "
+            f"{fit.error * 100:.0f}%")
 
 
 def _lookup(presets: dict, kind: str, name: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -36,23 +38,53 @@ def test_vectorised_and_scalar_calls():
 @pytest.mark.parametrize("model", sorted(MODEL_PRESETS))
 @pytest.mark.parametrize("hardware", sorted(HARDWARE_PRESETS))
 def test_monotone_in_rows_length_and_context(model, hardware):
-    cost = analytic(model, hardware, layers=2, tensor_parallel=8 if model != "gpt3-1b" else 1)
+    """More rows, more context: never cheaper. More tokens: never cheaper without the prefix's
+    cost per earlier slice; with it (v100, fitted to the paper's implementation), a thin slice
+    behind a long prefix counts as more pieces than a longer one (the slicer assumes no
+    monotonicity)."""
+    tp = 8 if model != "gpt3-1b" else 1
+    cost = analytic(model, hardware, layers=2, tensor_parallel=tp)
     b = np.array([1, 2, 8])[:, None, None]
     l = np.arange(8, 4097, 8)[None, :, None]
     c = np.arange(0, 4097, 64)[None, None, :]
     t = cost.slice_time(b, l, c)
     assert np.all(np.diff(t, axis=0) >= 0)
-    assert np.all(np.diff(t, axis=1) >= 0)
     assert np.all(np.diff(t, axis=2) >= 0)
+    plain = AnalyticCostModel(cost.model, replace(cost.hardware, prefix_slice_overhead=0.0), 2,
+                              tensor_parallel=tp)
+    assert np.all(np.diff(plain.slice_time(b, l, c), axis=1) >= 0)
+    assert np.all(np.diff(t[:, :, :1], axis=1) >= 0)  # no prefix: monotone in length too
 
 
 def test_short_slices_underuse_the_gpu():
-    """TeraPipe paper on V100: one token costs about as much as 256 on a GPT3-1B layer;
-    long slices are compute bound and scale with their length."""
+    """A layer pass costs its FLOPs at the GEMM efficiency of the cell's rows (E n / (n + n½)),
+    plus the fixed cost per pass: per token, short slices cost more than long ones, and long
+    ones scale with their length; backward is twice the forward."""
     cost = analytic("gpt3-1b", "v100")
-    assert cost.forward_time(1, 1, 0) == pytest.approx(cost.forward_time(1, 256, 0), rel=0.05)
+    hw = cost.hardware
+    for tokens in (1, 16, 256, 2048):
+        flops = cost.layer_flops(1, tokens, 0)
+        expected = max(flops / (hw.peak_flops * hw.gemm_efficiency(tokens)),
+                       cost.layer_bytes(1, tokens, 0) / hw.memory_bandwidth) + hw.layer_overhead
+        assert cost.forward_time(1, tokens, 0) == pytest.approx(cost.layers_per_stage * expected)
+    per_token = [cost.forward_time(1, n, 0) / n for n in (16, 256, 2048)]
+    assert per_token[0] > per_token[1] > per_token[2]
     assert cost.forward_time(1, 2048, 0) / cost.forward_time(1, 1024, 0) == pytest.approx(2.0, rel=0.1)
     assert cost.backward_time(1, 2048, 0) == pytest.approx(2 * cost.forward_time(1, 2048, 0), rel=0.05)
+
+
+def test_the_prefix_costs_per_earlier_slice():
+    """The K/V prefix's fixed part: prefix_slice_overhead per earlier slice of the cell's
+    length, per layer pass (twice in backward)."""
+    cost = analytic("gpt3-1b", "v100")
+    planted = AnalyticCostModel(cost.model, replace(cost.hardware, prefix_slice_overhead=1e-3),
+                                cost.layers_per_stage)
+    base = AnalyticCostModel(cost.model, replace(cost.hardware, prefix_slice_overhead=0.0),
+                             cost.layers_per_stage)
+    extra = planted.forward_time(1, 128, 512) - base.forward_time(1, 128, 512)
+    assert extra == pytest.approx(cost.layers_per_stage * 4 * 1e-3)
+    extra_b = planted.backward_time(1, 128, 512) - base.backward_time(1, 128, 512)
+    assert extra_b == pytest.approx(2 * extra)
 
 
 def test_flops_closed_form_and_tensor_parallel():

@@ -16,7 +16,7 @@ from megatron_terapipe.planner.cli.command import build_parser, main
 from megatron_terapipe.planner.cli.arguments import inputs_from_options
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
-from megatron_terapipe.planner.evaluate.simulator import simulate, simulate_plan
+from megatron_terapipe.planner.evaluate.simulator import schedule_time, simulate, simulate_plan
 from megatron_terapipe.schedule import build_schedule
 from harness.cost_models import GPT13, H100, gpt3_13b_h100
 from harness.flags import parse, plan_and_report
@@ -80,14 +80,25 @@ def _table(extra: list[str]):
     return inputs_from_options(parser.parse_args(QUESTION + extra), parser).schedule_table()
 
 
-def test_megatron_rows_keep_whole_messages_and_terapipe_rows_gain():
-    whole, parts = _table([]), _table(["--scatter-gather-p2p"])
+def test_megatron_rows_keep_whole_messages_and_terapipe_rows_are_priced_in_parts():
+    """Whether parts pay depends on the links (a part crosses the slow link, its gather sits
+    on the stage's time); what holds: Megatron's rows are timed with whole messages, TeraPipe's
+    with parts and the gather."""
+    parser = build_parser()
+    inputs = inputs_from_options(parser.parse_args(QUESTION + ["--scatter-gather-p2p"]), parser)
+    whole, parts = _table([]), inputs.schedule_table()
     times = {o.name: o.time for o in whole.options}
     for option in parts.options:
         if option.name.startswith("Megatron"):
             assert option.time == times[option.name], option.name
-    faster = [o for o in parts.options if o.name.startswith("TeraPipe") and o.runnable]
-    assert faster and all(o.time < times[o.name] for o in faster)
+    rows = [o for o in parts.options if o.name.startswith("TeraPipe") and o.runnable]
+    assert rows
+    for option in rows:
+        schedule = build_schedule(option.plan, 8, 8, 1)
+        in_parts = schedule_time(schedule, inputs.cost_model)
+        assert in_parts == pytest.approx(option.time, rel=1e-9), option.name
+        assert schedule_time(schedule, inputs.cost_model.without_scatter_gather()) != \
+            pytest.approx(in_parts, rel=1e-6)
 
 
 def test_planner_cli_refuses_it_with_sequence_parallel(capsys):

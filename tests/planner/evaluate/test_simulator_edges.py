@@ -127,7 +127,7 @@ def test_analytic_edge_times():
     cost = AnalyticCostModel(DIMS, hw, 2)
     b, l, h, V, d = 4, 2048, 2048, 50304, 2
     # a long slice's output layer is compute bound: GEMM FLOPs at the achievable rate
-    gemm = 2 * b * l * h * V / (hw.peak_flops * hw.matmul_efficiency)
+    gemm = 2 * b * l * h * V / (hw.peak_flops * hw.gemm_efficiency(b * l))
     assert cost.edge_bytes("output", "forward", b, l) / hw.memory_bandwidth < gemm
     assert cost.edge_forward_time(b, l, False, True) == pytest.approx(gemm + hw.layer_overhead)
     assert cost.edge_backward_time(b, l, False, True) == pytest.approx(2 * gemm + 2 * hw.layer_overhead)
