@@ -33,7 +33,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # this checkout's package, installed or not
-from megatron_terapipe.planner.cost.dims import Hardware, Link  # noqa: E402
+from megatron_terapipe.planner.cost.dims import Hardware  # noqa: E402
 from megatron_terapipe.planner.cost.presets import FITTED_PRESETS_FILE, datasheet  # noqa: E402
 
 

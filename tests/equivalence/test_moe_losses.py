@@ -16,7 +16,7 @@ loss of its own tokens), must fail.
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import router_versions as compat_moe
+from megatron_terapipe.megatron.platform import router_versions
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from harness import FP32, WorkerError, max_relative_error, spawn
 from harness.moe_runs import THREADS_AFTER_RELEASE, MoECase, MoEGPT, check_moe_case
@@ -100,7 +100,7 @@ WORLDS = {2: CASES_2 + [CONTROL], 4: CASES_4}
 
 
 #: The runs need a megatron-core line whose router TeraPipe reproduces (others refuse, below).
-exact_line = pytest.mark.skipif(compat_moe.line_problem() is not None,
+exact_line = pytest.mark.skipif(router_versions.line_problem() is not None,
                                 reason="TeraPipe refuses MoE router losses on this megatron-core")
 
 
@@ -155,7 +155,7 @@ def test_a_whole_padding_mask_on_a_later_sequence_parallel_stage_is_named():
 def test_losses_refused_on_a_line_terapipe_does_not_reproduce(monkeypatch, extra):
     """Megatron-LM's flags on a megatron-core line whose router losses TeraPipe does not
     reproduce (0.19 scales and logs them otherwise): refused at start-up, naming each flag."""
-    monkeypatch.setattr(compat_moe, "EXACT_LOSS_LINES", ())
+    monkeypatch.setattr(router_versions, "EXACT_LOSS_LINES", ())
     args = parse(["--pipeline-schedule", "terapipe"], num_experts=8, **extra)
     with pytest.raises(TeraPipeArgumentError) as info:
         validate_terapipe_args(args)

@@ -23,7 +23,7 @@ import pytest
 from harness.draws import RUNS, SEED, SEQ, composition, draw_edge_plan, random_cases, w_places
 from harness.moe_runs import MoECase, MoEGPT, check_moe_case
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import router_versions as compat_moe
+from megatron_terapipe.megatron.platform import router_versions
 
 BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
@@ -80,7 +80,7 @@ CASES_2 = random_cases(_case, 2, max(1, RUNS // 2), SEED, stream=1000, prefix="r
 CASES_4 = random_cases(_case, 4, max(1, RUNS // 3), SEED, stream=1000, prefix="random_moe")
 
 #: The runs need a megatron-core line whose router TeraPipe reproduces (test_moe_losses.py).
-pytestmark = pytest.mark.skipif(compat_moe.line_problem() is not None,
+pytestmark = pytest.mark.skipif(router_versions.line_problem() is not None,
                                 reason="TeraPipe refuses MoE router losses on this megatron-core")
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from harness.megatron_lm import CHECKOUT, needs_checkout, pretrain
 from harness.spawn import free_port
-from megatron_terapipe.megatron.platform import router_versions as compat_moe
+from megatron_terapipe.megatron.platform import router_versions
 
 pytestmark = needs_checkout()
 
@@ -136,7 +136,7 @@ MOE_LOSSES = [
              "z_loss"), log_has=(">   virtual stages ............ 2 model chunks per stage",)),
      "--moe-aux-loss-coeff"),
 ]
-if compat_moe.line_problem() is None:
+if router_versions.line_problem() is None:
     EQUAL += [config for config, _ in MOE_LOSSES]
 
 #: (configuration, what TeraPipe's error must say, whether Megatron's 1f1b trains it on CPU:
@@ -155,7 +155,7 @@ REFUSED = [
     # an attention sink: Megatron's core attention adds a learned offset to the softmax
     (Config("attention sink", 2, ("--softmax-type", "learnable")), "--softmax-type learnable", True),
 ]
-if compat_moe.line_problem() is not None:
+if router_versions.line_problem() is not None:
     REFUSED += [(config, flag, True) for config, flag in MOE_LOSSES]
 
 

@@ -15,16 +15,16 @@ def freed_before_received(rank: int, world_size: int, keep: bool, batched: bool)
     """Rank 0 sends 0..N-1, frees the tensor's storage as deallocate_output_tensor does and
     fills new tensors of the same size with -1; rank 1 posts its receive later. Whether rank 1
     got what was sent."""
-    from megatron_terapipe.megatron.platform import cpu_sends as cpu_p2p
+    from megatron_terapipe.megatron.platform import cpu_sends
     from megatron_terapipe.megatron.platform.cpu_mode import keep_freed_host_memory
 
     keep_freed_host_memory()
-    api = cpu_p2p if keep else dist
+    api = cpu_sends if keep else dist
     if rank == 0:
         sent = torch.arange(N, dtype=torch.float32)
         if batched:
             # as Megatron's _batched_p2p_ops makes it: P2POp(torch.distributed.isend, ...)
-            make_op = cpu_p2p.DistributedProxy().P2POp if keep else dist.P2POp
+            make_op = cpu_sends.DistributedProxy().P2POp if keep else dist.P2POp
             reqs = api.batch_isend_irecv([make_op(api.isend, sent, 1)])
         else:
             reqs = [api.isend(sent, 1)]

@@ -232,7 +232,7 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
     from megatron.core import parallel_state
 
     from megatron_terapipe import configure
-    from megatron_terapipe.megatron.model import moe_router_losses as moe_losses
+    from megatron_terapipe.megatron.model import moe_router_losses
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
 
     seed(case.model.seed + 1)  # different init: the weights must come from the copy below
@@ -245,7 +245,7 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
                                          for c in range(V)])
     configure(config, case.plan)
     if case.per_cell_losses:
-        original, moe_losses.install_moe_losses = moe_losses.install_moe_losses, lambda m: 0
+        original, moe_router_losses.install_moe_losses = moe_router_losses.install_moe_losses, lambda m: 0
     try:
         losses = forward_backward_terapipe(
             forward_step_func=_forward_step(case), model=chunks,
@@ -254,7 +254,7 @@ def _terapipe(case: MoECase, batches: list[dict], state: dict) -> dict[str, Any]
             micro_batch_size=case.micro_batch_size)
     finally:
         if case.per_cell_losses:
-            moe_losses.install_moe_losses = original
+            moe_router_losses.install_moe_losses = original
     result = {"losses": report_values(losses), "grads": chunk_grads(chunks, zeros_if_absent=True),
               "buffers": _buffers(*chunks),
               "logged": _logged(parallel_state.get_pipeline_model_parallel_group())}

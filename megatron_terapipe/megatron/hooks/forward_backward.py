@@ -25,7 +25,7 @@ from ...runtime.graphs.cell_graphs import CellGraphs, cuda_graph_factory
 from ...runtime.trace import RunRecord
 from ...schedule import Cell, Lowering, LoweredSchedule, build_lowered_schedule
 from ..platform import compat
-from ..model import moe_router_losses as moe_losses
+from ..model import moe_router_losses
 from ..model.param_deferral import install_wgrad_deferral
 from .p2p import check_shared_link, make_transport
 from ..model.rope import install_rope_offsets
@@ -113,7 +113,7 @@ def _transport_and_memory(models: list, config, device: torch.device, plan: Tera
     if getattr(carrier, "ring", False):  # Megatron's communicator on virtual stages
         check_shared_link(memory.schedule)
     for chunk in models:
-        moe_losses.begin_iteration(chunk, config, memory.schedule.schedule, device)
+        moe_router_losses.begin_iteration(chunk, config, memory.schedule.schedule, device)
     return transport, memory
 
 
@@ -291,5 +291,5 @@ def prepare_model(model: torch.nn.Module) -> None:
                 "spec's causal mask type or use Megatron's own schedule")
     install_rope_offsets(model)
     install_wgrad_deferral(model)
-    moe_losses.install_moe_losses(model)
+    moe_router_losses.install_moe_losses(model)
     model._terapipe_prepared = True

@@ -7,7 +7,7 @@ over the pass's tokens). Only P_i and the z-loss's logits carry a gradient, and 
 depends on the whole microbatch's counts. A TeraPipe cell sees only its slice, so each cell
 adds its counts and sums here in its forward, and its backward takes the gradient from the
 microbatch's totals: every order runs all of a microbatch's forwards on a stage before the
-first of its backwards there (moe_losses.check_forwards_first). The autograd functions hold a
+first of its backwards there (moe_router_losses.check_forwards_first). The autograd functions hold a
 reference to their term, not a saved tensor: the term keeps growing after them.
 
 Under sequence parallelism Megatron's TP rank r routes the r-th chunk of the whole sequence,

@@ -28,11 +28,11 @@ import torch
 
 from ...runtime.context import ActiveCell, active_cell
 from ...schedule import ActionKind, Schedule
-from ..platform import router_versions as compat_moe
+from ..platform import router_versions
 from .moe_loss_sums import (SWITCH_LOSS_NAMES, LossShape, MicrobatchLosses, SwitchLossGrad,
                              SwitchTerm, ZLossGrad, ZTerm, squared_logsumexp, token_owners)
 
-SWITCH_METHODS = compat_moe.SWITCH_METHODS
+SWITCH_METHODS = router_versions.SWITCH_METHODS
 
 
 def has_losses(router) -> bool:
@@ -47,8 +47,8 @@ def install_moe_losses(model: torch.nn.Module) -> int:
 
     routers = [m for m in model.modules() if isinstance(m, TopKRouter) and has_losses(m)]
     if routers:
-        compat_moe.router_class()
-        problem = compat_moe.line_problem()
+        router_versions.router_class()
+        problem = router_versions.line_problem()
         if problem:
             raise ValueError(problem)
     for router in routers:
@@ -79,7 +79,7 @@ def set_aux_loss_scale(config, num_microbatches: int, device: torch.device) -> N
     microbatch): the loss scale, divided by the microbatch count unless per-token."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    loss_scale = compat_moe.moe_loss_scale(config, device)
+    loss_scale = router_versions.moe_loss_scale(config, device)
     if config.calculate_per_token_loss:
         MoEAuxLossAutoScaler.set_loss_scale(loss_scale)
     else:
@@ -136,8 +136,8 @@ class RouterLosses:
         self.shape = LossShape(router.config.num_moe_experts, router.topk, micro_batch_size,
                                seq_length, bool(router.calculate_per_token_loss), _loss_scale,
                                router.tp_cp_group.size(), router.tp_cp_group.rank(),
-                               compat_moe.per_token_factor(router),
-                               compat_moe.seq_aux_tokens_per_sequence())
+                               router_versions.per_token_factor(router),
+                               router_versions.seq_aux_tokens_per_sequence())
         self.tokens_per_microbatch = micro_batch_size * seq_length
         self.microbatches = {}
 
@@ -211,13 +211,13 @@ class RouterLosses:
             layers = router.config.num_layers
             for kind, term in losses.switch.items():
                 term.finish(router, losses.owner_tokens)
-                compat_moe.record_router_loss(
+                router_versions.record_router_loss(
                     SWITCH_LOSS_NAMES[kind], term.value() / term.coeff, router.layer_number,
                     layers, reduce_group=self._group(kind),
                     dp_average=kind != "global_aux_loss")
             if losses.z is not None:
                 losses.z.tokens, losses.z.complete = losses.owner_tokens, True
-                compat_moe.record_z_loss(router, losses.z.value() / losses.z.coeff, layers)
+                router_versions.record_z_loss(router, losses.z.value() / losses.z.coeff, layers)
         losses.complete = True
 
 

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from . import compat
-from . import checkpoint_versions as compat_checkpoints
+from . import checkpoint_versions
 from .torch_norm import TorchNorm
 from .cpu_mode import CpuCudaProxy, NullStream, cpu_torch_proxy, enable_cpu_mode, patch_for_cpu
 
@@ -128,7 +128,7 @@ def enable_megatron_lm_cpu_mode() -> None:
     patch_for_cpu(norm, "__new__", _sequence_parallel_torch_norm(norm.__new__))
     # --save / --load: checkpointing's CUDA RNG state, its "cuda" iteration tensor and the RNG
     # tracker states it checks (the module docstring).
-    checkpointing = compat_checkpoints.megatron_lm_checkpointing()
+    checkpointing = checkpoint_versions.megatron_lm_checkpointing()
     patch_for_cpu(checkpointing, "torch", proxy)
     patch_for_cpu(checkpointing, "tensor_parallel",
                   _TensorParallelForCheckpoints(checkpointing.tensor_parallel))

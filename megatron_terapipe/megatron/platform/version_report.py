@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from . import compat
-from . import router_versions as compat_moe
+from . import router_versions
 
 
 def check_all() -> list[tuple[str, Optional[str]]]:
@@ -27,8 +27,8 @@ def check_all() -> list[tuple[str, Optional[str]]]:
               ("GPTModel.__init__", compat.gpt_model_class),
               ("CPU mode modules", compat.cpu_mode_modules),
               ("RNG state (tensor_parallel.random)", compat.rng_module),
-              ("TopKRouter's loss methods", compat_moe.router_class),
-              ("MoE loss tracker", compat_moe.metrics_recorder),
+              ("TopKRouter's loss methods", router_versions.router_class),
+              ("MoE loss tracker", router_versions.metrics_recorder),
               ("TransformerConfig fields", missing_config_fields)]
     results = []
     for name, check in checks:
@@ -51,7 +51,7 @@ def missing_config_fields() -> list[str]:
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     line = compat.megatron_core_version()[:2]
     read = [*compat.CONFIG_FIELDS_READ,
-            *(name for name, since in compat_moe.LINE_CONFIG_FIELDS.items() if line >= since)]
+            *(name for name, since in router_versions.LINE_CONFIG_FIELDS.items() if line >= since)]
     return [name for name in read if name not in fields]
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megatron_terapipe import TeraPipePlan
-from megatron_terapipe.megatron.platform import router_versions as compat_moe
+from megatron_terapipe.megatron.platform import router_versions
 from megatron_terapipe.megatron.args.flags import add_terapipe_args, combine_extra_args
 from megatron_terapipe.megatron.args.plan_provider import ArgsPlanProvider
 from megatron_terapipe.megatron.args.startup_log import PlanReport
@@ -98,7 +98,7 @@ def test_dropless_moe_is_accepted():
     exact (model/moe_router_losses.py) on this megatron-core line."""
     for extra in ({}, dict(moe_aux_loss_coeff=0.0), dict(moe_router_enable_expert_bias=True),
                   dict(moe_aux_loss_coeff=0.5, moe_router_load_balancing_type="none"),
-                  *(MOE_LOSSES if compat_moe.line_problem() is None else [])):
+                  *(MOE_LOSSES if router_versions.line_problem() is None else [])):
         validate_terapipe_args(parse(["--pipeline-schedule", "terapipe"], num_experts=8, **extra))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from harness.config_reads import config_fields_read, config_refusal
 from megatron_terapipe import TeraPipePlan, configure
-from megatron_terapipe.megatron.platform import router_versions as compat_moe
+from megatron_terapipe.megatron.platform import router_versions
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from harness.flags import parse
 
@@ -108,7 +108,7 @@ def test_the_defaults_run():
                                  qk_clip=False, log_max_attention_logit=False, window_size=None,
                                  fine_grained_activation_offloading=False))
     configure(_config(), TeraPipePlan([8, 8]))
-    if compat_moe.line_problem() is None:  # expert bias: token counts only
+    if router_versions.line_problem() is None:  # expert bias: token counts only
         validate_terapipe_args(parse(["--pipeline-schedule", "terapipe"], num_experts=4,
                                      moe_router_enable_expert_bias=True,
                                      moe_router_load_balancing_type="none"))

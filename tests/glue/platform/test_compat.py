@@ -11,8 +11,8 @@ import re
 import pytest
 
 from megatron_terapipe.megatron.platform import compat
-from megatron_terapipe.megatron.platform import version_report as compat_check
-from megatron_terapipe.megatron.platform import checkpoint_versions as compat_checkpoints
+from megatron_terapipe.megatron.platform import version_report
+from megatron_terapipe.megatron.platform import checkpoint_versions
 from harness.paths import PACKAGE, ROOT
 
 
@@ -24,7 +24,7 @@ def test_version_strings_parse():
 
 def test_the_installed_megatron_core_is_a_tested_line_and_every_check_passes():
     assert compat.is_tested(), compat.version_text()
-    assert [(name, error) for name, error in compat_check.check_all() if error] == []
+    assert [(name, error) for name, error in version_report.check_all() if error] == []
 
 
 @pytest.mark.parametrize("version", [(0, 15, 3), (0, 20, 0), (1, 0, 0)])
@@ -52,7 +52,7 @@ def test_every_private_touch_point_checks_the_version(monkeypatch):
               compat.vocab_parallel_embedding_class, compat.fused_wgrad_accumulate,
               compat.rotary_embedding_classes, compat.gpt_model_class,
               compat.megatron_lm_argument_hooks,
-              compat_checkpoints.megatron_lm_checkpointing]
+              checkpoint_versions.megatron_lm_checkpointing]
     for check in checks:
         with pytest.raises(compat.UnsupportedMegatronError):
             check()
@@ -110,7 +110,7 @@ def test_config_fields_read_are_listed_and_exist_on_transformer_config():
     ours = {name for name in read if name.startswith("terapipe_")}
     assert read - ours - set(compat.CONFIG_FIELDS_READ) == set(), \
         "a TransformerConfig field is read but not listed in compat.CONFIG_FIELDS_READ"
-    assert compat_check.missing_config_fields() == []
+    assert version_report.missing_config_fields() == []
 
 
 def test_a_multi_module_collection_is_refused_when_terapipe_is_selected():

@@ -21,13 +21,13 @@ def test_cpu_mode_sends_through_the_kept_path():
     from megatron.core.pipeline_parallel import p2p_communication
 
     from megatron_terapipe.megatron.platform import cpu_mode as cpu
-    from megatron_terapipe.megatron.platform import cpu_sends as cpu_p2p
+    from megatron_terapipe.megatron.platform import cpu_sends
 
     was_enabled = cpu._ENABLED
     cpu.enable_cpu_mode()
     try:
-        assert p2p_communication.torch.distributed.isend is cpu_p2p.isend
-        assert p2p_communication.torch.distributed.batch_isend_irecv is cpu_p2p.batch_isend_irecv
+        assert p2p_communication.torch.distributed.isend is cpu_sends.isend
+        assert p2p_communication.torch.distributed.batch_isend_irecv is cpu_sends.batch_isend_irecv
     finally:
         if not was_enabled:
             cpu.disable_cpu_mode()
