@@ -17,7 +17,8 @@ import pytest
 
 from harness import spawn
 from megatron_terapipe import MeasuredChoice, TeraPipePlan, TrialCandidate
-from megatron_terapipe.megatron.hooks.measured_choice import (TIE, choose_measured,
+from megatron_terapipe.megatron.hooks.measured_choice import (RUNOFF, TIE, choose_measured,
+                                                              runoff_finalists,
                                                               trial_iterations, trial_rounds)
 
 MEGATRON = TrialCandidate("Megatron 1F1B", None, predicted_s=0.010)
@@ -32,8 +33,10 @@ class Fake:
     """Schedules that advance a clock by each candidate's planted seconds (the first call of
     each by `warmup_s` more), recording what ran."""
 
-    def __init__(self, seconds: dict[str, float], warmup_s: float = 0.0, fail: str = ""):
+    def __init__(self, seconds: dict[str, float], warmup_s: float = 0.0, fail: str = "",
+                 jitter: dict[str, list[float]] | None = None):
         self.seconds, self.warmup_s, self.fail = seconds, warmup_s, fail
+        self.jitter = {k: list(v) for k, v in (jitter or {}).items()}  # more seconds, per call
         self.now, self.ran, self.lines = 0.0, [], []
 
     def clock(self) -> float:
@@ -45,6 +48,8 @@ class Fake:
         self.ran.append((name, forward_only))
         self.now += self.seconds[name] + (self.warmup_s if self.ran.count((name, False)) == 1
                                           and not forward_only else 0.0)
+        if self.jitter.get(name):
+            self.now += self.jitter[name].pop(0)
         return [name]
 
     def megatron(self, **kwargs):
@@ -97,9 +102,44 @@ def test_the_fastest_measured_wins_and_every_rank_logs_in_the_documented_form():
 def test_ties_go_to_megatrons_schedule(terapipe_s):
     fake = Fake({MEGATRON.name: 0.010, FOUR.name: terapipe_s})
     choice, forward_backward = fake.choice([FOUR, MEGATRON])  # Megatron's second: no matter
-    train(forward_backward, 6 + 1)
+    train(forward_backward, 6 + 8 + 1)  # the rounds, a runoff of 4 rounds, then the kept one
     assert choice.kept == MEGATRON and fake.ran[-1][0] == MEGATRON.name
     assert fake.lines[-1] == f"terapipe auto: keeping {MEGATRON.name} (1.00x {MEGATRON.name} measured)"
+
+
+def test_runoff_finalists_are_the_closest_to_the_fastest_at_most_three():
+    five = [TrialCandidate(f"TeraPipe {i}", TeraPipePlan([64 - 8 * i, 8 * i] if i else [64]))
+            for i in range(5)]
+    times = {"TeraPipe 0": [1.00], "TeraPipe 1": [1.035], "TeraPipe 2": [0.99],
+             "TeraPipe 3": [1.02], "TeraPipe 4": [1.06]}
+    assert [c.name for c in runoff_finalists(five, times)] == ["TeraPipe 2", "TeraPipe 0",
+                                                               "TeraPipe 3"]
+    assert [c.name for c in runoff_finalists(five, times, most=5)] == [
+        "TeraPipe 2", "TeraPipe 0", "TeraPipe 3", "TeraPipe 1"]  # 1.06 > 0.99 x 1.05
+    assert runoff_finalists(five, {}) == []
+
+
+def test_a_close_race_is_run_off_and_decided_on_every_counted_iteration():
+    """FOUR and TWO are 2% apart; their first rounds (on a planted noisy clock) put FOUR
+    ahead, the runoff's 4 more rounds each bring the medians to the truth: TWO."""
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.0060, TWO.name: 0.0059},
+                jitter={TWO.name: [0.0, 0.0002, 0.0002]})  # its two counted rounds run slow
+    choice, forward_backward = fake.choice([MEGATRON, FOUR, TWO])
+    train(forward_backward, 9 + 8 + 1)
+    assert fake.lines[3] == (f"terapipe auto: runoff between {FOUR.name}, {TWO.name} (within "
+                             f"{RUNOFF:.0%} of the fastest): 4 more rounds")
+    assert [n for n, _ in fake.ran[9:17]] == [FOUR.name, TWO.name] * 4
+    assert len(choice.times[TWO.name]) == 6 and len(choice.times[MEGATRON.name]) == 2
+    assert choice.kept == TWO and fake.ran[-1][0] == TWO.name
+
+
+def test_a_runoff_the_run_has_no_iterations_for_is_skipped_and_said():
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.0060, TWO.name: 0.0059})
+    choice, forward_backward = fake.choice([MEGATRON, FOUR, TWO], iterations_left=lambda: 16)
+    train(forward_backward, 12)
+    assert choice.kept == TWO and fake.lines[3] == (
+        f"terapipe auto: 7 training iterations left, fewer than the 8 a runoff between "
+        f"{TWO.name}, {FOUR.name} needs: choosing among the trials so far")
 
 
 def test_choose_measured_takes_medians():

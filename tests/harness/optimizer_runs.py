@@ -54,7 +54,7 @@ class OptimizerCase:
     legacy_loss: bool = False
     forward_only: bool = False
     # TeraPipe's side runs a MeasuredChoice of Megatron's schedule and `plan` (1 trial each):
-    # Megatron, TeraPipe, Megatron, TeraPipe, then the one measured faster
+    # Megatron, TeraPipe, Megatron, TeraPipe, a runoff when within 5%, then the faster
     switch: bool = False
 
     @property

@@ -7,9 +7,12 @@ round (every candidate once, not counted: pools, graphs and caches are built the
 `trials` rounds of every candidate once. An iteration's time is the forward-backward call's
 wall time, its maximum over all ranks, so every rank keeps the same schedule. After the rounds
 an optional `replan` may offer one more candidate (the planner on a cost model calibrated on
-the trials); it gets its own warm-up and `trials` rounds beside the leader. Then the fastest
-median wins, except that a TeraPipe candidate must be measured more than `tie` faster than
-Megatron's schedule (ties go to Megatron's). Evaluation calls (forward_only) run the kept
+the trials); it gets its own warm-up and `trials` rounds beside the leader. Candidates whose
+medians are then within `runoff` (5%) of the fastest, at most 3, run `2 x trials` more rounds
+among themselves: a few iterations cannot tell apart schedules that close, and more rounds
+between the finalists are cheaper than more of every candidate. Then the fastest median of all
+counted iterations wins, except that a TeraPipe candidate must be measured more than `tie`
+faster than Megatron's schedule (ties go to Megatron's). Evaluation calls (forward_only) run the kept
 schedule, Megatron's while the trials last, untimed.
 
 Rank 0 logs, in exactly these forms (scripts parse them):
@@ -28,6 +31,8 @@ from ...plan import TeraPipePlan
 
 #: A TeraPipe candidate must be measured more than this much faster than Megatron's schedule.
 TIE = 0.01
+#: Candidates this close to the fastest median after the rounds (at most RUNOFF_MOST) run more.
+RUNOFF, RUNOFF_MOST = 0.05, 3
 MEGATRON, TERAPIPE = "megatron", "terapipe"
 
 
@@ -75,6 +80,19 @@ def choose_measured(candidates: Sequence[TrialCandidate], times: Mapping[str, Se
             and medians[best.name] >= medians[megatron.name] * (1.0 - tie)):
         best = megatron
     return MeasuredPick(best, medians, megatron)
+
+
+def runoff_finalists(candidates: Sequence[TrialCandidate], times: Mapping[str, Sequence[float]],
+                     margin: float = RUNOFF, most: int = RUNOFF_MOST) -> list[TrialCandidate]:
+    """The measured candidates whose median is within `margin` of the fastest, fastest first,
+    at most `most` (one alone means there is nothing to run off)."""
+    medians = {c.name: float(statistics.median(times[c.name])) for c in candidates
+               if times.get(c.name)}
+    if not medians:
+        return []
+    best = min(medians.values())
+    close = [c for c in candidates if c.name in medians and medians[c.name] <= best * (1 + margin)]
+    return sorted(close, key=lambda c: medians[c.name])[:most]
 
 
 def trial_rounds(count: int, trials: int, warmup: bool = True) -> list[tuple[int, bool]]:
@@ -138,18 +156,20 @@ class MeasuredChoice:
     """Chooses among `candidates` by timing them (module docstring). `trials`: counted
     iterations per candidate (0: no trials, the predicted pick runs). `predicted`: the name of
     the candidate that runs without trials (default: the fastest predicted, ties to
-    Megatron's). `iterations_left()`: the training iterations this run has left at its first
-    call (None: unknown, assumed enough). `replan`: see Replan. `log`: rank 0's lines."""
+    Megatron's). `runoff`: the margin for extra rounds between the closest (0: none).
+    `iterations_left()`: the training iterations this run has left at its first call (None:
+    unknown, assumed enough). `replan`: see Replan. `log`: rank 0's lines."""
 
     def __init__(self, candidates: Sequence[TrialCandidate], trials: int = 2, *,
                  predicted: Optional[str] = None, replan: Optional[Replan] = None,
                  iterations_left: Optional[Callable[[], Optional[int]]] = None,
                  log: Optional[Callable[[str], None]] = None, tie: float = TIE,
+                 runoff: float = RUNOFF,
                  clock: Callable[[], float] = wall_clock,
                  reduce_max: Callable[[float], float] = max_over_ranks,
                  peak_memory: Optional[Callable[[], Optional[float]]] = None) -> None:
         self.candidates = _check_candidates(candidates, trials)
-        self.trials, self.tie, self.replan = trials, tie, replan
+        self.trials, self.tie, self.replan, self.runoff = trials, tie, replan, runoff
         self.predicted = self._named(predicted) if predicted else _predicted_pick(
             self.candidates, tie)
         self.iterations_left = iterations_left or (lambda: None)
@@ -160,7 +180,7 @@ class MeasuredChoice:
         self.kept: Optional[TrialCandidate] = None if trials else self.predicted
         self.pick: Optional[MeasuredPick] = None
         self._queue: list[tuple[TrialCandidate, bool]] = []
-        self._started = self._replanned = False
+        self._started = self._replanned = self._ran_off = False
         self.last_run: Optional[str] = None  # the candidate of the last training iteration
         self._left: Optional[int] = None  # training iterations left at the first call
         self._done = 0  # training iterations tried so far
@@ -258,7 +278,8 @@ class MeasuredChoice:
                       "allocated")
 
     def _finish_rounds(self) -> None:
-        """After the rounds: one more candidate from `replan` (once), else the choice."""
+        """After the rounds: one more candidate from `replan` (once), then a runoff between the
+        closest (once), then the choice."""
         if self.replan is not None and not self._replanned:
             self._replanned = True
             extra = self._replanned_candidate()
@@ -270,7 +291,29 @@ class MeasuredChoice:
                     self._queue = [(extra, False)] + [(c, True) for _ in range(self.trials)
                                                       for c in (extra, leader)]
                     return
+        if not self._ran_off:
+            self._ran_off = True
+            if self._queue_runoff():
+                return
         self._decide()
+
+    def _queue_runoff(self) -> bool:
+        """Queue 2 x trials more rounds of the finalists; False when there is no runoff."""
+        finalists = runoff_finalists(self.candidates, self.times, self.runoff)
+        if len(finalists) < 2 or not self.trials:
+            return False
+        rounds = 2 * self.trials
+        names = ", ".join(c.name for c in finalists)
+        left = None if self._left is None else self._left - self._done
+        if left is not None and left < rounds * len(finalists):
+            self._say(f"terapipe auto: {left} training iterations left, fewer than the "
+                      f"{rounds * len(finalists)} a runoff between {names} needs: choosing "
+                      "among the trials so far")
+            return False
+        self._say(f"terapipe auto: runoff between {names} (within {self.runoff:.0%} of the "
+                  f"fastest): {rounds} more rounds")
+        self._queue = [(c, True) for _ in range(rounds) for c in finalists]
+        return True
 
     def _replanned_candidate(self) -> Optional[TrialCandidate]:
         measured = [(c, statistics.median(self.times[c.name])) for c in self.candidates
