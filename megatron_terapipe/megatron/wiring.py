@@ -31,7 +31,8 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     `args`, then as below. --pipeline-schedule terapipe: select an ArgsPlanProvider (plans at
     the first iteration of each shape), build GPT models with slice-aware attention, run
     Megatron-LM's forward_step per cell with the cell's shape in the global args, and
-    install(). Otherwise Megatron's own schedule stays in charge (install() is still harmless).
+    install(). Otherwise Megatron's own schedule stays in charge (install() is still harmless),
+    on models with slice-aware attention under --terapipe-slice-aware-model.
     Returns the provider, or None.
     """
     from .hooks import install, lm_cells, selection
@@ -43,8 +44,11 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     if not run.terapipe.selected:
         selection.deselect()
         selection.set_schedule_wrapper(None)
-        install.use_slice_attention_in_gpt_models(False)
+        install.use_slice_attention_in_gpt_models(run.terapipe.slice_aware_model)
         install.install()
+        if run.terapipe.slice_aware_model:
+            _log_rank0("> terapipe: Megatron's own schedule, on GPT models built with TeraPipe's "
+                       "slice-aware attention (--terapipe-slice-aware-model)")
         return None
     provider = ArgsPlanProvider(run, measure=measure)
     selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs,

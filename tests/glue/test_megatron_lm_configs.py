@@ -205,6 +205,21 @@ def test_edge_slices_equal_1f1b():
     _assert_equal_to_1f1b(EDGE, ours)
 
 
+SLICE_AWARE = Config("1f1b on the slice-aware model", 2, ())
+
+
+def test_megatrons_schedule_on_the_slice_aware_model_equals_1f1b():
+    """--terapipe-slice-aware-model: Megatron's 1F1B on GPT models with TeraPipe's attention
+    (the like-for-like side of a comparison) trains as Megatron's own model does."""
+    ours = pretrain(CHECKOUT, SLICE_AWARE.nproc, ["--pipeline-schedule", "1f1b",
+                                                  "--terapipe-slice-aware-model"], free_port())
+    assert ours.returncode == 0, ours.log[-4000:]
+    assert "on GPT models built with TeraPipe's slice-aware attention" in ours.log
+    assert "GPT model layers built with slice-aware core attention" in ours.log
+    assert "token slices" not in ours.log, ours.log[-4000:]  # Megatron's schedule ran
+    _assert_equal_to_1f1b(SLICE_AWARE, ours)
+
+
 def _assert_equal_to_1f1b(config: Config, ours) -> None:
     """Megatron's own schedule on the same flags: every iteration's lm loss and grad norm, the
     validation loss and the MoE losses equal to `ours` (relative `config.rel`)."""

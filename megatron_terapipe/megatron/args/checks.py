@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from ..support.refusals import refusal
+from ..support.refusals import SLICE_ATTENTION, SLICE_ATTENTION_BACKENDS, refusal
 from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
 from .settings import (RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error,
                        check_edge_microbatches)
@@ -34,6 +34,11 @@ def validate_terapipe_args(args) -> RunSettings:
         if given:
             _fail(f"{given[0]} needs --pipeline-schedule terapipe or auto (the schedule is "
                   f"{flags.schedule}): add --pipeline-schedule terapipe or auto, or drop {given[0]}")
+        backend = run.support.attention_backend
+        if flags.slice_aware_model and backend not in SLICE_ATTENTION_BACKENDS:
+            _fail(f"--terapipe-slice-aware-model builds TeraPipe's {SLICE_ATTENTION}, not "
+                  f"--attention-backend {backend}: use --attention-backend auto or local, or "
+                  "drop --terapipe-slice-aware-model")
         return run
     if flags.auto:
         _check_auto(run)

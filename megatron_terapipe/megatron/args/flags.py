@@ -68,6 +68,10 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "scatter/gather optimisation): TP times fewer bytes over the pipeline "
                             "link for one all-gather in the TP group; not with --sequence-parallel, "
                             "whose messages are split already")
+    group.add_argument("--terapipe-slice-aware-model", action="store_true",
+                       help="under Megatron's own schedule (--pipeline-schedule 1f1b), build GPT "
+                            "models with TeraPipe's slice-aware attention, as terapipe and auto "
+                            "do: the same attention on both sides of a comparison")
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; see megatron/platform/lm_cpu.py)")

@@ -104,6 +104,7 @@ class TeraPipeSettings:
     cuda_graphs: bool = False
     scatter_gather: bool = False  # --terapipe-scatter-gather-p2p
     cpu: bool = False
+    slice_aware_model: bool = False  # --terapipe-slice-aware-model (Megatron's schedule)
     trace: Optional[str] = None
     memory_budget: Optional[float] = None  # bytes
     model_state_memory: Optional[float] = None  # bytes
@@ -132,6 +133,8 @@ class TeraPipeSettings:
             cuda_graphs=bool(getattr(args, "terapipe_cuda_graphs", d.cuda_graphs)),
             scatter_gather=bool(getattr(args, "terapipe_scatter_gather_p2p", d.scatter_gather)),
             cpu=bool(getattr(args, "terapipe_cpu", d.cpu)),
+            slice_aware_model=bool(getattr(args, "terapipe_slice_aware_model",
+                                           d.slice_aware_model)),
             trace=_flag(args, "terapipe_trace", d.trace),
             memory_budget=_size(args, "terapipe_memory_budget", d.memory_budget),
             model_state_memory=_size(args, "terapipe_model_state_memory", d.model_state_memory),

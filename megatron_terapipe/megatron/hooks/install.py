@@ -70,6 +70,19 @@ def slice_attention_spec(spec):
     return with_slice_attention(spec)
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """`line` on the first rank, once per process."""
+    import torch.distributed as dist
+
+    if line in _SAID or (dist.is_available() and dist.is_initialized() and dist.get_rank()):
+        return
+    _SAID.add(line)
+    print(line, flush=True)
+
+
 def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
     """Make every GPTModel built from now on use slice-aware core attention in its layer spec.
 
@@ -90,6 +103,7 @@ def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
     def __init__(self, config, transformer_layer_spec=None, *args, **kwargs):
         if _SLICE_ATTENTION_IN_GPT_MODELS and transformer_layer_spec is not None:
             transformer_layer_spec = slice_attention_spec(transformer_layer_spec)
+            _say_once("> terapipe: GPT model layers built with slice-aware core attention")
         original(self, config, transformer_layer_spec, *args, **kwargs)
 
     __init__._terapipe_wrapped = True  # type: ignore[attr-defined]

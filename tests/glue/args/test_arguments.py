@@ -305,6 +305,26 @@ def test_setup_from_args_selects_and_deselects():
         install.use_slice_attention_in_gpt_models(False)
 
 
+def test_the_slice_aware_model_under_megatrons_schedule(capsys):
+    """--terapipe-slice-aware-model keeps Megatron's schedule and builds GPT models with
+    slice-aware attention (the matrix checks it trains as plain 1f1b); a TE attention backend
+    is refused naming the flag."""
+    from megatron_terapipe.megatron.hooks import install, selection
+
+    try:
+        assert setup_from_args(parse(["--terapipe-slice-aware-model"])) is None
+        assert not selection.selected() and install._SLICE_ATTENTION_IN_GPT_MODELS
+        assert "--terapipe-slice-aware-model" in capsys.readouterr().out
+        setup_from_args(parse([]))
+        assert not install._SLICE_ATTENTION_IN_GPT_MODELS
+        with pytest.raises(TeraPipeArgumentError, match=r"^--terapipe-slice-aware-model builds "
+                           r".*--attention-backend flash: use --attention-backend auto or local"):
+            setup_from_args(parse(["--terapipe-slice-aware-model"], attention_backend="flash"))
+    finally:
+        selection.deselect()
+        install.use_slice_attention_in_gpt_models(False)
+
+
 # ---- every rank gets rank 0's plan ------------------------------------------------------------
 def plan_on_every_rank(rank: int, world_size: int, hardware: list[str], cache_dir: str,
                        measured: bool):
