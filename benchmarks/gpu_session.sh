@@ -25,7 +25,7 @@
 #                                               # an H100's 79 GiB, 2026-11-26)
 #   bash benchmarks/gpu_session.sh virtual      # bench_gpu_virtual: 2 stages under MPS, 4 microbatches,
 #                                               # Megatron 1F1B / interleaved vs TeraPipe on 1 and 2 chunks
-#   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b
+#   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b (same attention)
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/runtime/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
@@ -162,9 +162,14 @@ pretrain_gpt() {
     | tee "$OUT/$log.log" | grep -E "iteration +[0-9]+/|Error"
 }
 
+# 1f1b runs on the same slice-aware attention (SDPA) as terapipe: like for like
+same_model() { [ "$1" = 1f1b ] && echo --terapipe-slice-aware-model; }
+
 megatron_lm() {
   for schedule in terapipe 1f1b; do
-    pretrain_gpt "megatron_lm_$schedule" --pipeline-schedule "$schedule"
+    # shellcheck disable=SC2046
+    pretrain_gpt "megatron_lm_$schedule" --pipeline-schedule "$schedule" $(same_model "$schedule") \
+      --train-iters 24
   done
   python3 benchmarks/megatron_lm_logs.py "$OUT"  # losses and times side by side: megatron_lm.json
 }
@@ -175,7 +180,9 @@ megatron_lm_profile() {
   local schedule traces=()
   for schedule in terapipe 1f1b; do
     rm -rf "/tmp/trace_$schedule"
-    pretrain_gpt "megatron_lm_profile_$schedule" --pipeline-schedule "$schedule" --train-iters 12 \
+    # shellcheck disable=SC2046
+    pretrain_gpt "megatron_lm_profile_$schedule" --pipeline-schedule "$schedule" \
+      $(same_model "$schedule") --train-iters 12 \
       --profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 \
       --tensorboard-dir "/tmp/trace_$schedule"
     traces+=(/tmp/trace_"$schedule"/*.json*)
