@@ -8,8 +8,8 @@ import os
 
 from ..support.refusals import SLICE_ATTENTION, SLICE_ATTENTION_BACKENDS, refusal
 from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
-from .settings import (RunSettings, TeraPipeArgumentError, TeraPipeSettings, as_flag_error,
-                       check_edge_microbatches)
+from .settings import (RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings,
+                       as_flag_error)
 
 __all__ = ["TeraPipeArgumentError", "validate_terapipe_args"]
 
@@ -109,6 +109,24 @@ def _check_edge_slices(run: RunSettings) -> None:
         _fail("--terapipe-edge-slices runs one model chunk per rank: drop "
               "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank, "
               "or give --terapipe-slices / --terapipe-num-slices for virtual stages")
+
+
+def check_edge_microbatches(flags: TeraPipeSettings, shape: RunShape) -> None:
+    """--terapipe-edge-slices cuts at most the microbatches an iteration has (first + last):
+    with more, every microbatch would be cut as a first one, which is not what the flag says."""
+    if flags.edge_slices is None:
+        return
+    first, _, last, _ = flags.edge_slices
+    count = shape.num_microbatches
+    if first + last <= count:
+        return
+    source = (f"--global-batch-size {shape.global_batch_size} / (--micro-batch-size "
+              f"{shape.micro_batch_size} x data-parallel size {shape.data_parallel})"
+              if shape.global_batch_size else "the script's --num-microbatches")
+    raise TeraPipeArgumentError(
+        f"--terapipe-edge-slices {' '.join(map(str, flags.edge_slices))}: the first and last "
+        f"edge microbatches ({first} + {last}) exceed the {count} microbatches per iteration "
+        f"({source}): give FIRST + LAST of at most {count}, or more microbatches per iteration")
 
 
 def _check_auto(run: RunSettings) -> None:

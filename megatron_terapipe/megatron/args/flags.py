@@ -68,6 +68,16 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "scatter/gather optimisation): TP times fewer bytes over the pipeline "
                             "link for one all-gather in the TP group; not with --sequence-parallel, "
                             "whose messages are split already")
+    _add_run_args(group)
+    _add_memory_args(group)
+    group.add_argument("--terapipe-trace", default=None, metavar="PATH",
+                       help="write Chrome traces: the simulated plan to PATH's "
+                            "'.simulated.json' sibling, the measured second iteration to PATH")
+    return parser
+
+
+def _add_run_args(group) -> None:
+    """Flags about the run around the schedule: the model Megatron's schedule gets, the CPU."""
     group.add_argument("--terapipe-slice-aware-model", action="store_true",
                        help="under Megatron's own schedule (--pipeline-schedule 1f1b), build GPT "
                             "models with TeraPipe's slice-aware attention, as terapipe and auto "
@@ -75,11 +85,6 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; see megatron/platform/lm_cpu.py)")
-    _add_memory_args(group)
-    group.add_argument("--terapipe-trace", default=None, metavar="PATH",
-                       help="write Chrome traces: the simulated plan to PATH's "
-                            "'.simulated.json' sibling, the measured second iteration to PATH")
-    return parser
 
 
 def _add_slice_args(group) -> None:

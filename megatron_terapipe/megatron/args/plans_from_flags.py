@@ -20,8 +20,9 @@ from ...schedule.build import allowed_group
 from .flags import COST_MODELS
 from .startup_log import PlanReport, attention_text
 from .inputs_from_flags import budget_error, planner_inputs
+from .checks import check_edge_microbatches
 from .settings import (RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings,
-                       as_flag_error, check_edge_microbatches)
+                       as_flag_error)
 
 #: () -> what the planner starts from (the cost model measured or not, the space, the budget)
 InputsSource = Callable[[], PlannerInputs]

@@ -231,24 +231,6 @@ class RunShape:
         return 4 if self.dtype == "fp32" else 2
 
 
-def check_edge_microbatches(flags: TeraPipeSettings, shape: RunShape) -> None:
-    """--terapipe-edge-slices cuts at most the microbatches an iteration has (first + last):
-    with more, every microbatch would be cut as a first one, which is not what the flag says."""
-    if flags.edge_slices is None:
-        return
-    first, _, last, _ = flags.edge_slices
-    count = shape.num_microbatches
-    if first + last <= count:
-        return
-    source = (f"--global-batch-size {shape.global_batch_size} / (--micro-batch-size "
-              f"{shape.micro_batch_size} x data-parallel size {shape.data_parallel})"
-              if shape.global_batch_size else "the script's --num-microbatches")
-    raise TeraPipeArgumentError(
-        f"--terapipe-edge-slices {' '.join(map(str, flags.edge_slices))}: the first and last "
-        f"edge microbatches ({first} + {last}) exceed the {count} microbatches per iteration "
-        f"({source}): give FIRST + LAST of at most {count}, or more microbatches per iteration")
-
-
 def recompute_flags(args) -> str:
     """Megatron's activation recomputation as flags ("" without): the start-up report names
     them (full recomputation priced, selective not), as do budget errors under selective."""
