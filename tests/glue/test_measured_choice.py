@@ -12,6 +12,7 @@ test_distributed_optimizer.py (its "switch" case)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -207,9 +208,12 @@ def test_a_replanned_candidate_is_tried_beside_the_leader():
                               "measured)")
 
 
-def test_a_replanned_plan_already_tried_is_not_tried_again():
+@pytest.mark.parametrize("predicted_time", [None, 0.5])
+def test_a_replanned_plan_already_tried_is_not_tried_again(predicted_time):
+    """Whatever the calibrated model predicts of it, a plan already tried is not a new one."""
     fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.008})
-    again = TrialCandidate("TeraPipe 1f1b, calibrated", FOUR.plan)
+    plan = FOUR.plan if predicted_time is None else replace(FOUR.plan, predicted_time=0.5)
+    again = TrialCandidate("TeraPipe 1f1b, calibrated", plan)
     choice, forward_backward = fake.choice([MEGATRON, FOUR], replan=lambda measured: again)
     train(forward_backward, 7)
     assert choice.kept == FOUR and len(fake.ran) == 7

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ...plan import TeraPipePlan
@@ -320,8 +320,8 @@ class MeasuredChoice:
                     if self.times[c.name]]
         extra = self.replan(measured) if _rank() == 0 else None
         extra = broadcast_from_rank_zero(extra)
-        known = {c.name for c in self.candidates} | {c.plan for c in self.candidates}
-        if extra is None or extra.name in known or extra.plan in known:
+        if extra is None or any(c.name == extra.name or _same_plan(c.plan, extra.plan)
+                                for c in self.candidates):
             return None
         return extra
 
@@ -346,6 +346,13 @@ class MeasuredChoice:
     def _say(self, line: str) -> None:
         if _rank() == 0:
             self.log(line)
+
+
+def _same_plan(a: Optional[TeraPipePlan], b: Optional[TeraPipePlan]) -> bool:
+    """The same schedule, whatever each predicted of it (Megatron's is the same as Megatron's)."""
+    if a is None or b is None:
+        return a is b
+    return replace(a, predicted_time=None) == replace(b, predicted_time=None)
 
 
 def _check_candidates(candidates: Sequence[TrialCandidate], trials: int
