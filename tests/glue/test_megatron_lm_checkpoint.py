@@ -7,7 +7,9 @@ checkpoint (`--save DIR --save-interval 2 --exit-interval 2`) under one schedule
 loss and grad norm at both iterations, and the same validation loss, as the same resume under
 the schedule that saved (relative 1e-5), in both directions (1f1b -> terapipe, terapipe -> 1f1b).
 The resumed job is also the uninterrupted one: the same iterations 3 and 4 as a 4-iteration run
-that never stopped. Runs only with a Megatron-LM checkout (`MEGATRON_LM_PATH`) and `triton`,
+that never stopped. A layout change at a checkpoint: a 1f1b checkpoint without chunks resumes
+under `auto` on 2 chunks per stage with the losses of Megatron's interleaved schedule resuming
+it. Runs only with a Megatron-LM checkout (`MEGATRON_LM_PATH`) and `triton`,
 `pybind11` and `psutil` installed; marked `slow`.
 """
 
@@ -82,3 +84,33 @@ def test_a_job_resumes_under_the_other_schedule(tmp_path, uninterrupted, saver, 
     assert [n for _, _, n in switched.iterations] == \
         pytest.approx([n for _, _, n in uninterrupted.iterations[2:]], rel=1e-5)
     assert switched.validation == pytest.approx(uninterrupted.validation, rel=1e-5)
+
+
+#: 4 layers in 2 model chunks per stage, as the flags fix them
+CHUNKED = ["--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2"]
+
+
+def test_a_checkpoint_without_chunks_resumes_under_auto_on_two_chunks(tmp_path):
+    """A layout change at a checkpoint: a 1f1b job of 4 layers in one chunk per stage saves at
+    iteration 2; `auto` resumes it on 2 chunks per stage (Megatron's distributed checkpoint
+    reshards the layers into chunks) and logs the lm loss, grad norm and validation loss of
+    Megatron's interleaved schedule resuming the same checkpoint (relative 1e-5)."""
+    directory = str(tmp_path / "checkpoint")
+    saved = pretrain(CHECKOUT, 2, ["--pipeline-schedule", "1f1b", "--num-layers", "4", "--save",
+                                   directory, "--save-interval", "2", "--exit-interval", "2"],
+                     free_port(), iterations=ITERATIONS, timeout=900)
+    assert saved.returncode == 0 and [i for i, _, _ in saved.iterations] == [1, 2], saved.log[-4000:]
+    resumed = {}
+    for schedule in ("auto", "1f1b"):
+        run_ = pretrain(CHECKOUT, 2, ["--pipeline-schedule", schedule, *CHUNKED, "--load",
+                                      directory], free_port(), iterations=ITERATIONS, timeout=900)
+        assert run_.returncode == 0, run_.log[-4000:]
+        assert "successfully loaded checkpoint from" in run_.log, run_.log[-4000:]
+        assert [i for i, _, _ in run_.iterations] == [3, 4], run_.log[-4000:]
+        resumed[schedule] = run_
+    ours, theirs = resumed["auto"], resumed["1f1b"]
+    assert "terapipe auto:" in ours.log, ours.log[-4000:]
+    for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} lm loss"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
