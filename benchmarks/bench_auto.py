@@ -5,15 +5,15 @@ Megatron's, and does it train as a plain 1f1b run?
 For each microbatch count and cost model (the default; deliberately wrong ones: the analytic
 H100 on this CPU, and this model's measured layer profile scaled 3x), one auto run through the
 launcher (`--terapipe-cpu --pipeline-schedule auto`, 2 stages) logs its shortlist, each trial
-and the kept schedule (and each candidate's plan). Then every candidate of every auto run of that microbatch count is
-timed alone (benchmarks/auto_alone.py: the shortlist replaced by that one candidate, its
-median over --trials iterations after one warm-up), in --rounds interleaved rounds; a
-candidate's alone time is the median of its rounds, and its paired time the median of its
-ratios to Megatron's 1F1B in the same round (times Megatron's median), which cancels load
-that drifts between rounds; the targets are judged on the paired times. A plain `--pipeline-schedule 1f1b` run
-gives the losses and grad norms the auto run must log (rel 1e-5). Per auto run: the kept
-schedule's alone time over the fastest of that run's own candidates alone, over the fastest of
-all candidates alone, and over Megatron's 1F1B alone.
+and the kept schedule (and each candidate's plan). Then every candidate of every auto run of
+that microbatch count is timed alone (benchmarks/auto_alone.py: the shortlist replaced by that
+one candidate, its median over --trials iterations after one warm-up), in --rounds interleaved
+rounds. A candidate's alone time is the median of its rounds; its paired time is the median of
+its ratios to Megatron's schedule (1F1B, or interleaved on chunks) in the same round, times
+Megatron's median, which cancels load that drifts between rounds. The targets are judged on
+the paired times. A plain run of Megatron's schedule gives the losses and grad norms the auto
+run must log (rel 1e-5). Per auto run: the kept schedule's time over the fastest of that run's
+own candidates, over the fastest of all candidates, and over Megatron's schedule.
 
     python benchmarks/bench_auto.py --checkout MEGATRON_LM [--layers 2] [--rounds 7]
 
@@ -160,7 +160,7 @@ def bench_case(args, microbatches: int) -> dict:
 
 
 def paired_medians(times: dict[str, list[float]]) -> dict[str, float]:
-    """Each plan's median over the rounds of its time over Megatron's 1F1B in the same round,
+    """Each plan's median over the rounds of its time over Megatron's schedule in the same round,
     times Megatron's median: load that drifts between rounds (this machine is shared) cancels,
     as interleaving intends."""
     megatron = times["megatron"]

@@ -12,8 +12,8 @@ medians are then within `runoff` (5%) of the fastest, at most 3, run `2 x trials
 among themselves: a few iterations cannot tell apart schedules that close, and more rounds
 between the finalists are cheaper than more of every candidate. Then the fastest median of all
 counted iterations wins, except that a TeraPipe candidate must be measured more than `tie`
-faster than Megatron's schedule (ties go to Megatron's). Evaluation calls (forward_only) run the kept
-schedule, Megatron's while the trials last, untimed.
+faster than Megatron's schedule (ties go to Megatron's). Evaluation calls (forward_only) run
+the kept schedule, Megatron's while the trials last, untimed.
 
 Rank 0 logs, in exactly these forms (scripts parse them):
     terapipe auto: trial <name>: <ms> ms measured, <ms> ms predicted
