@@ -12,7 +12,10 @@ rounds. A candidate's alone time is the median of its rounds; its paired time is
 its ratios to Megatron's schedule (1F1B, or interleaved on chunks) in the same round, times
 Megatron's median, which cancels load that drifts between rounds. The targets are judged on
 the paired times. A plain run of Megatron's schedule gives the losses and grad norms the auto
-run must log (rel 1e-5). Per auto run: the kept schedule's time over the fastest of that run's
+run must log (rel 1e-5). On chunks with fewer microbatches than stages Megatron's interleaved
+schedule does not run (it needs one microbatch per stage), so auto has no Megatron candidate:
+the pairs are then to the first candidate, and the plain run is `--pipeline-schedule terapipe`
+with one slice on the same chunks, whose gradients equal Megatron's wherever both run (tests). Per auto run: the kept schedule's time over the fastest of that run's
 own candidates, over the fastest of all candidates, and over Megatron's schedule.
 
     python benchmarks/bench_auto.py --checkout MEGATRON_LM [--layers 2] [--rounds 7]
@@ -153,19 +156,27 @@ def bench_case(args, microbatches: int) -> dict:
             times[plan].append(alone(args, microbatches, name, plan, [], cache))
         print(f"{microbatches} microbatches: alone round {r + 1} of {args.rounds}", flush=True)
     reference = launch(args, ["-m", "megatron_terapipe.megatron.launch"],
-                       [*model_flags(args, microbatches), "--pipeline-schedule", "1f1b"],
+                       [*model_flags(args, microbatches), *plain_schedule(args, microbatches)],
                        args.iterations)
     plain = [(int(i), float(l), float(n)) for i, l, n in ITERATION.findall(reference)]
     return summarise(microbatches, runs, candidates, times, plain)
 
 
+def plain_schedule(args, microbatches: int) -> list[str]:
+    """The schedule of the plain run whose losses auto must log: Megatron's, unless on chunks
+    with fewer microbatches than stages, where Megatron's interleaved schedule refuses to run."""
+    if args.chunks > 1 and microbatches < 2:  # 2 pipeline stages
+        return ["--pipeline-schedule", "terapipe", "--terapipe-num-slices", "1"]
+    return ["--pipeline-schedule", "1f1b"]
+
+
 def paired_medians(times: dict[str, list[float]]) -> dict[str, float]:
-    """Each plan's median over the rounds of its time over Megatron's schedule in the same round,
-    times Megatron's median: load that drifts between rounds (this machine is shared) cancels,
-    as interleaving intends."""
-    megatron = times["megatron"]
-    scale = statistics.median(megatron)
-    return {plan: statistics.median(t / m for t, m in zip(ts, megatron)) * scale
+    """Each plan's median over the rounds of its time over Megatron's schedule in the same round
+    (or the first candidate's, where Megatron's does not run), times that one's median: load
+    that drifts between rounds (this machine is shared) cancels, as interleaving intends."""
+    reference = times.get("megatron") or next(iter(times.values()))
+    scale = statistics.median(reference)
+    return {plan: statistics.median(t / m for t, m in zip(ts, reference)) * scale
             for plan, ts in times.items()}
 
 

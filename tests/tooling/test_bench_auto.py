@@ -1,0 +1,30 @@
+"""What bench_auto.py judges on (no processes started): a candidate's paired time is its
+median ratio to Megatron's schedule in the same round, or to the first candidate where
+Megatron's schedule does not run, and the plain run is Megatron's wherever it runs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import bench_auto as bench
+
+
+def test_pairs_cancel_load_that_drifts_between_rounds():
+    # Round 2 ran on a machine twice as loaded: every candidate's time doubled there.
+    times = {"megatron": [1.0, 2.0, 1.0], "a": [0.8, 1.6, 0.8], "b": [0.9, 1.8, 0.9]}
+    paired = bench.paired_medians(times)
+    assert paired == pytest.approx({"megatron": 1.0, "a": 0.8, "b": 0.9})
+
+
+def test_pairs_to_the_first_candidate_without_megatrons_schedule():
+    times = {"a": [1.0, 3.0, 1.0], "b": [0.5, 1.5, 0.5]}
+    assert bench.paired_medians(times) == pytest.approx({"a": 1.0, "b": 0.5})
+
+
+@pytest.mark.parametrize("chunks, microbatches, schedule", [
+    (1, 1, "1f1b"), (2, 4, "1f1b"), (2, 1, "terapipe")])
+def test_the_plain_run_is_megatrons_wherever_it_runs(chunks, microbatches, schedule):
+    flags = bench.plain_schedule(argparse.Namespace(chunks=chunks), microbatches)
+    assert flags[flags.index("--pipeline-schedule") + 1] == schedule
