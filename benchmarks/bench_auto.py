@@ -202,12 +202,13 @@ def summarise(microbatches, runs, candidates, times, plain) -> dict:
             row[f"kept_{label}_s"] = table.get(kept_plan)
             row.update({f"{k}_{label}": v for k, v in ratios(
                 table.get(kept_plan), own, min(table.values()), table.get("megatron")).items()})
+        row["iterations"] = run["iterations"]  # (iteration, lm loss, grad norm) as logged
         row["iterations_compared"] = min(len(run["iterations"]), len(plain))
         row["worst_loss_or_norm_rel_to_1f1b"] = max(
             (max(abs(a[1] - b[1]) / abs(b[1]), abs(a[2] - b[2]) / abs(b[2]))
              for a, b in zip(run["iterations"], plain)), default=None)
         rows.append(row)
-    return {"microbatches": microbatches, "runs": rows,
+    return {"microbatches": microbatches, "runs": rows, "plain_iterations": plain,
             "alone": [{"name": candidates[p], "plan": p, "rounds_s": times[p],
                        "median_s": alone_s[p], "paired_median_s": paired_s[p]}
                       for p in candidates]}
