@@ -50,6 +50,7 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
             _log_rank0("> terapipe: Megatron's own schedule, on GPT models built with TeraPipe's "
                        "slice-aware attention (--terapipe-slice-aware-model)")
         return None
+    _place_chunks(run)
     provider = ArgsPlanProvider(run, measure=measure)
     selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs,
                      scatter_gather=run.terapipe.scatter_gather)
@@ -89,6 +90,18 @@ def _resolve_auto(args, run: RunSettings):
                    "from scratch, it starts from other initial weights than the same flags "
                    "under --pipeline-schedule 1f1b; a checkpoint loads and resumes as usual")
     return RunSettings.from_args(args), measured
+
+
+def _place_chunks(run: RunSettings) -> None:
+    """--terapipe-virtual-placement v: Megatron-LM builds and feeds the chunks in a V."""
+    from .model import v_layout
+
+    in_v = run.terapipe.virtual_placement == "v"
+    if in_v or v_layout.v_layout_on():
+        v_layout.use_v_layout(in_v)
+    if in_v:
+        _log_rank0("> terapipe: model chunks in a V (--terapipe-virtual-placement v): rank k holds "
+                   "virtual stages k and 2K - 1 - k, the embedding and the loss on rank 0")
 
 
 def _slices_text(flags: TeraPipeSettings) -> str:

@@ -48,18 +48,21 @@ class PlannerInputs:
         return self._once(order, lambda: search_within_budget(
             self.cost_model, replace(self.space, order=order), self.budget))
 
-    def search_virtual(self, order: str, chunks: int) -> VirtualSearchResult:
-        """The plan search in `order` on `chunks` model chunks per stage (virtual_search.py),
-        started from the order's one-chunk plan; made once per (order, chunks)."""
+    def search_virtual(self, order: str, chunks: int,
+                       placement: str = "ring") -> VirtualSearchResult:
+        """The plan search in `order` on `chunks` model chunks per stage placed round the ring
+        or in a V (virtual_search.py), started from the order's one-chunk plan; made once per
+        (order, chunks, placement)."""
         def run() -> VirtualSearchResult:
             try:
                 hint: Optional[TeraPipePlan] = self.search(order).plan
             except MemoryBudgetError:
                 hint = None
             return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
-                                  chunks, hint)
+                                  chunks, hint, placement)
 
-        return self._once((order, chunks), run)
+        return self._once((order, chunks) if placement == "ring" else (order, chunks, placement),
+                          run)
 
     def _once(self, key, make: Callable[[], object]):
         """`make()`'s result for `key`, computed once; a MemoryBudgetError is kept and raised
@@ -75,14 +78,17 @@ class PlannerInputs:
         return found
 
     def schedule_table(self, interleaved: bool = True,
-                       progress: Optional[Callable[[str], None]] = None) -> ScheduleTable:
+                       progress: Optional[Callable[[str], None]] = None,
+                       v_rows: bool = False) -> ScheduleTable:
         """Megatron's schedules and TeraPipe's, timed and held against the budget;
         interleaved: whether Megatron's interleaved 1F1B is open to the run (TeraPipe on
         virtual stages is open where the space's virtual_stages says); progress: told each
-        TeraPipe row before its search (compare_schedules)."""
+        TeraPipe row before its search; v_rows: TeraPipe on 2 chunks in a V too
+        (compare_schedules)."""
         return compare_schedules(self.cost_model, self.space, self.budget,
                                  self.layers_per_stage if interleaved else 1, search=self.search,
-                                 virtual=self.search_virtual, progress=progress)
+                                 virtual=self.search_virtual, progress=progress,
+                                 v_rows=v_rows and interleaved)
 
 
 def priced_layers(model: ModelDims, num_stages: int, busiest_layers: Optional[int] = None) -> int:

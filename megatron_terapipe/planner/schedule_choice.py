@@ -41,6 +41,7 @@ class ScheduleOption:
     fits: bool = False
     plan: Optional[TeraPipePlan] = None  # TeraPipe's plan
     note: str = ""  # the plan in brief ("8 slices +W"), "does not fit", or why it cannot run
+    placement: str = "ring"  # where TeraPipe's chunks sit: Megatron's ring, or "v" (2 chunks)
 
     @property
     def time(self) -> Optional[float]:
@@ -136,13 +137,20 @@ def _option(name, family, order, chunks, result, budget, plan, note) -> Schedule
 
 #: A search for one order within the budget (raises MemoryBudgetError as search_within_budget).
 OrderSearch = Callable[[str], SearchResult]
-#: A search for one order on V chunks per stage (raises as search_virtual).
-VirtualSearch = Callable[[str, int], VirtualSearchResult]
+#: A search for one order on V chunks per stage, round the ring or in a V (raises as
+#: search_virtual).
+VirtualSearch = Callable[[str, int, str], VirtualSearchResult]
+
+
+def terapipe_row_name(order: str, chunks: int, placement: str = "ring") -> str:
+    """'TeraPipe 1f1b', 'TeraPipe gpipe, 4 chunks', 'TeraPipe 1f1b, 2 chunks in a V'."""
+    return (f"TeraPipe {order}" + (f", {chunks} chunks" if chunks > 1 else "")
+            + (" in a V" if placement == "v" else ""))
 
 
 def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
-                     budget: MemoryBudget) -> ScheduleOption:
-    name = f"TeraPipe {order}" + (f", {chunks} chunks" if chunks > 1 else "")
+                     budget: MemoryBudget, placement: str = "ring") -> ScheduleOption:
+    name = terapipe_row_name(order, chunks, placement)
     lean = ""
     try:
         chosen: Candidate = search().chosen  # type: ignore[attr-defined]
@@ -151,9 +159,10 @@ def _terapipe_option(order: str, chunks: int, search: Callable[[], object],
     except ValueError as exc:  # virtual stages this run cannot have
         if chunks == 1:
             raise
-        return ScheduleOption(name, TERAPIPE, order, chunks, note=f"cannot run: {exc}")
-    return _option(name, TERAPIPE, order, chunks, chosen.result, budget, chosen.plan,
-                   lean + plan_note(chosen.plan))
+        return ScheduleOption(name, TERAPIPE, order, chunks, note=f"cannot run: {exc}",
+                              placement=placement)
+    return replace(_option(name, TERAPIPE, order, chunks, chosen.result, budget, chosen.plan,
+                           lean + plan_note(chosen.plan)), placement=placement)
 
 
 def merge_same_schedules(options: list[ScheduleOption]) -> list[ScheduleOption]:
@@ -209,7 +218,8 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
                       layers_per_stage: int, orders: Optional[Sequence[str]] = None,
                       search: Optional[OrderSearch] = None,
                       virtual: Optional[VirtualSearch] = None,
-                      progress: Optional[Callable[[str], None]] = None) -> ScheduleTable:
+                      progress: Optional[Callable[[str], None]] = None,
+                      v_rows: bool = False) -> ScheduleTable:
     """Every candidate schedule for the run `space` describes, timed and held against
     `budget`: fitting ones fastest first, then those that do not fit (fastest first), then
     those that cannot run. `orders`: TeraPipe's orders to try (default: every registered
@@ -217,26 +227,31 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
     search_within_budget; PlannerInputs passes the searches it already made); `virtual`:
     its search per order on V chunks per stage, for V in `virtual_chunk_counts` (default:
     search_virtual, started from the order's one-chunk plan). `progress`: called with each
-    TeraPipe row's name and count ("TeraPipe 1f1b, 5 chunks (2 of 4)") before its search."""
+    TeraPipe row's name and count ("TeraPipe 1f1b, 5 chunks (2 of 4)") before its search.
+    `v_rows`: also each order on 2 chunks in a V (Zero Bubble's ZB-V placement), where a stage's
+    layers split in 2."""
     if search is None:
         def search(order: str) -> SearchResult:
             return search_within_budget(cost_model, replace(space, order=order), budget)
     if virtual is None:
-        def virtual(order: str, chunks: int) -> VirtualSearchResult:
+        def virtual(order: str, chunks: int, placement: str = "ring") -> VirtualSearchResult:
             try:
                 hint = search(order).plan
             except MemoryBudgetError:
                 hint = None
-            return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint)
+            return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint,
+                                  placement)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    rows = [(order, v) for order in (order_names() if orders is None else orders)
+    in_v = v_rows and space.num_stages >= 2 and layers_per_stage % 2 == 0
+    rows = [(order, v, "ring") for order in (order_names() if orders is None else orders)
             for v in (1, *virtual_chunk_counts(space, layers_per_stage))]
-    for i, (order, v) in enumerate(rows):
+    rows += [(order, 2, "v") for order in (order_names() if orders is None else orders) if in_v]
+    for i, (order, v, where) in enumerate(rows):
         if progress is not None:
-            progress(f"TeraPipe {order}" + (f", {v} chunks" if v > 1 else "")
-                     + f" ({i + 1} of {len(rows)})")
-        run = (lambda o=order: search(o)) if v == 1 else (lambda o=order, v=v: virtual(o, v))
-        options.append(_terapipe_option(order, v, run, budget))
+            progress(f"{terapipe_row_name(order, v, where)} ({i + 1} of {len(rows)})")
+        run = ((lambda o=order: search(o)) if v == 1 else
+               (lambda o=order, v=v, w=where: virtual(o, v, w)))
+        options.append(_terapipe_option(order, v, run, budget, where))
     options = merge_same_schedules(options)
     # times within a microsecond tie: the one that keeps less goes first
     ranked = sorted(options, key=lambda o: (not o.runnable, not o.fits,

@@ -128,8 +128,10 @@ def test_cli_prints_the_schedule_table_and_auto(capsys):
     names = [" ".join(r.split()[:2]) for r in rows]
     assert {"Megatron 1F1B", "TeraPipe 1f1b", "TeraPipe gpipe", "Megatron interleaved,"} <= set(names)
     # Megatron's 1F1B and interleaved on 2, 3 and 6 chunks; TeraPipe in each order on 1, 2, 3
-    # and 6 chunks per stage (--virtual-stages auto: every divisor of the 6 layers)
-    assert len(rows) == 4 + 2 * 4
+    # and 6 chunks per stage (--virtual-stages auto: every divisor of the 6 layers), and on 2
+    # chunks in a V
+    assert len(rows) == 4 + 2 * 4 + 2
+    assert sum(", 2 chunks in a V" in r for r in rows) == 2
     assert sum(", 6 chunks" in r for r in rows) == 3
     times = [float(r.split(" ms")[0].split()[-1]) for r in rows]
     assert times == sorted(times)

@@ -219,9 +219,6 @@ class Config:
     ([Chunk(False, False, 3), Chunk(False, False, 5, tied=True)], Config(),
      "untied embedding and output weights.*--untie-embeddings-and-output-weights"),
     ([Chunk(False, False, 3), Chunk(False, False, 5)],
-     type("PerToken", (Config,), {"calculate_per_token_loss": True})(),
-     "a V runs without calculate_per_token_loss"),
-    ([Chunk(False, False, 3), Chunk(False, False, 5)],
      type("MoE", (Config,), {"num_moe_experts": 4})(), "a V runs dense models only"),
 ])
 def test_chunks_not_built_for_a_v_are_refused(chunks, config, message):

@@ -61,10 +61,61 @@ def validate_terapipe_args(args) -> RunSettings:
     if group is not None and group < 1:
         _fail(f"--microbatch-group-size-per-virtual-pipeline-stage must be a positive number of "
               f"microbatches, got {group}")
+    if flags.virtual_placement == "v":
+        check_v_placement(run, args)
     problem = refusal(run.support)
     if problem:
         _fail(problem)
     return run
+
+
+#: (Megatron-LM's arg, its flag, why a V cannot take it yet, the fix)
+V_REFUSED = (
+    ("num_experts", "--num-experts", "its MoE losses are reported from the last rank",
+     "use --terapipe-virtual-placement ring"),
+    ("mtp_num_layers", "--mtp-num-layers", "its MTP layers sit after the last virtual stage",
+     "drop it or use --terapipe-virtual-placement ring"),
+    ("fp16", "--fp16", "Megatron's Float16Module casts the output on the ring's last stage",
+     "train in fp32 or use --terapipe-virtual-placement ring"),
+    ("bf16", "--bf16", "Megatron's Float16Module casts the output on the ring's last stage",
+     "train in fp32 or use --terapipe-virtual-placement ring"),
+    ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
+     "it moves a layer off the ring's first stage", "drop it"),
+    ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",
+     "it moves a layer off the ring's last stage", "drop it"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout",
+     "a V places whole chunks of equal layers", "drop it"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
+     "a V places whole chunks of equal layers", "drop it"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
+     "a V places whole chunks of equal layers", "drop it"),
+)
+
+
+def check_v_placement(run: RunSettings, args) -> None:
+    """--terapipe-virtual-placement v: TeraPipe's schedule on 2 model chunks per rank of
+    untied embeddings (model/v_layout.py builds and feeds them), and nothing a V cannot run."""
+    if run.terapipe.schedule != "terapipe":
+        _fail(f"--terapipe-virtual-placement v runs TeraPipe's schedule (the schedule is "
+              f"{run.terapipe.schedule}; Megatron has no V): add --pipeline-schedule terapipe")
+    chunks, stages = run.support.virtual_stages, run.shape.pipeline_parallel
+    if chunks != 2 or stages < 2:
+        _fail(f"--terapipe-virtual-placement v holds 2 model chunks per pipeline rank, on 2 or "
+              f"more ranks (here {chunks} chunks, {stages} ranks): give "
+              "--num-virtual-stages-per-pipeline-rank 2 and --pipeline-model-parallel-size 2 or "
+              "more")
+    if not run.model_state.untie_embeddings:
+        _fail("--terapipe-virtual-placement v runs with untied embedding and output weights (both "
+              "sit on rank 0, in different chunks, and Megatron ties them across the ring's "
+              "first and last ranks): add --untie-embeddings-and-output-weights")
+    for name, flag, why, fix in V_REFUSED:
+        if getattr(args, name, None):
+            _fail(f"--terapipe-virtual-placement v does not run with {flag} yet ({why}): {fix}")
+    checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
+    if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        _fail(f"--terapipe-virtual-placement v saves and loads checkpoints in the torch_dist "
+              f"format (its layers by their place in the model, not by rank), not "
+              f"--ckpt-format {args.ckpt_format}: use --ckpt-format torch_dist")
 
 
 def _check_slices(run: RunSettings, seq: int) -> None:

@@ -37,8 +37,7 @@ def add_terapipe_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="with --pipeline-schedule auto: time each shortlisted schedule on N "
                             "training iterations (after one warm-up each, in interleaved rounds) "
                             "and keep the fastest measured; 0 keeps the predicted pick")
-    group.add_argument("--terapipe-order", choices=ORDERS, default=DEFAULTS.order,
-                       help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
+    _add_order_args(group)
     _add_slice_args(group)
     _add_wgrad_args(group)
     group.add_argument("--terapipe-cost-model", default=DEFAULTS.cost_model,
@@ -85,6 +84,18 @@ def _add_run_args(group) -> None:
     group.add_argument("--terapipe-cpu", action="store_true",
                        help="run Megatron-LM's training script on CPU processes with gloo "
                             "(launcher only; see megatron/platform/lm_cpu.py)")
+
+
+def _add_order_args(group) -> None:
+    """The order of the cells, and where model chunks sit."""
+    group.add_argument("--terapipe-order", choices=ORDERS, default=DEFAULTS.order,
+                       help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
+    group.add_argument("--terapipe-virtual-placement", choices=("ring", "v"), default="ring",
+                       help="where TeraPipe puts the 2 model chunks of "
+                            "--num-virtual-stages-per-pipeline-rank 2: ring (Megatron's, chunk c "
+                            "of rank k is virtual stage cK + k) or v (Zero Bubble's ZB-V: rank k "
+                            "holds virtual stages k and 2K - 1 - k, the embedding and the loss "
+                            "on rank 0)")
 
 
 def _add_slice_args(group) -> None:

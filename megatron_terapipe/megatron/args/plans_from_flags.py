@@ -60,16 +60,18 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     given = inputs() if predicted else None
     searched = None
     if fixed is None:
-        searched = _search(given, chunks, shape)
+        searched = _search(given, chunks, shape, flags.virtual_placement)
         plan = searched.plan
         source = f"DP slicer (granularity {flags.granularity}), simulator-checked"
         if plan.edge_slices:  # the planner's edge walk beat the DP slicer's plan
             source = f"edge slicing (granularity {flags.granularity}), simulator-checked"
         if chunks > 1:
             source += f", on {chunks} virtual stages per rank"
+            source += " in a V" if flags.virtual_placement == "v" else ""
     else:
         source, plan = fixed
-        plan = replace(plan, virtual_stages=chunks, virtual_group=group)
+        plan = replace(plan, virtual_stages=chunks, virtual_group=group,
+                       virtual_placement=flags.virtual_placement if chunks > 1 else "ring")
         check_group(plan, shape)
     if flags.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
         plan = replace(plan, defer_wgrad=flags.defer_wgrad)
@@ -126,13 +128,13 @@ def _predict(inputs: PlannerInputs, plan: TeraPipePlan, source: str,
     return plan
 
 
-def _search(inputs: PlannerInputs, chunks: int, shape: RunShape):
+def _search(inputs: PlannerInputs, chunks: int, shape: RunShape, placement: str = "ring"):
     """The planner's search (on `chunks` model chunks per stage: Megatron's virtual pipeline
-    stages, in the space's microbatch groups when the flag fixes them), within the memory
-    budget when one is given."""
+    stages, in the space's microbatch groups when the flag fixes them, round the ring or in a
+    V), within the memory budget when one is given."""
     try:
         if chunks > 1:
-            return inputs.search_virtual(inputs.space.order, chunks)
+            return inputs.search_virtual(inputs.space.order, chunks, placement)
         return inputs.search()
     except MemoryBudgetError as exc:
         raise budget_error(exc, shape) from None

@@ -91,6 +91,7 @@ class TeraPipeSettings:
 
     schedule: str = "1f1b"  # --pipeline-schedule: 1f1b, terapipe or auto
     order: str = "1f1b"
+    virtual_placement: str = "ring"  # --terapipe-virtual-placement: ring or v (2 chunks)
     slices: Optional[tuple[int, ...]] = None  # --terapipe-slices
     num_slices: Optional[int] = None
     edge_slices: Optional[tuple[int, int, int, int]] = None  # --terapipe-edge-slices
@@ -119,6 +120,7 @@ class TeraPipeSettings:
         return cls(
             schedule=_flag(args, "pipeline_schedule", d.schedule),
             order=_flag(args, "terapipe_order", d.order),
+            virtual_placement=_flag(args, "terapipe_virtual_placement", d.virtual_placement),
             slices=tuple(int(s) for s in slices) if slices else None,
             num_slices=_int_or_none(getattr(args, "terapipe_num_slices", None)),
             edge_slices=_ints_or_none(getattr(args, "terapipe_edge_slices", None)),
@@ -164,6 +166,7 @@ class TeraPipeSettings:
             ("--terapipe-edge-slices", self.edge_slices is not None),
             ("--terapipe-memory-budget", self.memory_budget is not None),
             ("--terapipe-cuda-graphs", self.cuda_graphs),
+            ("--terapipe-virtual-placement v", self.virtual_placement == "v"),
             ("--terapipe-scatter-gather-p2p", self.scatter_gather)) if given]
 
 

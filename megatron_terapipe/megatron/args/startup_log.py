@@ -83,6 +83,10 @@ class PlanReport:
         """Model chunks per stage, and in the 1f1b order the interleaved order's microbatch
         groups and the warm-up."""
         text = f"{plan.virtual_stages} model chunks per stage"
+        if plan.virtual_placement == "v":
+            text += " in a V (rank k: virtual stages k and 2K - 1 - k)"
+            lead = plan.virtual_warmup
+            return text + (f", lead {lead}" if lead is not None and plan.order == "1f1b" else "")
         if plan.order != "1f1b":
             return text + ", every forward first (no microbatch groups)"
         group = virtual_group(plan, self.num_microbatches, self.num_stages)

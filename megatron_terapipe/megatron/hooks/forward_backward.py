@@ -89,12 +89,23 @@ def forward_backward_terapipe(
     for callback in filter(None, (terapipe.on_run, on_run)):
         callback(executor.record)
     if config.finalize_model_grads_func is not None and not forward_only:
-        config.finalize_model_grads_func(
-            models, executor.loss.total_num_tokens if config.calculate_per_token_loss else None,
-            pg_collection=groups, force_all_reduce=force_all_reduce)
+        config.finalize_model_grads_func(models, _token_count(config, executor, plan, pp),
+                                         pg_collection=groups, force_all_reduce=force_all_reduce)
     if config.timers is not None:
         config.timers("forward-backward").stop()
     return result
+
+
+def _token_count(config, executor: StageExecutor, plan: TeraPipePlan, pp):
+    """The loss's token count for finalize_model_grads (per-token loss; else None), which
+    broadcasts it from the last rank: in a V the loss is on rank 0, so it is there first."""
+    if not config.calculate_per_token_loss:
+        return None
+    num_tokens = executor.loss.total_num_tokens
+    if plan.virtual_placement == "v" and pp is not None:
+        torch.distributed.broadcast(num_tokens, group=pp,
+                                    src=torch.distributed.get_process_group_ranks(pp)[0])
+    return num_tokens
 
 
 def _transport_and_memory(models: list, config, device: torch.device, plan: TeraPipePlan,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
+from ..model import v_layout
 from ..platform import compat
 from ..support.refusals import RunView, check_view
 from .selection import STATE
@@ -104,7 +105,8 @@ def use_slice_attention_in_gpt_models(enable: bool = True) -> None:
         if _SLICE_ATTENTION_IN_GPT_MODELS and transformer_layer_spec is not None:
             transformer_layer_spec = slice_attention_spec(transformer_layer_spec)
             _say_once("> terapipe: GPT model layers built with slice-aware core attention")
-        original(self, config, transformer_layer_spec, *args, **kwargs)
+        # in a V (--terapipe-virtual-placement v): the V's roles and layer numbers
+        v_layout.build_in_v(original, self, config, transformer_layer_spec, *args, **kwargs)
 
     __init__._terapipe_wrapped = True  # type: ignore[attr-defined]
     GPTModel.__init__ = __init__  # type: ignore[method-assign]

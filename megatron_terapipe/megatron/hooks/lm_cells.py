@@ -7,6 +7,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Iterator, Optional
 
+from ..model import v_layout
 from ..platform import compat
 
 
@@ -122,7 +123,8 @@ class MegatronLMCells:
             cell, drop_mask = active.cell, self.tensor_parallel > 1
             if data_iterator is not None:
                 data_iterator = CellBatches(data_iterator, cell, must_drop_mask=drop_mask)
-            with megatron_lm_cell_args(megatron_args, cell, drop_mask=drop_mask):
+            with megatron_lm_cell_args(megatron_args, cell, drop_mask=drop_mask), \
+                    v_layout.cell_chunk(model):
                 return forward_step_func(data_iterator, model, *args, **kwargs)
 
         forward_step._terapipe_cells = True  # type: ignore[attr-defined]
@@ -134,7 +136,7 @@ class MegatronLMCells:
             if kwargs.get("forward_step_func") is not None:
                 kwargs["forward_step_func"] = self.wrap_forward_step(kwargs["forward_step_func"])
             if not (self.trace and not kwargs.get("forward_only", False) and self.training_runs < 2):
-                return schedule(**kwargs)
+                return self._losses_where_megatron_reads_them(schedule(**kwargs), kwargs)
             self.training_runs += 1
             runs: list = []
             callers_on_run = kwargs.pop("on_run", None) or (lambda record: None)
@@ -143,6 +145,16 @@ class MegatronLMCells:
             from ...runtime.trace import gather_trace
 
             gather_trace(runs[-1], self.trace)  # every rank calls the schedule
-            return result
+            return self._losses_where_megatron_reads_them(result, kwargs)
 
         return forward_backward_terapipe
+
+    @staticmethod
+    def _losses_where_megatron_reads_them(losses: list, kwargs: dict) -> list:
+        """In a V the losses are on rank 0; Megatron-LM reads them on the last rank."""
+        if not v_layout.v_layout_on():
+            return losses
+        model = kwargs.get("model")
+        first = model[0] if isinstance(model, (list, tuple)) else model
+        device = next(first.parameters()).device
+        return v_layout.losses_to_last_rank(losses, device)

@@ -243,6 +243,8 @@ def megatron_flags(args, choice: AutoChoice) -> str:
     flags = ["--pipeline-schedule", "terapipe" if chosen.family == TERAPIPE else "1f1b"]
     if chosen.num_chunks > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", str(chosen.num_chunks)]
+    if chosen.placement == "v":  # both ends on rank 0: untied (docs/megatron-lm.md)
+        flags += ["--terapipe-virtual-placement", "v", "--untie-embeddings-and-output-weights"]
     lead = ("Megatron-LM flags for it (beside the question's own model, parallelism, batch and "
             "recomputation flags): ")
     if chosen.family != TERAPIPE:
@@ -322,7 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for line in _report(args, inputs, result):
             print(line)
     say("timing Megatron's schedules")
-    table = inputs.schedule_table(progress=lambda row: say(f"planning {row}"))
+    table = inputs.schedule_table(progress=lambda row: say(f"planning {row}"), v_rows=True)
     say("done")
     lines, choice = schedule_lines(table)
     for line in lines:

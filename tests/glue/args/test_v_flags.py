@@ -1,0 +1,60 @@
+"""--terapipe-virtual-placement v under --pipeline-schedule terapipe: the plan from the flags
+puts Megatron's 2 model chunks per stage in a V (searched or fixed), and what a V cannot run
+yet is refused at start-up, naming the flag and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
+from megatron_terapipe.schedule import LoweredSchedule, build_schedule
+from harness.flags import parse, plan_and_report
+
+#: 8 layers on 2 pipeline stages in 2 chunks of 2, untied embeddings (Megatron-LM's args)
+V = dict(num_layers=8, virtual_pipeline_model_parallel_size=2,
+         num_virtual_stages_per_pipeline_rank=2, untie_embeddings_and_output_weights=True)
+FLAGS = ["--pipeline-schedule", "terapipe", "--terapipe-virtual-placement", "v"]
+
+
+@pytest.mark.parametrize("argv", [["--terapipe-slices", "16", "32", "16"],
+                                  ["--terapipe-num-slices", "4"], []],
+                         ids=["slices", "num_slices", "searched"])
+def test_the_plan_puts_the_chunks_in_a_v(argv):
+    args = parse([*FLAGS, *argv], **V)
+    validate_terapipe_args(args)
+    plan, report = plan_and_report(args, 64, 2)
+    assert plan.virtual_stages == 2 and plan.virtual_placement == "v"
+    assert report.iteration_time is not None and report.iteration_time > 0
+    LoweredSchedule.of(build_schedule(plan, report.num_microbatches, 2, 2))
+
+
+def test_the_search_names_the_v():
+    _, report = plan_and_report(parse(FLAGS, **V), 64, 2)
+    assert "on 2 virtual stages per rank in a V" in report.source
+
+
+def test_the_ring_stays_the_default():
+    plan, _ = plan_and_report(parse(["--pipeline-schedule", "terapipe"], **V), 64, 2)
+    assert plan.virtual_placement == "ring"
+
+
+@pytest.mark.parametrize("argv, megatron, says", [
+    (["--pipeline-schedule", "auto", "--terapipe-virtual-placement", "v"], V,
+     "add --pipeline-schedule terapipe"),
+    (["--pipeline-schedule", "1f1b", "--terapipe-virtual-placement", "v"], V,
+     "--terapipe-virtual-placement v needs --pipeline-schedule terapipe or auto"),
+    (FLAGS, dict(V, num_virtual_stages_per_pipeline_rank=None,
+                 virtual_pipeline_model_parallel_size=None),
+     "give --num-virtual-stages-per-pipeline-rank 2"),
+    (FLAGS, dict(V, num_layers=12, virtual_pipeline_model_parallel_size=3,
+                 num_virtual_stages_per_pipeline_rank=3), "(here 3 chunks, 2 ranks)"),
+    (FLAGS, dict(V, untie_embeddings_and_output_weights=False),
+     "add --untie-embeddings-and-output-weights"),
+    (FLAGS, dict(V, num_experts=4), "--num-experts yet"),
+    (FLAGS, dict(V, bf16=True), "--bf16 yet"),
+    (FLAGS, dict(V, save="/tmp/ckpt", ckpt_format="torch"), "use --ckpt-format torch_dist"),
+])
+def test_what_a_v_cannot_run_is_refused_naming_the_flag(argv, megatron, says):
+    with pytest.raises(TeraPipeArgumentError) as info:
+        validate_terapipe_args(parse(argv, **megatron))
+    assert says in str(info.value)

@@ -1,0 +1,124 @@
+"""Megatron-LM's own `pretrain_gpt.py` on model chunks in a V (`--terapipe-virtual-placement v`).
+
+Megatron has no V schedule, and a model built in chunks starts from other weights than the same
+flags in one chunk per stage, so each row compares on one model through a checkpoint: a job of
+4 untied layers on PP=2 stops after iteration 2 with a checkpoint (`torch_dist`, Megatron's
+distributed format) under one layout, and is resumed (iterations 3 and 4, then a validation)
+under the V and under `1f1b`. The V must log the lm loss and grad norm of `1f1b` at both
+iterations, and the same validation loss (relative 1e-5). Rows: the base model, 8
+microbatches on the planner's own V plan, TP=2, per-token loss, DP=2 with the distributed
+optimizer and overlapped grad reduce, and a checkpoint the V saved resumed under `1f1b`. What a V cannot run
+yet stops at start-up naming the flag. Runs only with a Megatron-LM checkout
+(`MEGATRON_LM_PATH`) and `triton`, `pybind11` and `psutil` installed; marked `slow`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import pytest
+
+from harness.megatron_lm import CHECKOUT, Pretrain, needs_checkout, pretrain
+from harness.spawn import free_port
+
+pytestmark = needs_checkout(
+    pytest.mark.skipif(importlib.util.find_spec("psutil") is None,
+                       reason="Megatron-Core's checkpoint writer needs psutil: pip install psutil"))
+
+ITERATIONS = 4
+MODEL = ["--num-layers", "4", "--untie-embeddings-and-output-weights"]
+V = ["--pipeline-schedule", "terapipe", "--terapipe-virtual-placement", "v",
+     "--num-virtual-stages-per-pipeline-rank", "2"]
+LAYOUTS = {"1f1b": ["--pipeline-schedule", "1f1b"], "v": V}
+IN_A_V = "> terapipe: model chunks in a V (--terapipe-virtual-placement v)"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    nproc: int
+    flags: tuple[str, ...] = ()
+    v_flags: tuple[str, ...] = ("--terapipe-num-slices", "4")  # given to the V's runs only
+    v_log_has: tuple[str, ...] = ("token slices (all rows) ... 16 16 16 16",)
+    # Without Apex or Transformer Engine (so on CPU) Megatron-Core cannot load a distributed
+    # optimizer's state (DistributedOptimizer.state_dict asserts one Adam step count over an
+    # empty state), under 1f1b too: such rows resume the weights, with a fresh optimizer on
+    # both sides (--no-save-optim, --no-load-optim).
+    optimizer_in_checkpoint: bool = True
+
+
+def run(row: Row, layout: str, flags: list[str]) -> Pretrain:
+    extra = list(row.v_flags) if layout == "v" else []
+    result = pretrain(CHECKOUT, row.nproc, [*MODEL, *row.flags, *LAYOUTS[layout], *extra,
+                                            *flags], free_port(), iterations=ITERATIONS,
+                      timeout=900)
+    assert result.returncode == 0, result.log[-4000:]
+    if layout == "v":
+        for text in (IN_A_V, *row.v_log_has):
+            assert text in result.log, result.log[-4000:]
+    return result
+
+
+def save_at_iteration_2(row: Row, layout: str, directory: str) -> Pretrain:
+    no_optimizer = [] if row.optimizer_in_checkpoint else ["--no-save-optim"]
+    saved = run(row, layout, ["--save", directory, "--save-interval", "2", "--exit-interval", "2",
+                              *no_optimizer])
+    assert [i for i, _, _ in saved.iterations] == [1, 2], saved.log[-4000:]
+    assert "successfully saved checkpoint from iteration       2" in saved.log, saved.log[-4000:]
+    return saved
+
+
+def resume(row: Row, layout: str, directory: str) -> Pretrain:
+    no_optimizer = [] if row.optimizer_in_checkpoint else ["--no-load-optim"]
+    resumed = run(row, layout, ["--load", directory, *no_optimizer])
+    assert "successfully loaded checkpoint from" in resumed.log, resumed.log[-4000:]
+    # a strict load: Megatron-LM falls back to a non-strict one (and prints what it returned)
+    # when the model's keys do not match the checkpoint's
+    assert "load_return:" not in resumed.log, resumed.log[-4000:]
+    assert [i for i, _, _ in resumed.iterations] == [3, 4], resumed.log[-4000:]
+    return resumed
+
+
+def assert_same_training(ours: Pretrain, theirs: Pretrain) -> None:
+    for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} lm loss"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+
+
+ROWS = [
+    Row("base", 2),
+    Row("8 microbatches, the planner's V plan", 2, ("--global-batch-size", "8"), v_flags=(),
+        v_log_has=("DP slicer (granularity 8), simulator-checked, on 2 virtual stages per "
+                   "rank in a V",)),
+    Row("TP=2", 4, ("--tensor-model-parallel-size", "2")),
+    Row("per-token loss", 2, ("--calculate-per-token-loss",)),
+    Row("DP=2 + distributed optimizer + overlapped grad reduce", 4,
+        ("--use-distributed-optimizer", "--overlap-grad-reduce"), optimizer_in_checkpoint=False),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_a_v_resuming_a_1f1b_checkpoint_trains_as_1f1b(tmp_path, row):
+    directory = str(tmp_path / "checkpoint")
+    save_at_iteration_2(row, "1f1b", directory)
+    assert_same_training(resume(row, "v", directory), resume(row, "1f1b", directory))
+
+
+def test_a_checkpoint_of_the_v_resumes_under_1f1b(tmp_path):
+    row = ROWS[0]
+    directory = str(tmp_path / "checkpoint")
+    save_at_iteration_2(row, "v", directory)
+    assert_same_training(resume(row, "1f1b", directory), resume(row, "v", directory))
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"),
+     "--terapipe-virtual-placement v does not run with --num-experts yet"),
+    (("--bf16",), "--terapipe-virtual-placement v does not run with --bf16 yet"),
+], ids=["MoE", "bf16"])
+def test_what_a_v_cannot_run_stops_at_start_up(flags, says):
+    result = pretrain(CHECKOUT, 2, [*MODEL, *flags, *V], free_port(), timeout=300)
+    assert result.returncode != 0 and not result.started_training, result.log[-4000:]
+    assert f"megatron_terapipe.megatron.launch: error: {says}" in result.log, result.log[-4000:]
