@@ -31,6 +31,8 @@ MODEL = ["--num-layers", "4", "--untie-embeddings-and-output-weights"]
 V = ["--pipeline-schedule", "terapipe", "--terapipe-virtual-placement", "v",
      "--num-virtual-stages-per-pipeline-rank", "2"]
 LAYOUTS = {"1f1b": ["--pipeline-schedule", "1f1b"], "v": V}
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+       "--disable-bias-linear")  # as the matrix runs MoE (test_megatron_lm_configs.py)
 IN_A_V = "> terapipe: model chunks in a V (--terapipe-virtual-placement v)"
 
 
@@ -46,6 +48,7 @@ class Row:
     # empty state), under 1f1b too: such rows resume the weights, with a fresh optimizer on
     # both sides (--no-save-optim, --no-load-optim).
     optimizer_in_checkpoint: bool = True
+    moe_logs: tuple[str, ...] = ()  # the MoE losses both runs' iteration lines must carry
 
 
 def run(row: Row, layout: str, flags: list[str]) -> Pretrain:
@@ -80,11 +83,15 @@ def resume(row: Row, layout: str, directory: str) -> Pretrain:
     return resumed
 
 
-def assert_same_training(ours: Pretrain, theirs: Pretrain) -> None:
+def assert_same_training(ours: Pretrain, theirs: Pretrain, moe_logs: tuple = ()) -> None:
     for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
         assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} lm loss"
         assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
     assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+    for i, (mine, ref) in enumerate(zip(ours.moe_losses, theirs.moe_losses), start=3):
+        assert set(moe_logs) <= set(ref) and set(moe_logs) <= set(mine), (mine, ref)
+        assert mine == pytest.approx(ref, rel=1e-5), f"iteration {i} MoE losses"
+    assert len(ours.moe_losses) == len(ours.iterations) == 2
 
 
 ROWS = [
@@ -94,6 +101,9 @@ ROWS = [
                    "rank in a V",)),
     Row("TP=2", 4, ("--tensor-model-parallel-size", "2")),
     Row("per-token loss", 2, ("--calculate-per-token-loss",)),
+    Row("MoE + aux loss + z-loss", 2, (*MOE, "--moe-aux-loss-coeff", "1e-2",
+                                       "--moe-z-loss-coeff", "1e-3"),
+        moe_logs=("load_balancing_loss", "z_loss")),
     Row("DP=2 + distributed optimizer + overlapped grad reduce", 4,
         ("--use-distributed-optimizer", "--overlap-grad-reduce"), optimizer_in_checkpoint=False),
 ]
@@ -103,7 +113,8 @@ ROWS = [
 def test_a_v_resuming_a_1f1b_checkpoint_trains_as_1f1b(tmp_path, row):
     directory = str(tmp_path / "checkpoint")
     save_at_iteration_2(row, "1f1b", directory)
-    assert_same_training(resume(row, "v", directory), resume(row, "1f1b", directory))
+    assert_same_training(resume(row, "v", directory), resume(row, "1f1b", directory),
+                         row.moe_logs)
 
 
 def test_a_checkpoint_of_the_v_resumes_under_1f1b(tmp_path):
@@ -114,11 +125,11 @@ def test_a_checkpoint_of_the_v_resumes_under_1f1b(tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"),
-     "--terapipe-virtual-placement v does not run with --num-experts yet"),
-    (("--bf16",), "--terapipe-virtual-placement v does not run with --bf16 yet"),
-], ids=["MoE", "bf16"])
+    (("--num-layers", "4"), "add --untie-embeddings-and-output-weights"),
+    ((*MODEL, "--bf16"), "--terapipe-virtual-placement v does not run with --bf16 yet"),
+], ids=["tied embeddings", "bf16"])
 def test_what_a_v_cannot_run_stops_at_start_up(flags, says):
-    result = pretrain(CHECKOUT, 2, [*MODEL, *flags, *V], free_port(), timeout=300)
+    result = pretrain(CHECKOUT, 2, [*flags, *V], free_port(), timeout=300)
     assert result.returncode != 0 and not result.started_training, result.log[-4000:]
-    assert f"megatron_terapipe.megatron.launch: error: {says}" in result.log, result.log[-4000:]
+    assert "megatron_terapipe.megatron.launch: error: --terapipe-virtual-placement v" in \
+        result.log and says in result.log, result.log[-4000:]

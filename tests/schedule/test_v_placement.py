@@ -218,8 +218,6 @@ class Config:
      "chunk 1 on rank 1 starts at layer 7, not at the V's 5: .*place_in_v"),
     ([Chunk(False, False, 3), Chunk(False, False, 5, tied=True)], Config(),
      "untied embedding and output weights.*--untie-embeddings-and-output-weights"),
-    ([Chunk(False, False, 3), Chunk(False, False, 5)],
-     type("MoE", (Config,), {"num_moe_experts": 4})(), "a V runs dense models only"),
 ])
 def test_chunks_not_built_for_a_v_are_refused(chunks, config, message):
     with pytest.raises(ValueError, match=message):

@@ -71,8 +71,6 @@ def validate_terapipe_args(args) -> RunSettings:
 
 #: (Megatron-LM's arg, its flag, why a V cannot take it yet, the fix)
 V_REFUSED = (
-    ("num_experts", "--num-experts", "its MoE losses are reported from the last rank",
-     "use --terapipe-virtual-placement ring"),
     ("mtp_num_layers", "--mtp-num-layers", "its MTP layers sit after the last virtual stage",
      "drop it or use --terapipe-virtual-placement ring"),
     ("fp16", "--fp16", "Megatron's Float16Module casts the output on the ring's last stage",

@@ -56,7 +56,7 @@ def place_in_v(model: torch.nn.Module, chunk: int, rank: int, num_stages: int) -
 def check_v_chunks(config, models: Sequence[torch.nn.Module], rank: int, num_stages: int) -> None:
     """ValueError, before any work, unless the chunks are a V's (`v_chunk_roles`,
     `place_in_v`) and the run is one a V runs: untied embeddings (Megatron all-reduces a tied
-    output layer's gradient with the last rank's chunks) and no MoE."""
+    output layer's gradient with the last rank's chunks)."""
     fix = ("build chunk c with pre_process, post_process = megatron_terapipe.v_chunk_roles(c, "
            "rank, pipeline size), then call megatron_terapipe.place_in_v(chunk, c, rank, "
            "pipeline size)")
@@ -77,9 +77,6 @@ def check_v_chunks(config, models: Sequence[torch.nn.Module], rank: int, num_sta
             raise ValueError("TeraPipe: a V runs with untied embedding and output weights: build "
                              "GPTModel with share_embeddings_and_output_weights=False "
                              "(--untie-embeddings-and-output-weights)")
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError("TeraPipe: a V runs dense models only for now: use virtual_placement "
-                         "'ring' with MoE layers")
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:

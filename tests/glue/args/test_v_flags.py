@@ -50,7 +50,7 @@ def test_the_ring_stays_the_default():
                  num_virtual_stages_per_pipeline_rank=3), "(here 3 chunks, 2 ranks)"),
     (FLAGS, dict(V, untie_embeddings_and_output_weights=False),
      "add --untie-embeddings-and-output-weights"),
-    (FLAGS, dict(V, num_experts=4), "--num-experts yet"),
+    (FLAGS, dict(V, mtp_num_layers=1), "--mtp-num-layers yet"),
     (FLAGS, dict(V, bf16=True), "--bf16 yet"),
     (FLAGS, dict(V, save="/tmp/ckpt", ckpt_format="torch"), "use --ckpt-format torch_dist"),
 ])
