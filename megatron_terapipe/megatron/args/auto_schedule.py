@@ -21,7 +21,8 @@ from typing import Callable
 from ...planner.cost.stage_memory import MemoryBudgetError
 from ...planner.inputs import PlannerInputs
 from ...planner.cli.report import auto_text, megatron_1f1b_time, schedule_row
-from ...planner.schedule_choice import AutoChoice, ScheduleTable, interleaved_chunk_counts
+from ...planner.schedule_choice import (TERAPIPE, AutoChoice, ScheduleTable,
+                                         interleaved_chunk_counts)
 from .startup_log import WARNING
 from .inputs_from_flags import budget_error, planner_inputs
 from .profile_cache import profile_cache_path
@@ -78,12 +79,17 @@ def fixed_layout(run: RunSettings) -> int:
 
 
 def layout_table(run: RunSettings, inputs: PlannerInputs, interleaved: bool) -> ScheduleTable:
-    """The schedule table; only the fixed layout's rows when the flags fix one."""
-    table = inputs.schedule_table(interleaved)
+    """The schedule table; only the fixed layout's rows when the flags fix one (in a V,
+    --terapipe-virtual-placement v: TeraPipe's V rows, Megatron having no V)."""
+    in_v = run.terapipe.virtual_placement == "v"
+    table = inputs.schedule_table(interleaved, v_rows=in_v)
     fixed = fixed_layout(run)
     if not fixed:
         return table
-    return replace(table, options=tuple(o for o in table.options if o.num_chunks == fixed))
+    placement = "v" if in_v else "ring"
+    return replace(table, options=tuple(
+        o for o in table.options if o.num_chunks == fixed
+        and (o.placement == placement if o.family == TERAPIPE else not in_v)))
 
 
 def schedule_table(run: RunSettings, interleaved: bool = True) -> tuple[ScheduleTable, str]:

@@ -25,7 +25,8 @@ from ...plan import TeraPipePlan
 from ...planner.evaluate.calibration import (CalibratedCostModel, Calibration, Trial,
                                              fit_calibration)
 from ...planner.inputs import PlannerInputs
-from ...planner.schedule_choice import MEGATRON, TERAPIPE, ScheduleOption, ScheduleTable
+from ...planner.schedule_choice import (MEGATRON, TERAPIPE, ScheduleOption, ScheduleTable,
+                                         terapipe_row_name)
 from ...planner.wgrad_slots import place_wgrad, stage_limits
 from ...schedule import build_schedule
 from ..hooks.measured_choice import MeasuredChoice, TrialCandidate
@@ -45,14 +46,15 @@ class Layout:
     order: str
 
 
-def shortlist(inputs: PlannerInputs, table: ScheduleTable, chunks: int
-              ) -> list[TrialCandidate]:
-    """The candidates within `chunks` model chunks per stage (module docstring), Megatron's
-    schedule first, then TeraPipe's by predicted time."""
+def shortlist(inputs: PlannerInputs, table: ScheduleTable, chunks: int,
+              placement: str = "ring") -> list[TrialCandidate]:
+    """The candidates within `chunks` model chunks per stage placed round the ring or in a V
+    (module docstring), Megatron's schedule first (none in a V), then TeraPipe's by predicted
+    time."""
     megatron = next((o for o in table.options if o.family == MEGATRON
-                     and o.num_chunks == chunks and o.runnable), None)
+                     and o.num_chunks == chunks and o.runnable and placement == "ring"), None)
     terapipe = [o for o in table.options if o.family == TERAPIPE and o.num_chunks == chunks
-                and o.fits and o.plan is not None and o.plan.virtual_placement == "ring"]
+                and o.fits and o.plan is not None and o.plan.virtual_placement == placement]
     out = [] if megatron is None else [_candidate(megatron.name, None, megatron)]
     out += [_candidate(o.name, o.plan, o) for o in terapipe]
     if terapipe:
@@ -142,26 +144,27 @@ def fit_trials(inputs: PlannerInputs, measured: Sequence[tuple[TrialCandidate, f
     return fit_calibration(trials)
 
 
-def replanned(inputs: PlannerInputs, calibration: Calibration, order: str, chunks: int
-              ) -> Optional[TrialCandidate]:
-    """The search's plan in `order` on `chunks` chunks with the calibrated cost model."""
+def replanned(inputs: PlannerInputs, calibration: Calibration, order: str, chunks: int,
+              placement: str = "ring") -> Optional[TrialCandidate]:
+    """The search's plan in `order` on `chunks` chunks (round the ring or in a V) with the
+    calibrated cost model."""
     calibrated = replace(inputs, cost_model=calibration.apply(inputs.cost_model),
                          notes=list(inputs.notes))
     calibrated._searches.clear()
     try:
         found = (calibrated.search(order) if chunks == 1
-                 else calibrated.search_virtual(order, chunks))
+                 else calibrated.search_virtual(order, chunks, placement))
     except ValueError:  # nothing fits under the calibrated model: the trials stand
         return None
     plan = found.plan
-    if plan.virtual_placement != "ring":
+    if plan.virtual_placement != placement:
         return None
-    name = f"TeraPipe {order}" + (f", {chunks} chunks" if chunks > 1 else "") + ", calibrated"
+    name = terapipe_row_name(order, chunks, placement) + ", calibrated"
     return TrialCandidate(name, plan, found.chosen.time, found.chosen.result.schedule)
 
 
 def make_replan(run: RunSettings, inputs: PlannerInputs, chunks: int,
-                log: Callable[[str], None]):
+                log: Callable[[str], None], placement: str = "ring"):
     """MeasuredChoice's replan: fit, log the error, save the calibration, re-plan in the
     order of the fastest TeraPipe candidate measured."""
     def replan(measured: Sequence[tuple[TrialCandidate, float]]) -> Optional[TrialCandidate]:
@@ -175,7 +178,7 @@ def make_replan(run: RunSettings, inputs: PlannerInputs, chunks: int,
                           key=lambda pair: pair[0])
         if not terapipe:
             return None
-        extra = replanned(inputs, calibration, terapipe[0][1].plan.order, chunks)
+        extra = replanned(inputs, calibration, terapipe[0][1].plan.order, chunks, placement)
         if extra is not None and all(extra.plan != c.plan for c, _ in measured):
             log(plan_lines([extra])[0])
         return extra
@@ -235,15 +238,16 @@ def measured_choice(run: RunSettings, inputs: PlannerInputs, table: ScheduleTabl
                     chosen: ScheduleOption, log: Callable[[str], None]
                     ) -> tuple[MeasuredChoice, Layout]:
     """The MeasuredChoice for auto's predicted pick `chosen` and the layout it fixes."""
-    chunks = chosen.num_chunks
-    candidates = shortlist(inputs, table, chunks)
+    chunks, placement = chosen.num_chunks, chosen.placement
+    candidates = shortlist(inputs, table, chunks, placement)
     order = next((c.plan.order for c in candidates if c.plan is not None), run.terapipe.order)
     predicted = chosen.name if any(c.name == chosen.name for c in candidates) else None
     choice = MeasuredChoice(candidates, run.terapipe.auto_trials, predicted=predicted,
-                            replan=make_replan(run, inputs, chunks, log),
+                            replan=make_replan(run, inputs, chunks, log, placement),
                             iterations_left=_iterations_left, log=log)
     log(f"> terapipe auto: timing {len(candidates)} schedules on {chunks} model chunk"
-        f"{'s' * (chunks > 1)} per stage, {run.terapipe.auto_trials} iterations each after a "
+        f"{'s' * (chunks > 1)} per stage{' in a V' * (placement == 'v')}, "
+        f"{run.terapipe.auto_trials} iterations each after a "
         f"warm-up, in interleaved rounds: {'; '.join(c.name for c in candidates)}")
     for line in plan_lines(candidates):
         log(line)

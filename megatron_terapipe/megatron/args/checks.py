@@ -93,9 +93,10 @@ V_REFUSED = (
 def check_v_placement(run: RunSettings, args) -> None:
     """--terapipe-virtual-placement v: TeraPipe's schedule on 2 model chunks per rank of
     untied embeddings (model/v_layout.py builds and feeds them), and nothing a V cannot run."""
-    if run.terapipe.schedule != "terapipe":
+    if run.terapipe.schedule not in ("terapipe", "auto"):
         _fail(f"--terapipe-virtual-placement v runs TeraPipe's schedule (the schedule is "
-              f"{run.terapipe.schedule}; Megatron has no V): add --pipeline-schedule terapipe")
+              f"{run.terapipe.schedule}; Megatron has no V): add --pipeline-schedule terapipe "
+              "or auto")
     chunks, stages = run.support.virtual_stages, run.shape.pipeline_parallel
     if chunks != 2 or stages < 2:
         _fail(f"--terapipe-virtual-placement v holds 2 model chunks per pipeline rank, on 2 or "

@@ -39,8 +39,6 @@ def test_the_ring_stays_the_default():
 
 
 @pytest.mark.parametrize("argv, megatron, says", [
-    (["--pipeline-schedule", "auto", "--terapipe-virtual-placement", "v"], V,
-     "add --pipeline-schedule terapipe"),
     (["--pipeline-schedule", "1f1b", "--terapipe-virtual-placement", "v"], V,
      "--terapipe-virtual-placement v needs --pipeline-schedule terapipe or auto"),
     (FLAGS, dict(V, num_virtual_stages_per_pipeline_rank=None,
@@ -58,3 +56,21 @@ def test_what_a_v_cannot_run_is_refused_naming_the_flag(argv, megatron, says):
     with pytest.raises(TeraPipeArgumentError) as info:
         validate_terapipe_args(parse(argv, **megatron))
     assert says in str(info.value)
+
+
+def test_auto_chooses_among_v_plans_when_the_flags_fix_a_v():
+    """--pipeline-schedule auto with the V fixed by the flags: TeraPipe's V rows only (Megatron
+    has no V), and a shortlist of V plans to time."""
+    from megatron_terapipe.megatron.args.auto_schedule import predicted_choice
+    from megatron_terapipe.megatron.args.auto_trials import shortlist
+    from megatron_terapipe.megatron.args.settings import RunSettings
+
+    args = parse(["--pipeline-schedule", "auto", "--terapipe-virtual-placement", "v"], **V)
+    run = validate_terapipe_args(args)
+    predicted = predicted_choice(RunSettings.from_args(args), log=lambda line: None)
+    assert predicted.table.options and all(
+        o.placement == "v" and o.num_chunks == 2 for o in predicted.table.options)
+    candidates = shortlist(predicted.inputs, predicted.table, 2, "v")
+    assert candidates and all(c.plan is not None and c.plan.virtual_placement == "v"
+                              for c in candidates)
+    assert run.terapipe.virtual_placement == "v"
