@@ -6,9 +6,11 @@ flags in one chunk per stage, so each row compares on one model through a checkp
 distributed format) under one layout, and is resumed (iterations 3 and 4, then a validation)
 under the V and under `1f1b`. The V must log the lm loss and grad norm of `1f1b` at both
 iterations, and the same validation loss (relative 1e-5). Rows: the base model, 8
-microbatches on the planner's own V plan, TP=2, per-token loss, DP=2 with the distributed
-optimizer and overlapped grad reduce, and a checkpoint the V saved resumed under `1f1b`. What a V cannot run
-yet stops at start-up naming the flag. Runs only with a Megatron-LM checkout
+microbatches on the planner's own V plan, TP=2, per-token loss, MoE with its router losses
+(logged, equal too), DP=2 with the distributed optimizer and overlapped grad reduce, and a
+checkpoint the V saved resumed under `1f1b`. `auto` within a V the flags fix trains as the V on
+one fixed plan from the same start. What a V cannot run yet stops at start-up naming the
+flag. Runs only with a Megatron-LM checkout
 (`MEGATRON_LM_PATH`) and `triton`, `pybind11` and `psutil` installed; marked `slow`.
 """
 
