@@ -228,8 +228,8 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
     its search per order on V chunks per stage, for V in `virtual_chunk_counts` (default:
     search_virtual, started from the order's one-chunk plan). `progress`: called with each
     TeraPipe row's name and count ("TeraPipe 1f1b, 5 chunks (2 of 4)") before its search.
-    `v_rows`: also each order on 2 chunks in a V (Zero Bubble's ZB-V placement), where a stage's
-    layers split in 2."""
+    `v_rows`: also each order on 2 chunks in a V (Zero Bubble's ZB-V placement), where the
+    space allows 2 chunks and fixes no microbatch group (the interleaved order's)."""
     if search is None:
         def search(order: str) -> SearchResult:
             return search_within_budget(cost_model, replace(space, order=order), budget)
@@ -242,7 +242,9 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
             return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint,
                                   placement)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    in_v = v_rows and space.num_stages >= 2 and layers_per_stage % 2 == 0
+    # a V holds 2 chunks: where the space allows 2, and no interleaved group is fixed
+    in_v = (v_rows and 2 in virtual_chunk_counts(space, layers_per_stage)
+            and space.microbatch_group is None)
     rows = [(order, v, "ring") for order in (order_names() if orders is None else orders)
             for v in (1, *virtual_chunk_counts(space, layers_per_stage))]
     rows += [(order, 2, "v") for order in (order_names() if orders is None else orders) if in_v]

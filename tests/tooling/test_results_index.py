@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from typing import Any, Callable
 
 import pytest
@@ -59,6 +60,15 @@ def virtual(config: str, baseline: str = "megatron_1f1b") -> Callable[[dict], fl
                              if r["config"] == config)
 
 
+def megatron_lm_v(row: str, baseline: str = "megatron_1f1b") -> Callable[[dict], float]:
+    """A bench_megatron_lm_v row's median per-round ratio to a baseline row."""
+    def ratio(data: dict) -> float:
+        assert data["provenance"]["dirty"] is False, "a quoted run must come from a clean tree"
+        rounds = {r["row"]: r["rounds_s"] for r in data["rows"]}
+        return statistics.median(b / x for b, x in zip(rounds[baseline], rounds[row]))
+    return ratio
+
+
 def stage_ratio(slices: int) -> Callable[[dict], float]:
     """One graphed GPU stage's time with `slices` slices over its time with one."""
     return lambda data: next(r["ratio_to_1_slice"] for r in newest_clean_run(data)["rows"]
@@ -84,10 +94,11 @@ FIGURES: list[Figure] = [
      speedup("seq2048_M4", "terapipe_dp"), "{:.2f}x"),
     ("CPU, 2 stages, 4 microbatches", "cpu/schedules.json",
      speedup("seq2048_M4", "terapipe_uniform"), "best uniform {:.2f}x"),
-    ("CPU, 2 chunks per stage in a V", "cpu/virtual.json",
-     virtual("terapipe_v2_in_a_v"), "{:.2f}x"),
-    ("CPU, 2 chunks per stage in a V", "cpu/virtual.json",
-     virtual("terapipe_v2_in_a_v", "megatron_interleaved"), "{:.2f}x over interleaved"),
+    ("2 chunks per stage in a V", "megatron_lm/v.json",
+     megatron_lm_v("terapipe_v_planned_on_profile"), "| {:.2f}x, 7 slices"),
+    ("2 chunks per stage in a V", "megatron_lm/v.json",
+     megatron_lm_v("terapipe_v_planned_on_profile", "megatron_interleaved"),
+     "{:.2f}x over interleaved"),
     ("H100, 2 stages x 1 sequence", "gpu/h100/pipeline.json",
      gpu_pipeline("pp2_seq2048_M1", "terapipe_dp+graphs"), "| {:.2f}x"),
     ("H100, 2 stages x 1 sequence", "gpu/h100/pipeline.json",

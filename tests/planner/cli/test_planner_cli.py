@@ -23,12 +23,13 @@ def test_prints_plan_and_comparison(capsys):
     assert main(BASE + ["--micro-batch-size", "2", "--num-microbatches", "2"]) == 0
     out, err = capsys.readouterr()
     # progress on stderr, each TeraPipe row of the table counted (gpt3-1b on 4 stages: 6
-    # layers per stage, so 1, 2, 3 and 6 chunks in each of the two orders)
+    # layers per stage, so 1, 2, 3 and 6 chunks in each of the two orders, then 2 in a V)
     progress = [line.split("s  ", 1)[1] for line in err.splitlines()
                 if line.startswith("terapipe-plan:")]
     assert progress[0] == "planning TeraPipe 1f1b on one model chunk" and progress[-1] == "done"
-    assert "planning TeraPipe 1f1b (1 of 8)" in progress
-    assert "planning TeraPipe gpipe, 6 chunks (8 of 8)" in progress
+    assert "planning TeraPipe 1f1b (1 of 10)" in progress
+    assert "planning TeraPipe gpipe, 6 chunks (8 of 10)" in progress
+    assert "planning TeraPipe gpipe, 2 chunks in a V (10 of 10)" in progress
     for text in ("TeraPipe 1f1b on one model chunk (", "TeraPipe DP", "uniform x", "no token slicing", "speedup",
                  "peak GiB per stage", "capped DPs"):
         assert text in out
