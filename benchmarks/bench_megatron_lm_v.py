@@ -36,7 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_auto import launch  # noqa: E402
+from bench_auto import launch, model_flags as auto_model_flags  # noqa: E402
 from provenance import provenance, script_command  # noqa: E402
 
 TIMED = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -54,14 +54,10 @@ ROWS = {
 
 
 def model_flags(args) -> list[str]:
-    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-            "--num-layers", "4", "--hidden-size", str(args.hidden_size),
-            "--num-attention-heads", "8", "--seq-length", str(args.seq_length),
-            "--max-position-embeddings", str(args.seq_length), "--micro-batch-size", "1",
-            "--global-batch-size", str(args.microbatches), "--lr", "1e-3", "--log-interval", "1",
-            "--eval-iters", "0", "--eval-interval", "100000", "--attention-dropout", "0",
-            "--hidden-dropout", "0", "--pipeline-model-parallel-size", "2", "--terapipe-cpu",
-            "--untie-embeddings-and-output-weights"]
+    """bench_auto's model (4 layers, one chunk: each row adds its own), embeddings untied."""
+    model = argparse.Namespace(layers=4, seq_length=args.seq_length,
+                               hidden_size=args.hidden_size, chunks=1)
+    return [*auto_model_flags(model, args.microbatches), "--untie-embeddings-and-output-weights"]
 
 
 def timed_run(args, row: str) -> tuple[float, str]:
