@@ -1,14 +1,15 @@
-"""`setup_from_args(args)`: wire the TeraPipe flags into a Megatron-LM run. It validates and
-parses the flags once (RunSettings), selects TeraPipe for `get_forward_backward_func` and
-installs the hooks; the launcher (`python -m megatron_terapipe.megatron.launch`) calls it for
-Megatron-LM scripts."""
+"""`setup_from_args(args)`: wire the TeraPipe flags into a Megatron-LM run. It parses and
+checks the flags once (RunSettings), then one Wiring per --pipeline-schedule (Megatron's own,
+terapipe, auto) selects the schedule behind `get_forward_backward_func` and installs the hooks;
+the launcher (`python -m megatron_terapipe.megatron.launch`) calls it for Megatron-LM
+scripts."""
 
 from __future__ import annotations
 
 import os
 from typing import Callable, Optional
 
-from .args.checks import validate_terapipe_args
+from .args.checks import check_settings
 from .args.plan_provider import ArgsPlanProvider
 from .args.settings import RunSettings, TeraPipeSettings, apply_choice, apply_layout
 
@@ -25,23 +26,36 @@ def _log_rank0(message: str) -> None:
 
 
 def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[ArgsPlanProvider]:
-    """Validate the flags, then route `get_forward_backward_func` accordingly and install hooks.
+    """Parse and check the flags, then wire the schedule they select into Megatron-LM:
+    --pipeline-schedule auto (AutoWiring), terapipe (TeraPipeWiring), or Megatron's own
+    (MegatronWiring). Returns TeraPipe's plan provider, or None under Megatron's schedule."""
+    run = RunSettings.from_args(args)
+    check_settings(run, args)
+    if run.terapipe.auto:
+        wiring: Wiring = AutoWiring()
+    elif run.terapipe.selected:
+        wiring = TeraPipeWiring()
+    else:
+        wiring = MegatronWiring()
+    return wiring.wire(args, run, measure)
 
-    --pipeline-schedule auto: first choose the schedule (auto_schedule.py) and write it into
-    `args`, then as below. --pipeline-schedule terapipe: select an ArgsPlanProvider (plans at
-    the first iteration of each shape), build GPT models with slice-aware attention, run
-    Megatron-LM's forward_step per cell with the cell's shape in the global args, and
-    install(). Otherwise Megatron's own schedule stays in charge (install() is still harmless),
-    on models with slice-aware attention under --terapipe-slice-aware-model.
-    Returns the provider, or None.
-    """
-    from .hooks import install, lm_cells, selection
 
-    run = validate_terapipe_args(args)
-    measured = None
-    if run.terapipe.auto:  # writes the chosen schedule (or layout) into args, and logs why
-        run, measured = _resolve_auto(args, run)
-    if not run.terapipe.selected:
+class Wiring:
+    """One way to run Megatron-LM's schedule calls: `wire` installs it for the run `run`
+    (parsed from `args`) and returns TeraPipe's plan provider, or None."""
+
+    def wire(self, args, run: RunSettings,
+             measure: Optional[Callable]) -> Optional[ArgsPlanProvider]:
+        raise NotImplementedError
+
+
+class MegatronWiring(Wiring):
+    """Megatron's own schedule stays in charge (the hooks are still installed, harmless), on
+    models with slice-aware attention under --terapipe-slice-aware-model."""
+
+    def wire(self, args, run, measure):
+        from .hooks import install, selection
+
         selection.deselect()
         selection.set_schedule_wrapper(None)
         install.use_slice_attention_in_gpt_models(run.terapipe.slice_aware_model)
@@ -50,46 +64,63 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
             _log_rank0("> terapipe: Megatron's own schedule, on GPT models built with TeraPipe's "
                        "slice-aware attention (--terapipe-slice-aware-model)")
         return None
-    _place_chunks(run)
-    provider = ArgsPlanProvider(run, measure=measure)
-    selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs,
-                     scatter_gather=run.terapipe.scatter_gather)
-    install.use_slice_attention_in_gpt_models(True)
-    selection.set_schedule_wrapper(lm_cells.MegatronLMCells(
-        trace=run.terapipe.trace, tensor_parallel=run.shape.tensor_parallel))
-    selection.set_measured_choice(measured)
-    install.install()
-    if measured is None:
-        _log_rank0(f"> terapipe: pipeline schedule terapipe (order {run.terapipe.order}; "
-                   f"slices: {_slices_text(run.terapipe)})")
-    if run.terapipe.scatter_gather and run.shape.tensor_parallel > 1:
-        _log_rank0(f"> terapipe: stage-to-stage messages in {run.shape.tensor_parallel} TP parts, "
-                   "all-gathered by the receiving stage (--terapipe-scatter-gather-p2p)")
-    return provider
 
 
-def _resolve_auto(args, run: RunSettings):
+class TeraPipeWiring(Wiring):
+    """--pipeline-schedule terapipe: an ArgsPlanProvider (it plans at the first iteration of
+    each shape), GPT models with slice-aware attention, Megatron-LM's forward_step run per cell
+    with the cell's shape in the global args; under auto, the MeasuredChoice that times the
+    candidates within the chosen layout."""
+
+    def __init__(self, measured=None):
+        self.measured = measured
+
+    def wire(self, args, run, measure):
+        from .hooks import install, lm_cells, selection
+
+        _place_chunks(run)
+        provider = ArgsPlanProvider(run, measure=measure)
+        selection.select(provider, cuda_graphs=run.terapipe.cuda_graphs,
+                         scatter_gather=run.terapipe.scatter_gather)
+        install.use_slice_attention_in_gpt_models(True)
+        selection.set_schedule_wrapper(lm_cells.MegatronLMCells(
+            trace=run.terapipe.trace, tensor_parallel=run.shape.tensor_parallel))
+        selection.set_measured_choice(self.measured)
+        install.install()
+        if self.measured is None:
+            _log_rank0(f"> terapipe: pipeline schedule terapipe (order {run.terapipe.order}; "
+                       f"slices: {_slices_text(run.terapipe)})")
+        if run.terapipe.scatter_gather and run.shape.tensor_parallel > 1:
+            _log_rank0(f"> terapipe: stage-to-stage messages in {run.shape.tensor_parallel} TP "
+                       "parts, all-gathered by the receiving stage (--terapipe-scatter-gather-p2p)")
+        return provider
+
+
+class AutoWiring(Wiring):
     """--pipeline-schedule auto: with --terapipe-auto-trials 0 the predicted pick, written into
-    `args`; else the predicted layout written into `args` and a MeasuredChoice within it. The
-    settings of the run that follows, and the MeasuredChoice (None: the predicted pick)."""
-    from .args.auto_schedule import predicted_choice
+    `args` and wired as the flags would; else the predicted layout written into `args` and a
+    MeasuredChoice that times the shortlist within it (auto_trials.py)."""
 
-    predicted = predicted_choice(run, log=_log_rank0)
-    chosen = predicted.choice.chosen
-    if run.terapipe.auto_trials == 0:
-        apply_choice(args, predicted.choice)
-        return RunSettings.from_args(args), None
-    from .args.auto_trials import measured_choice
+    def wire(self, args, run, measure):
+        from .args.auto_schedule import predicted_choice
 
-    measured, layout = measured_choice(run, predicted.inputs, predicted.table, chosen,
-                                       _log_rank0)
-    apply_layout(args, layout.chunks, layout.order)
-    if layout.chunks > 1 and run.support.virtual_stages <= 1:
-        _log_rank0(f"> terapipe auto: the model is built in {layout.chunks} chunks per stage "
-                   "(virtual pipeline stages), as Megatron's interleaved schedule builds it: "
-                   "from scratch, it starts from other initial weights than the same flags "
-                   "under --pipeline-schedule 1f1b; a checkpoint loads and resumes as usual")
-    return RunSettings.from_args(args), measured
+        predicted = predicted_choice(run, log=_log_rank0)  # logs why
+        if run.terapipe.auto_trials == 0:
+            apply_choice(args, predicted.choice)
+            chosen = RunSettings.from_args(args)
+            wiring = TeraPipeWiring() if chosen.terapipe.selected else MegatronWiring()
+            return wiring.wire(args, chosen, measure)
+        from .args.auto_trials import measured_choice
+
+        measured, layout = measured_choice(run, predicted.inputs, predicted.table,
+                                           predicted.choice.chosen, _log_rank0)
+        apply_layout(args, layout.chunks, layout.order)
+        if layout.chunks > 1 and run.support.virtual_stages <= 1:
+            _log_rank0(f"> terapipe auto: the model is built in {layout.chunks} chunks per stage "
+                       "(virtual pipeline stages), as Megatron's interleaved schedule builds it: "
+                       "from scratch, it starts from other initial weights than the same flags "
+                       "under --pipeline-schedule 1f1b; a checkpoint loads and resumes as usual")
+        return TeraPipeWiring(measured).wire(args, RunSettings.from_args(args), measure)
 
 
 def _place_chunks(run: RunSettings) -> None:

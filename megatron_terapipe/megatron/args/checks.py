@@ -11,7 +11,7 @@ from .flags import COST_MODELS, HARDWARE_CHOICES, ORDERS
 from .settings import (RunSettings, RunShape, TeraPipeArgumentError, TeraPipeSettings,
                        as_flag_error)
 
-__all__ = ["TeraPipeArgumentError", "validate_terapipe_args"]
+__all__ = ["TeraPipeArgumentError", "check_settings", "validate_terapipe_args"]
 
 
 def _fail(message: str):
@@ -23,7 +23,11 @@ def validate_terapipe_args(args) -> RunSettings:
     TeraPipe cannot run. Reads Megatron-LM's argument names (seq_length,
     tensor_model_parallel_size, ...); attributes a script does not define count as unset. Runs
     before any work: no communication, no model."""
-    run = RunSettings.from_args(args)
+    return check_settings(RunSettings.from_args(args), args)
+
+
+def check_settings(run: RunSettings, args) -> RunSettings:
+    """validate_terapipe_args on flags already parsed (`run`, from `args`): returns `run`."""
     flags = run.terapipe
     if flags.auto_trials < 0:
         _fail(f"--terapipe-auto-trials must be 0 or more training iterations per candidate, got "

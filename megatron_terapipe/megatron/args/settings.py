@@ -303,6 +303,7 @@ class RunSettings:
     @classmethod
     def from_args(cls, args) -> "RunSettings":
         """Parse Megatron-LM's args once. Raises TeraPipeArgumentError for a malformed size."""
+        terapipe = TeraPipeSettings.from_args(args)
         shape = RunShape.from_args(args)
         model, problem = model_from_args(args)
         state = ModelStateConfig(
@@ -312,7 +313,7 @@ class RunSettings:
             untie_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
         with as_flag_error():  # a layer split Megatron cannot build, named by its flags
             support = view_from_args(args)
-        return cls(TeraPipeSettings.from_args(args), shape, model, problem, state,
+        return cls(terapipe, shape, model, problem, state,
                    support.position_embedding_type or "learned_absolute",
                    support.attention_backend, support)
 

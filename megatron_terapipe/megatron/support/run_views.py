@@ -45,25 +45,26 @@ def view_from_args(args) -> RunView:
         return default if value is None else value
 
     graphs, decoder = bool(flag("terapipe_cuda_graphs", False)), flag("decoder_seq_length")
+    moe, features = _moe_fields(args, flag("num_experts")), _feature_fields(args)
     return RunView(
         seq_length=flag("seq_length"), decoder_seq_length=None if decoder is None else int(decoder),
         tensor_parallel=int(flag("tensor_model_parallel_size", 1) or 1),
         context_parallel=int(flag("context_parallel_size", 1) or 1),
         hybrid_context_parallel=bool(flag("hybrid_context_parallel", False)),
-        **_virtual_fields(args),
-        **_moe_fields(args, flag("num_experts")),
+        **moe,
         **{name: flag(name) for name in ("mtp_num_layers", "experimental_attention_variant",
                                          "window_size", "position_embedding_type")},
         **{name: bool(flag(name, False)) for name in (
             "use_legacy_models", "multi_latent_attention", "sft", "defer_embedding_wgrad_compute",
             "reset_attention_mask", "overlap_grad_reduce")},
-        **_feature_fields(args),
+        **features,
         attention_backend=backend_name(flag("attention_backend")),
         cuda_graphs=graphs, dropout=dropout_values(args),
         graph_safe_rng=bool(flag("te_rng_tracker", False)), megatron_graphs=megatron_graphs(args),
         graphs_device=_args_graphs_device(args) if graphs else "",
         scatter_gather=bool(flag("terapipe_scatter_gather_p2p", False)),
-        sequence_parallel=bool(flag("sequence_parallel", False)))
+        sequence_parallel=bool(flag("sequence_parallel", False)),
+        **_virtual_fields(args))
 
 
 def _feature_fields(source) -> dict:
