@@ -102,9 +102,10 @@ class AutoWiring(Wiring):
     MeasuredChoice that times the shortlist within it (auto_trials.py)."""
 
     def wire(self, args, run, measure):
-        from .args.auto_schedule import predicted_choice
+        from .args.auto_schedule import offers_v, predicted_choice
 
-        predicted = predicted_choice(run, log=_log_rank0)  # logs why
+        predicted = predicted_choice(run, log=_log_rank0,  # logs why
+                                     offer_v=offers_v(run, args))
         if run.terapipe.auto_trials == 0:
             apply_choice(args, predicted.choice)
             chosen = RunSettings.from_args(args)
@@ -114,12 +115,14 @@ class AutoWiring(Wiring):
 
         measured, layout = measured_choice(run, predicted.inputs, predicted.table,
                                            predicted.choice.chosen, _log_rank0)
-        apply_layout(args, layout.chunks, layout.order)
+        apply_layout(args, layout.chunks, layout.order, layout.placement)
         if layout.chunks > 1 and run.support.virtual_stages <= 1:
+            where = (" in a V (--terapipe-virtual-placement v)" if layout.placement == "v"
+                     else ", as Megatron's interleaved schedule builds it")
             _log_rank0(f"> terapipe auto: the model is built in {layout.chunks} chunks per stage "
-                       "(virtual pipeline stages), as Megatron's interleaved schedule builds it: "
-                       "from scratch, it starts from other initial weights than the same flags "
-                       "under --pipeline-schedule 1f1b; a checkpoint loads and resumes as usual")
+                       f"(virtual pipeline stages){where}: from scratch, it starts from other "
+                       "initial weights than the same flags under --pipeline-schedule 1f1b; a "
+                       "checkpoint loads and resumes as usual")
         return TeraPipeWiring(measured).wire(args, RunSettings.from_args(args), measure)
 
 

@@ -23,6 +23,7 @@ from ...planner.inputs import PlannerInputs
 from ...planner.cli.report import auto_text, megatron_1f1b_time, schedule_row
 from ...planner.schedule_choice import (TERAPIPE, AutoChoice, ScheduleTable,
                                          interleaved_chunk_counts)
+from .checks import v_layout_problem
 from .startup_log import WARNING
 from .inputs_from_flags import budget_error, planner_inputs
 from .profile_cache import profile_cache_path
@@ -78,11 +79,21 @@ def fixed_layout(run: RunSettings) -> int:
     return run.support.virtual_stages if run.support.virtual_stages > 1 else 0
 
 
-def layout_table(run: RunSettings, inputs: PlannerInputs, interleaved: bool) -> ScheduleTable:
+def offers_v(run: RunSettings, args) -> bool:
+    """Whether auto may choose 2 model chunks in a V as the layout itself: the flags fix no
+    model chunks and no placement, and nothing in them refuses a V (checks.v_layout_problem:
+    untied embeddings, no fp16/bf16, ...)."""
+    return (not fixed_layout(run) and not run.terapipe.placement_given
+            and run.shape.pipeline_parallel >= 2 and not v_layout_problem(run, args))
+
+
+def layout_table(run: RunSettings, inputs: PlannerInputs, interleaved: bool,
+                 offer_v: bool = False) -> ScheduleTable:
     """The schedule table; only the fixed layout's rows when the flags fix one (in a V,
-    --terapipe-virtual-placement v: TeraPipe's V rows, Megatron having no V)."""
+    --terapipe-virtual-placement v: TeraPipe's V rows, Megatron having no V). offer_v: TeraPipe
+    on 2 chunks in a V among the layouts too (offers_v)."""
     in_v = run.terapipe.virtual_placement == "v"
-    table = inputs.schedule_table(interleaved, v_rows=in_v)
+    table = inputs.schedule_table(interleaved, v_rows=in_v or offer_v)
     fixed = fixed_layout(run)
     if not fixed:
         return table
@@ -120,11 +131,12 @@ class PredictedChoice:
 
 
 def predicted_choice(run: RunSettings, log: Callable[[str], None] = print,
-                     interleaved: bool = True) -> PredictedChoice:
-    """resolve_auto_schedule's choice with what it was predicted from; logs the table."""
+                     interleaved: bool = True, offer_v: bool = False) -> PredictedChoice:
+    """resolve_auto_schedule's choice with what it was predicted from; logs the table.
+    offer_v: the V among the layouts (offers_v)."""
     interleaved = interleaved and not run.support.uneven_layers  # as schedule_table
     inputs = _auto_inputs(run, interleaved)
-    table = layout_table(run, inputs, interleaved)
+    table = layout_table(run, inputs, interleaved, offer_v)
     try:
         choice = table.auto()
     except MemoryBudgetError as exc:

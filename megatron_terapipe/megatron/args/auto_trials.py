@@ -44,6 +44,7 @@ class Layout:
 
     chunks: int
     order: str
+    placement: str = "ring"  # ring or v (2 chunks)
 
 
 def shortlist(inputs: PlannerInputs, table: ScheduleTable, chunks: int,
@@ -251,7 +252,7 @@ def measured_choice(run: RunSettings, inputs: PlannerInputs, table: ScheduleTabl
         f"warm-up, in interleaved rounds: {'; '.join(c.name for c in candidates)}")
     for line in plan_lines(candidates):
         log(line)
-    return choice, Layout(chunks, order)
+    return choice, Layout(chunks, order, placement)
 
 
 def plan_lines(candidates: Sequence[TrialCandidate]) -> list[str]:

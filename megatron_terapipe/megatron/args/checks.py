@@ -107,18 +107,27 @@ def check_v_placement(run: RunSettings, args) -> None:
               f"more ranks (here {chunks} chunks, {stages} ranks): give "
               "--num-virtual-stages-per-pipeline-rank 2 and --pipeline-model-parallel-size 2 or "
               "more")
+    problem = v_layout_problem(run, args)
+    if problem:
+        _fail(problem)
+
+
+def v_layout_problem(run: RunSettings, args) -> str:
+    """Why the rest of the flags cannot run 2 model chunks in a V, naming the flag and the fix;
+    "" where they can (auto offers the V as a layout only then)."""
     if not run.model_state.untie_embeddings:
-        _fail("--terapipe-virtual-placement v runs with untied embedding and output weights (both "
-              "sit on rank 0, in different chunks, and Megatron ties them across the ring's "
-              "first and last ranks): add --untie-embeddings-and-output-weights")
+        return ("--terapipe-virtual-placement v runs with untied embedding and output weights "
+                "(both sit on rank 0, in different chunks, and Megatron ties them across the "
+                "ring's first and last ranks): add --untie-embeddings-and-output-weights")
     for name, flag, why, fix in V_REFUSED:
         if getattr(args, name, None):
-            _fail(f"--terapipe-virtual-placement v does not run with {flag} yet ({why}): {fix}")
+            return f"--terapipe-virtual-placement v does not run with {flag} yet ({why}): {fix}"
     checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
     if checkpoints and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
-        _fail(f"--terapipe-virtual-placement v saves and loads checkpoints in the torch_dist "
-              f"format (its layers by their place in the model, not by rank), not "
-              f"--ckpt-format {args.ckpt_format}: use --ckpt-format torch_dist")
+        return (f"--terapipe-virtual-placement v saves and loads checkpoints in the torch_dist "
+                f"format (its layers by their place in the model, not by rank), not "
+                f"--ckpt-format {args.ckpt_format}: use --ckpt-format torch_dist")
+    return ""
 
 
 def _check_slices(run: RunSettings, seq: int) -> None:

@@ -90,12 +90,13 @@ def _add_order_args(group) -> None:
     """The order of the cells, and where model chunks sit."""
     group.add_argument("--terapipe-order", choices=ORDERS, default=DEFAULTS.order,
                        help="order of cells: 1f1b (low memory) or gpipe (the paper's order)")
-    group.add_argument("--terapipe-virtual-placement", choices=("ring", "v"), default="ring",
+    group.add_argument("--terapipe-virtual-placement", choices=("ring", "v"), default=None,
                        help="where TeraPipe puts the 2 model chunks of "
                             "--num-virtual-stages-per-pipeline-rank 2: ring (Megatron's, chunk c "
-                            "of rank k is virtual stage cK + k) or v (Zero Bubble's ZB-V: rank k "
-                            "holds virtual stages k and 2K - 1 - k, the embedding and the loss "
-                            "on rank 0)")
+                            "of rank k is virtual stage cK + k; the default) or v (Zero Bubble's "
+                            "ZB-V: rank k holds virtual stages k and 2K - 1 - k, the embedding "
+                            "and the loss on rank 0). Unset, --pipeline-schedule auto may choose "
+                            "a V itself where the flags fix no model chunks")
 
 
 def _add_slice_args(group) -> None:

@@ -92,6 +92,7 @@ class TeraPipeSettings:
     schedule: str = "1f1b"  # --pipeline-schedule: 1f1b, terapipe or auto
     order: str = "1f1b"
     virtual_placement: str = "ring"  # --terapipe-virtual-placement: ring or v (2 chunks)
+    placement_given: bool = False  # whether the flag was given (unset: auto may choose a V)
     slices: Optional[tuple[int, ...]] = None  # --terapipe-slices
     num_slices: Optional[int] = None
     edge_slices: Optional[tuple[int, int, int, int]] = None  # --terapipe-edge-slices
@@ -121,6 +122,7 @@ class TeraPipeSettings:
             schedule=_flag(args, "pipeline_schedule", d.schedule),
             order=_flag(args, "terapipe_order", d.order),
             virtual_placement=_flag(args, "terapipe_virtual_placement", d.virtual_placement),
+            placement_given=getattr(args, "terapipe_virtual_placement", None) is not None,
             slices=tuple(int(s) for s in slices) if slices else None,
             num_slices=_int_or_none(getattr(args, "terapipe_num_slices", None)),
             edge_slices=_ints_or_none(getattr(args, "terapipe_edge_slices", None)),
@@ -362,6 +364,8 @@ def apply_choice(args, choice: AutoChoice) -> None:
     chosen = choice.chosen
     if chosen.family == TERAPIPE:  # on model chunks too: TeraPipe's cells on virtual stages
         args.pipeline_schedule, args.terapipe_order = "terapipe", chosen.order
+        if chosen.placement == "v":
+            args.terapipe_virtual_placement = "v"
     else:
         args.pipeline_schedule = "1f1b"
     if chosen.num_chunks > 1:
@@ -373,12 +377,14 @@ def apply_choice(args, choice: AutoChoice) -> None:
             args.microbatch_group_size_per_vp_stage = RunShape.from_args(args).pipeline_parallel
 
 
-def apply_layout(args, chunks: int, order: str) -> None:
+def apply_layout(args, chunks: int, order: str, placement: str = "ring") -> None:
     """Write --pipeline-schedule auto's layout into Megatron-LM's args when auto measures
     within it (auto_trials.py): TeraPipe's schedule, which runs the trials, in `order`, on
-    `chunks` model chunks per stage (Megatron's interleaved schedule, a trial candidate there,
-    keeps its default microbatch groups)."""
+    `chunks` model chunks per stage, round the ring or in a V (Megatron's interleaved schedule,
+    a trial candidate on the ring, keeps its default microbatch groups)."""
     args.pipeline_schedule, args.terapipe_order = "terapipe", order
+    if placement == "v":
+        args.terapipe_virtual_placement = "v"
     if chunks > 1:
         args.num_virtual_stages_per_pipeline_rank = chunks
         args.virtual_pipeline_model_parallel_size = chunks

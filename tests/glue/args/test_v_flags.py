@@ -74,3 +74,68 @@ def test_auto_chooses_among_v_plans_when_the_flags_fix_a_v():
     assert candidates and all(c.plan is not None and c.plan.virtual_placement == "v"
                               for c in candidates)
     assert run.terapipe.virtual_placement == "v"
+
+
+#: A shape where the analytic A100 model predicts TeraPipe in a V fastest of all layouts: 16
+#: untied layers on 4 stages, 8 sequences of 8192 tokens.
+V_WINS = dict(num_layers=16, hidden_size=1024, num_attention_heads=16, seq_length=8192,
+              micro_batch_size=1, global_batch_size=8, vocab_size=50304,
+              pipeline_model_parallel_size=4, world_size=4,
+              untie_embeddings_and_output_weights=True)
+AUTO_A100 = ["--pipeline-schedule", "auto", "--terapipe-hardware", "a100"]
+
+
+def _offered(argv, **megatron):
+    from megatron_terapipe.megatron.args.auto_schedule import offers_v, predicted_choice
+    from megatron_terapipe.megatron.args.settings import RunSettings
+
+    args = parse([*AUTO_A100, *argv], **{**V_WINS, **megatron})
+    run = RunSettings.from_args(args)
+    offer = offers_v(run, args)
+    table = predicted_choice(run, log=lambda line: None, offer_v=offer).table
+    return offer, [o for o in table.options if o.placement == "v"]
+
+
+def test_auto_offers_the_v_as_a_layout_where_the_flags_allow_one():
+    offer, rows = _offered(["--terapipe-auto-trials", "0"])
+    assert offer and {o.name for o in rows} == {"TeraPipe 1f1b, 2 chunks in a V",
+                                               "TeraPipe gpipe, 2 chunks in a V"}
+
+
+@pytest.mark.parametrize("argv, megatron", [
+    ([], dict(untie_embeddings_and_output_weights=False)),
+    ([], dict(bf16=True)),
+    (["--terapipe-virtual-placement", "ring"], {}),
+    ([], dict(num_virtual_stages_per_pipeline_rank=2, virtual_pipeline_model_parallel_size=2)),
+], ids=["tied", "bf16", "ring_given", "chunks_fixed"])
+def test_auto_offers_no_v_where_the_flags_rule_it_out(argv, megatron):
+    offer, rows = _offered(["--terapipe-auto-trials", "0", *argv], **megatron)
+    assert not offer and not rows
+
+
+@pytest.mark.parametrize("trials", ["0", "2"])
+def test_auto_builds_the_model_in_a_v_when_it_picks_one(capsys, trials):
+    """The predicted pick is the V: auto writes --terapipe-virtual-placement v and 2 chunks into
+    Megatron-LM's args, says so, and (measuring) times V plans only, Megatron having no V."""
+    from megatron_terapipe.megatron.hooks import install, selection
+    from megatron_terapipe.megatron.model import v_layout
+    from megatron_terapipe.megatron.wiring import setup_from_args
+
+    args = parse([*AUTO_A100, "--terapipe-auto-trials", trials], **V_WINS)
+    try:
+        setup_from_args(args)
+        assert args.terapipe_virtual_placement == "v" and args.pipeline_schedule == "terapipe"
+        assert args.virtual_pipeline_model_parallel_size == 2
+        assert v_layout.v_layout_on()
+        out = capsys.readouterr().out
+        assert "running TeraPipe 1f1b, 2 chunks in a V" in out
+        if trials == "2":
+            assert ("> terapipe auto: the model is built in 2 chunks per stage (virtual pipeline "
+                    "stages) in a V (--terapipe-virtual-placement v): from scratch") in out
+            candidates = selection.STATE.measured.candidates
+            assert candidates and all(c.plan is not None and c.plan.virtual_placement == "v"
+                                      for c in candidates)
+    finally:
+        v_layout.use_v_layout(False)
+        selection.deselect()
+        install.use_slice_attention_in_gpt_models(False)
