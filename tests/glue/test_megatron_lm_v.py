@@ -7,8 +7,9 @@ distributed format) under one layout, and is resumed (iterations 3 and 4, then a
 under the V and under `1f1b`. The V must log the lm loss and grad norm of `1f1b` at both
 iterations, and the same validation loss (relative 1e-5). Rows: the base model, 8
 microbatches on the planner's own V plan, TP=2, per-token loss, MoE with its router losses
-(logged, equal too), DP=2 with the distributed optimizer and overlapped grad reduce, and a
-checkpoint the V saved resumed under `1f1b`. `auto` within a V the flags fix trains as the V on
+(logged, equal too), DP=2 with the distributed optimizer and overlapped grad reduce, bf16 and
+fp16 (relative 1e-3: each side rounds its own sums), and a checkpoint the V saved resumed under
+`1f1b`. `auto` within a V the flags fix trains as the V on
 one fixed plan from the same start. What a V cannot run yet stops at start-up naming the
 flag. Runs only with a Megatron-LM checkout
 (`MEGATRON_LM_PATH`) and `triton`, `pybind11` and `psutil` installed; marked `slow`.
@@ -52,6 +53,9 @@ class Row:
     # both sides (--no-save-optim, --no-load-optim).
     optimizer_in_checkpoint: bool = True
     moe_logs: tuple[str, ...] = ()  # the MoE losses both runs' iteration lines must carry
+    # lm loss and grad norm against 1f1b's; in bf16 / fp16 each side rounds its own sums (the
+    # matrix's bf16 rows, test_megatron_lm_configs.py, take 1e-3 too)
+    rel: float = 1e-5
 
 
 def run(row: Row, layout: str, flags: list[str]) -> Pretrain:
@@ -86,11 +90,13 @@ def resume(row: Row, layout: str, directory: str) -> Pretrain:
     return resumed
 
 
-def assert_same_training(ours: Pretrain, theirs: Pretrain, moe_logs: tuple = ()) -> None:
+def assert_same_training(ours: Pretrain, theirs: Pretrain, moe_logs: tuple = (),
+                         rel: float = 1e-5) -> None:
+    assert len(ours.iterations) == len(theirs.iterations) == 2
     for (i, loss, norm), (_, ref_loss, ref_norm) in zip(ours.iterations, theirs.iterations):
-        assert loss == pytest.approx(ref_loss, rel=1e-5), f"iteration {i} lm loss"
-        assert norm == pytest.approx(ref_norm, rel=1e-5), f"iteration {i} grad norm"
-    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=1e-5)
+        assert loss == pytest.approx(ref_loss, rel=rel), f"iteration {i} lm loss"
+        assert norm == pytest.approx(ref_norm, rel=rel), f"iteration {i} grad norm"
+    assert ours.validation and ours.validation == pytest.approx(theirs.validation, rel=rel)
     for i, (mine, ref) in enumerate(zip(ours.moe_losses, theirs.moe_losses), start=3):
         assert set(moe_logs) <= set(ref) and set(moe_logs) <= set(mine), (mine, ref)
         assert mine == pytest.approx(ref, rel=1e-5), f"iteration {i} MoE losses"
@@ -109,6 +115,8 @@ ROWS = [
         moe_logs=("load_balancing_loss", "z_loss")),
     Row("DP=2 + distributed optimizer + overlapped grad reduce", 4,
         ("--use-distributed-optimizer", "--overlap-grad-reduce"), optimizer_in_checkpoint=False),
+    Row("bf16", 2, ("--bf16",), rel=1e-3),
+    Row("fp16, static loss scale", 2, ("--fp16", "--loss-scale", "1024"), rel=1e-3),
 ]
 
 
@@ -117,7 +125,7 @@ def test_a_v_resuming_a_1f1b_checkpoint_trains_as_1f1b(tmp_path, row):
     directory = str(tmp_path / "checkpoint")
     save_at_iteration_2(row, "1f1b", directory)
     assert_same_training(resume(row, "v", directory), resume(row, "1f1b", directory),
-                         row.moe_logs)
+                         row.moe_logs, row.rel)
 
 
 def test_a_checkpoint_of_the_v_resumes_under_1f1b(tmp_path):
@@ -129,8 +137,9 @@ def test_a_checkpoint_of_the_v_resumes_under_1f1b(tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (("--num-layers", "4"), "add --untie-embeddings-and-output-weights"),
-    ((*MODEL, "--bf16"), "--terapipe-virtual-placement v does not run with --bf16 yet"),
-], ids=["tied embeddings", "bf16"])
+    ((*MODEL, "--mtp-num-layers", "1"),
+     "--terapipe-virtual-placement v does not run with --mtp-num-layers yet"),
+], ids=["tied embeddings", "mtp"])
 def test_what_a_v_cannot_run_stops_at_start_up(flags, says):
     result = pretrain(CHECKOUT, 2, [*flags, *V], free_port(), timeout=300)
     assert result.returncode != 0 and not result.started_training, result.log[-4000:]

@@ -77,10 +77,6 @@ def check_settings(run: RunSettings, args) -> RunSettings:
 V_REFUSED = (
     ("mtp_num_layers", "--mtp-num-layers", "its MTP layers sit after the last virtual stage",
      "drop it or use --terapipe-virtual-placement ring"),
-    ("fp16", "--fp16", "Megatron's Float16Module casts the output on the ring's last stage",
-     "train in fp32 or use --terapipe-virtual-placement ring"),
-    ("bf16", "--bf16", "Megatron's Float16Module casts the output on the ring's last stage",
-     "train in fp32 or use --terapipe-virtual-placement ring"),
     ("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split",
      "it moves a layer off the ring's first stage", "drop it"),
     ("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split",

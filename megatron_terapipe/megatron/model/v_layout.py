@@ -14,6 +14,9 @@ the physical first and last ranks, where Megatron-LM reduces and logs the losses
 GPT models built while a V is on (`build_in_v`) get the V's pre_process / post_process, their
 layers renumbered (v_chunks.place_in_v), and a sharded state dict that names each layer by its
 place in the model, so Megatron's distributed checkpoints load across layouts (1f1b <-> V).
+Under --fp16 / --bf16, Megatron's Float16Module casts a chunk's inputs and outputs where the
+ring's first and last chunks sit (pipeline_parallel.utils, not parallel_state); in a V it casts
+them on rank 0's chunks 0 and 1 (`_float16_in_v`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,40 @@ def use_v_layout(enable: bool = True) -> None:
         original = getattr(parallel_state, name)
         if not getattr(original, "_terapipe_v", False):
             setattr(parallel_state, name, _asked_in_v(original, role))
+    from megatron.core.transformer import module
+
+    if not getattr(module.Float16Module.forward, "_terapipe_v", False):
+        module.Float16Module.forward = _float16_in_v(module.Float16Module.forward)
+
+
+#: What `_float16_in_v` uses of megatron/core/transformer/module.py (0.16 to 0.19).
+FLOAT16_NAMES = ("fp32_to_float16", "float16_to_fp32")
+
+
+def _float16_in_v(original: Callable) -> Callable:
+    """Float16Module.forward as 0.16 to 0.19 write it, with the V's first and last chunk."""
+    @functools.wraps(original)
+    def forward(self, *inputs, fp32_output=True, **kwargs):
+        chunk = getattr(self, "vp_stage", None)
+        if not _V_ON or chunk is None:
+            return original(self, *inputs, fp32_output=fp32_output, **kwargs)
+        casts = sys.modules[type(self).__module__]
+        if not all(hasattr(casts, name) for name in FLOAT16_NAMES) or not hasattr(
+                self, "float16_convertor"):
+            raise RuntimeError(
+                f"TeraPipe: {casts.__name__}'s Float16Module is not the one a V casts for "
+                "(megatron-core 0.16 to 0.19): train in fp32 or use "
+                "--terapipe-virtual-placement ring")
+        first, last = v_chunk_roles(int(chunk), *_pipeline_rank_and_size())
+        if first:
+            inputs = casts.fp32_to_float16(inputs, self.float16_convertor)
+        outputs = self.module(*inputs, **kwargs)
+        if last and fp32_output is True:
+            outputs = casts.float16_to_fp32(outputs)
+        return outputs
+
+    forward._terapipe_v = True  # type: ignore[attr-defined]
+    return forward
 
 
 def _asked_in_v(original: Callable, role: int) -> Callable:

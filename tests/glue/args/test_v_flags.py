@@ -49,7 +49,7 @@ def test_the_ring_stays_the_default():
     (FLAGS, dict(V, untie_embeddings_and_output_weights=False),
      "add --untie-embeddings-and-output-weights"),
     (FLAGS, dict(V, mtp_num_layers=1), "--mtp-num-layers yet"),
-    (FLAGS, dict(V, bf16=True), "--bf16 yet"),
+    (FLAGS, dict(V, mtp_num_layers=2), "--mtp-num-layers yet"),
     (FLAGS, dict(V, save="/tmp/ckpt", ckpt_format="torch"), "use --ckpt-format torch_dist"),
 ])
 def test_what_a_v_cannot_run_is_refused_naming_the_flag(argv, megatron, says):
@@ -104,10 +104,10 @@ def test_auto_offers_the_v_as_a_layout_where_the_flags_allow_one():
 
 @pytest.mark.parametrize("argv, megatron", [
     ([], dict(untie_embeddings_and_output_weights=False)),
-    ([], dict(bf16=True)),
+    ([], dict(mtp_num_layers=1)),
     (["--terapipe-virtual-placement", "ring"], {}),
     ([], dict(num_virtual_stages_per_pipeline_rank=2, virtual_pipeline_model_parallel_size=2)),
-], ids=["tied", "bf16", "ring_given", "chunks_fixed"])
+], ids=["tied", "mtp", "ring_given", "chunks_fixed"])
 def test_auto_offers_no_v_where_the_flags_rule_it_out(argv, megatron):
     offer, rows = _offered(["--terapipe-auto-trials", "0", *argv], **megatron)
     assert not offer and not rows
