@@ -120,8 +120,8 @@ def cell_chunk(model: torch.nn.Module) -> Iterator[None]:
     """While a cell of `model` (a chunk Megatron-LM built with its vp_stage) runs its
     forward_step: the stage questions without a chunk are about this one."""
     global _CELL_CHUNK
-    chunk = getattr(_inner(model), "vp_stage", None)
-    if not _V_ON or chunk is None:
+    chunk = getattr(_inner(model), "vp_stage", None) if _V_ON else None
+    if chunk is None:
         yield
         return
     saved, _CELL_CHUNK = _CELL_CHUNK, int(chunk)
@@ -134,9 +134,9 @@ def cell_chunk(model: torch.nn.Module) -> Iterator[None]:
 def build_in_v(original_init: Callable, model: torch.nn.Module, *args, **kwargs) -> None:
     """GPTModel.__init__ (`original_init`) for a chunk of a V: the V's pre_process and
     post_process for its vp_stage, then its layers renumbered and named by their place."""
-    bound = inspect.signature(original_init).bind(model, *args, **kwargs)
-    chunk = bound.arguments.get("vp_stage")
-    if not _V_ON or chunk is None:
+    bound = inspect.signature(original_init).bind(model, *args, **kwargs) if _V_ON else None
+    chunk = bound.arguments.get("vp_stage") if bound is not None else None
+    if chunk is None:
         original_init(model, *args, **kwargs)
         return
     rank, size = _pipeline_rank_and_size()
