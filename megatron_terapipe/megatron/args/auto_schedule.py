@@ -82,7 +82,7 @@ def fixed_layout(run: RunSettings) -> int:
 def offers_v(run: RunSettings, args) -> bool:
     """Whether auto may choose 2 model chunks in a V as the layout itself: the flags fix no
     model chunks and no placement, and nothing in them refuses a V (checks.v_layout_problem:
-    untied embeddings, no fp16/bf16, ...)."""
+    untied embeddings, no MTP, an even layer split, ...)."""
     return (not fixed_layout(run) and not run.terapipe.placement_given
             and run.shape.pipeline_parallel >= 2 and not v_layout_problem(run, args))
 
