@@ -61,8 +61,7 @@ class PlannerInputs:
             return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
                                   chunks, hint, placement)
 
-        return self._once((order, chunks) if placement == "ring" else (order, chunks, placement),
-                          run)
+        return self._once((order, chunks, placement), run)
 
     def _once(self, key, make: Callable[[], object]):
         """`make()`'s result for `key`, computed once; a MemoryBudgetError is kept and raised
