@@ -52,28 +52,29 @@ def use_v_layout(enable: bool = True) -> None:
             setattr(parallel_state, name, _asked_in_v(original, role))
     from megatron.core.transformer import module
 
-    if not getattr(module.Float16Module.forward, "_terapipe_v", False):
-        module.Float16Module.forward = _float16_in_v(module.Float16Module.forward)
+    if enable and not getattr(module.Float16Module.forward, "_terapipe_v", False):
+        module.Float16Module.forward = _float16_in_v(module, module.Float16Module.forward)
 
 
 #: What `_float16_in_v` uses of megatron/core/transformer/module.py (0.16 to 0.19).
 FLOAT16_NAMES = ("fp32_to_float16", "float16_to_fp32")
 
 
-def _float16_in_v(original: Callable) -> Callable:
-    """Float16Module.forward as 0.16 to 0.19 write it, with the V's first and last chunk."""
+def _float16_in_v(casts, original: Callable) -> Callable:
+    """Float16Module.forward as 0.16 to 0.19 write it (`casts`: its module), with the V's first
+    and last chunk."""
+    missing = [name for name in FLOAT16_NAMES if not hasattr(casts, name)]
+    if missing:
+        raise RuntimeError(
+            f"TeraPipe: {casts.__name__} has no {', '.join(missing)}, by which a V casts for "
+            "--fp16 / --bf16: this megatron-core is not one TeraPipe supports for "
+            "--terapipe-virtual-placement v (0.16 to 0.19)")
+
     @functools.wraps(original)
     def forward(self, *inputs, fp32_output=True, **kwargs):
         chunk = getattr(self, "vp_stage", None)
         if not _V_ON or chunk is None:
             return original(self, *inputs, fp32_output=fp32_output, **kwargs)
-        casts = sys.modules[type(self).__module__]
-        if not all(hasattr(casts, name) for name in FLOAT16_NAMES) or not hasattr(
-                self, "float16_convertor"):
-            raise RuntimeError(
-                f"TeraPipe: {casts.__name__}'s Float16Module is not the one a V casts for "
-                "(megatron-core 0.16 to 0.19): train in fp32 or use "
-                "--terapipe-virtual-placement ring")
         first, last = v_chunk_roles(int(chunk), *_pipeline_rank_and_size())
         if first:
             inputs = casts.fp32_to_float16(inputs, self.float16_convertor)
