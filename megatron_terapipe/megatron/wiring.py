@@ -32,12 +32,13 @@ def setup_from_args(args, *, measure: Optional[Callable] = None) -> Optional[Arg
     run = RunSettings.from_args(args)
     check_settings(run, args)
     if run.terapipe.auto:
-        wiring: Wiring = AutoWiring()
-    elif run.terapipe.selected:
-        wiring = TeraPipeWiring()
-    else:
-        wiring = MegatronWiring()
-    return wiring.wire(args, run, measure)
+        auto = AutoWiring()
+        return auto.wire(args, run, measure)
+    if run.terapipe.selected:
+        terapipe = TeraPipeWiring()
+        return terapipe.wire(args, run, measure)
+    megatron = MegatronWiring()
+    return megatron.wire(args, run, measure)
 
 
 class Wiring:
