@@ -3,7 +3,7 @@ run. Everything else (the schedule, the planner, the runtime, the Megatron glue)
 imports nothing of theirs.
 
 - terapipe_plan.py: `TeraPipePlan` (token and batch slices, order, W deferral and points,
-  virtual stages) and the slice names and grid;
+  virtual stages), a V's chunk layers, and the slice names and grid;
 - field_checks.py: the checks its fields get when a plan is made;
 - plan_table.py: `PlanTable`, plans by sequence length;
 - orders.py: the order names a plan may give.
@@ -13,9 +13,9 @@ May import: plan
 
 from .orders import ORDER_NAMES, order_names
 from .plan_table import PlanTable
-from .terapipe_plan import SliceGrid, SliceNames, TeraPipePlan, TokenSlices
+from .terapipe_plan import SliceGrid, SliceNames, TeraPipePlan, TokenSlices, v_chunk_layers
 
 ORDERS = ORDER_NAMES  # the names, as `from megatron_terapipe.plan import ORDERS` reads them
 
 __all__ = ["ORDERS", "ORDER_NAMES", "PlanTable", "SliceGrid", "SliceNames", "TeraPipePlan",
-           "TokenSlices", "order_names"]
+           "TokenSlices", "order_names", "v_chunk_layers"]

@@ -53,8 +53,9 @@ class TeraPipePlan:
         ...: Megatron's) or "v" (2 chunks, rank k holding k and 2K - 1 - k: down the ranks and
         back, the loss on rank 0, as Zero Bubble's ZB-V; schedule/actions.py; the chunks
         built for it: megatron/model/v_chunks.py). chunk_layers: layers of each chunk when they
-        differ (e.g. (2, 3) for a stage of 5 layers on 2 chunks; empty: equal chunks;
-        planned and simulated only).
+        differ (e.g. (3, 2) for a stage of 5 layers in a V, `v_chunk_layers`; empty: equal
+        chunks). The runtime runs whatever chunks it is given; the model's chunks must hold
+        these layers for the plan's timing to hold.
     edge_slices: ((n, slices), (m, slices)): the first n and last m microbatches cut into these
         token slices, the others whole (seq_slices of one slice; order 1f1b then keeps K - k
         sequences in flight on stage k, as Megatron's): they fill and drain the pipeline.
@@ -140,18 +141,6 @@ class TeraPipePlan:
     def chunk_shares(self) -> Optional[tuple[float, ...]]:
         """Each model chunk's part of a stage's layers (None: equal chunks)."""
         return tuple(n / sum(self.chunk_layers) for n in self.chunk_layers) or None
-
-    @property
-    def planned_only(self) -> str:
-        """What of the plan the runtime does not run ('' where it runs all of it)."""
-        return f"chunk_layers {list(self.chunk_layers)}" if self.chunk_layers else ""
-
-    def check_runnable(self) -> None:
-        """ValueError where the runtime does not run the plan (`planned_only`)."""
-        if self.planned_only:
-            raise ValueError(
-                f"the TeraPipe plan's {self.planned_only} is planned and simulated only: the "
-                "runtime runs model chunks equal in size; leave chunk_layers unset")
 
     def check_layers(self, layers_per_stage: int, where: str = "virtual_stages") -> None:
         """ValueError unless the plan's model chunks divide a stage's layers."""
@@ -284,6 +273,17 @@ class TeraPipePlan:
         layers = f" of {'+'.join(map(str, self.chunk_layers))} layers" if self.chunk_layers else ""
         shape = " in a V" if self.virtual_placement == "v" else ""
         return f"; {self.virtual_stages} chunks per stage{shape}{layers}" if self.virtual_stages > 1 else ""
+
+
+def v_chunk_layers(layers_per_stage: int) -> tuple[int, ...]:
+    """A V's 2 chunks of a stage of `layers_per_stage` layers: () when they split equally,
+    else one more layer on the way down (chunk 0) than on the way back (chunk 1), e.g. (3, 2)."""
+    if layers_per_stage < 2:
+        raise ValueError(f"a V's 2 model chunks need 2 or more layers per stage, got "
+                         f"{layers_per_stage}")
+    if layers_per_stage % 2 == 0:
+        return ()
+    return ((layers_per_stage + 1) // 2, layers_per_stage // 2)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from ..plan import TeraPipePlan
+from ..plan import TeraPipePlan, v_chunk_layers
 from .cost.analytic import AnalyticCostModel
 from .cost.cost_model import CostModel
 from .cost.dims import Hardware, ModelDims
@@ -58,8 +58,9 @@ class PlannerInputs:
                 hint: Optional[TeraPipePlan] = self.search(order).plan
             except MemoryBudgetError:
                 hint = None
+            layers = v_chunk_layers(self.layers_per_stage) if placement == "v" else ()
             return search_virtual(self.cost_model, replace(self.space, order=order), self.budget,
-                                  chunks, hint, placement)
+                                  chunks, hint, placement, layers)
 
         return self._once((order, chunks, placement), run)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from ..plan import TeraPipePlan
+from ..plan import TeraPipePlan, v_chunk_layers
 from ..schedule import build_interleaved_schedule, build_schedule
 from ..schedule.orders import order_names
 from .cost.cost_model import CostModel
@@ -214,6 +214,14 @@ def virtual_chunk_counts(space: SearchSpace, layers_per_stage: int) -> list[int]
     return [v for v in space.virtual_stages if v > 1 and layers_per_stage % v == 0]
 
 
+def v_chunks_open(space: SearchSpace, layers_per_stage: int) -> bool:
+    """Whether a V's 2 chunks are open: on 2 or more stages of 2 or more layers, where the
+    space allows 2 chunks, or where a stage's layers are odd (the V's chunks need not be equal,
+    plan.v_chunk_layers, while the ring's must)."""
+    return (space.num_stages >= 2 and layers_per_stage >= 2
+            and (2 in space.virtual_stages or layers_per_stage % 2 == 1))
+
+
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                       layers_per_stage: int, orders: Optional[Sequence[str]] = None,
                       search: Optional[OrderSearch] = None,
@@ -239,11 +247,13 @@ def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryB
                 hint = search(order).plan
             except MemoryBudgetError:
                 hint = None
+            layers = v_chunk_layers(layers_per_stage) if placement == "v" else ()
             return search_virtual(cost_model, replace(space, order=order), budget, chunks, hint,
-                                  placement)
+                                  placement, layers)
     options = _megatron_options(cost_model, space, budget, layers_per_stage)
-    # a V holds 2 chunks: where the space allows 2, and no interleaved group is fixed
-    in_v = (v_rows and 2 in virtual_chunk_counts(space, layers_per_stage)
+    # a V holds 2 chunks: where the space allows 2 (of unequal layers where a stage's are
+    # odd, plan.v_chunk_layers), and no interleaved group is fixed
+    in_v = (v_rows and v_chunks_open(space, layers_per_stage)
             and space.microbatch_group is None)
     rows = [(order, v, "ring") for order in (order_names() if orders is None else orders)
             for v in (1, *virtual_chunk_counts(space, layers_per_stage))]

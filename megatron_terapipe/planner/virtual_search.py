@@ -70,9 +70,11 @@ class NoAllowedGroupError(ValueError):
 
 
 def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePlan] = None,
-                  placement: str = "ring") -> list[tuple[str, TeraPipePlan]]:
+                  placement: str = "ring",
+                  chunk_layers: tuple[int, ...] = ()) -> list[tuple[str, TeraPipePlan]]:
     """Step 1's plans, named; with the space's `microbatch_group` (1f1b), only that group, in
-    the slicings it is allowed for (NoAllowedGroupError when none); in a V, each V_LEADS."""
+    the slicings it is allowed for (NoAllowedGroupError when none); in a V, each V_LEADS, on
+    chunks of `chunk_layers` layers (empty: equal chunks)."""
     group = space.microbatch_group
     most = space.seq_length // space.unit
     counts = set(c for c in SLICE_COUNTS if c <= most)
@@ -83,7 +85,7 @@ def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePl
     out = []
     for n in sorted(counts):
         base = TeraPipePlan.uniform(space.seq_length, n, space.order, space.unit)
-        base = replace(base, virtual_stages=num_chunks)
+        base = replace(base, virtual_stages=num_chunks, chunk_layers=chunk_layers)
         if placement == "v":
             leads = V_LEADS if space.order == "1f1b" else (None,)  # gpipe: all in flight
             out += [(f"uniform x{n} in a V" + (f", lead {lead}" if lead is not None else ""),
@@ -109,10 +111,12 @@ def virtual_plans(space: SearchSpace, num_chunks: int, hint: Optional[TeraPipePl
 
 def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,
                    num_chunks: int, hint: Optional[TeraPipePlan] = None,
-                   placement: str = "ring") -> VirtualSearchResult:
+                   placement: str = "ring",
+                   chunk_layers: tuple[int, ...] = ()) -> VirtualSearchResult:
     """The fastest plan on `num_chunks` chunks per stage that fits `budget` (module
     docstring), in the space's `microbatch_group` when it fixes one (else the search
-    chooses); `placement` "v": in a V (2 chunks). Raises MemoryBudgetError (with `leanest`)
+    chooses); `placement` "v": in a V (2 chunks, of `chunk_layers` layers where they differ:
+    plan.v_chunk_layers). Raises MemoryBudgetError (with `leanest`)
     when none fits, NoAllowedGroupError when no slicing allows the group, ValueError when the
     pipeline has one stage or a V has other than 2 chunks."""
     if space.num_stages < 2:
@@ -121,7 +125,7 @@ def search_virtual(cost_model: CostModel, space: SearchSpace, budget: MemoryBudg
         raise ValueError(f"a V holds 2 model chunks per rank, not {num_chunks}")
     shape = (space.num_microbatches, space.num_stages, space.micro_batch_size)
     caches = shared_caches(cost_model, space.memory)
-    plans = virtual_plans(space, num_chunks, hint, placement)
+    plans = virtual_plans(space, num_chunks, hint, placement, chunk_layers)
     floors = [compute_floor(cost_model, space, plan) for _, plan in plans]
     timed: list[tuple[float, int]] = []
     peaks: dict[int, float] = {}

@@ -76,7 +76,6 @@ class StageExecutor:
                  data: Union[CellData, Sequence[CellData]], transport: Transport,
                  options: StageOptions, device: torch.device, pool: Optional[BufferPool] = None,
                  graphs: Optional[CellGraphs] = None) -> None:
-        getattr(schedule, "schedule", schedule).plan.check_runnable()  # before any work
         lowered = lowered_for(schedule, transport)
         check_v_shape(lowered.schedule, transport, graphs)
         schedule = lowered.schedule

@@ -6,7 +6,7 @@ flags in one chunk per stage, so each row compares on one model through a checkp
 distributed format) under one layout, and is resumed (iterations 3 and 4, then a validation)
 under the V and under `1f1b`. The V must log the lm loss and grad norm of `1f1b` at both
 iterations, and the same validation loss (relative 1e-5). Rows: the base model, 8
-microbatches on the planner's own V plan, TP=2, per-token loss, MoE with its router losses
+microbatches on the planner's own V plan, 6 layers (a stage's 3 in unequal chunks of 2 and 1), TP=2, per-token loss, MoE with its router losses
 (logged, equal too), DP=2 with the distributed optimizer and overlapped grad reduce, bf16 and
 fp16 (relative 1e-3: each side rounds its own sums), and a checkpoint the V saved resumed under
 `1f1b`. `auto` within a V the flags fix trains as the V on
@@ -115,6 +115,9 @@ ROWS = [
         moe_logs=("load_balancing_loss", "z_loss")),
     Row("DP=2 + distributed optimizer + overlapped grad reduce", 4,
         ("--use-distributed-optimizer", "--overlap-grad-reduce"), optimizer_in_checkpoint=False),
+    Row("6 layers: chunks of 2 and 1 layers", 2, ("--num-layers", "6"),
+        v_log_has=("a stage's 3 layers in chunks of 2 (down) and 1 (back)",
+                   "token slices (all rows) ... 16 16 16 16")),
     Row("bf16", 2, ("--bf16",), rel=1e-3),
     Row("fp16, static loss scale", 2, ("--fp16", "--loss-scale", "1024"), rel=1e-3),
 ]

@@ -135,3 +135,36 @@ def test_virtual_stages_on_an_uneven_split_are_refused_naming_the_flags():
     message = str(info.value)
     assert "layers per stage 1+1 4+4 (--decoder-first-pipeline-num-layers 2)" in message
     assert "--pipeline-schedule 1f1b" in message
+
+
+def test_a_v_splits_an_odd_stage_as_its_model_is_built(monkeypatch):
+    """In a V, a stage of 3 layers holds chunks of 2 (down) and 1 (back): the flags' split and
+    the count the V's build answers Megatron (v_layout's get_num_layers_to_build) agree; the
+    ring refuses the same flags, and an even stage keeps Megatron's own count."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from megatron_terapipe.megatron.model import v_layout
+
+    odd = dict(num_layers=6, virtual_pipeline_model_parallel_size=2)
+    split = stage_layers(_args(**odd, terapipe_virtual_placement="v"))
+    assert split.chunks == ((2, 1), (2, 1)) and not split.even and split.describe() == ""
+    with pytest.raises(ValueError, match="a stage's 3 layers do not divide into 2 model chunks"):
+        stage_layers(_args(**odd))
+    counted = v_layout._layers_in_v(get_num_layers_to_build)
+    monkeypatch.setattr(v_layout, "_V_ON", True)
+    for layers, expected in ((6, (2, 1)), (8, (2, 2))):
+        config = _megatron_config(layers)
+        assert tuple(counted(config, vp_stage=c, pp_rank=1) for c in (0, 1)) == expected
+        assert tuple(stage_layers(_args(num_layers=layers, virtual_pipeline_model_parallel_size=2,
+                                        terapipe_virtual_placement="v")).chunks[1]) == expected
+    monkeypatch.setattr(v_layout, "_V_ON", False)
+    with pytest.raises(AssertionError):  # Megatron's own count, off the V
+        counted(_megatron_config(6), vp_stage=0, pp_rank=1)
+
+
+def _megatron_config(num_layers):
+    return SimpleNamespace(
+        pipeline_model_parallel_layout=None, num_layers=num_layers,
+        num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+        account_for_embedding_in_pipeline_split=False, account_for_loss_in_pipeline_split=False,
+        pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)

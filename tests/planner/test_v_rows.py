@@ -1,6 +1,6 @@
 """The schedule table's V rows (terapipe-plan): TeraPipe on 2 chunks per stage in a V beside
 the ring's chunk counts, where a stage's layers split in 2, with the plan, its memory per
-stage and the Megatron-LM flags that run it."""
+stage and the Megatron-LM flags that run it; on a stage of odd layers, in unequal chunks."""
 
 from __future__ import annotations
 
@@ -29,7 +29,15 @@ def test_v_rows_sit_beside_the_rings_where_a_stage_splits_in_two():
         assert len(v.totals) == 4 and "in a V" in v.note
         assert options[f"TeraPipe {order}, 2 chunks"].placement == "ring"
     assert not any("in a V" in o.name for o in table(4, v_rows=False).options)
-    assert not any("in a V" in o.name for o in table(8).options)  # 3 layers per stage
+
+
+def test_a_stage_of_odd_layers_gets_v_rows_on_unequal_chunks():
+    """3 layers per stage: the ring cannot split them in 2, a V can (2 down, 1 back)."""
+    options = {o.name: o for o in table(8).options}
+    assert not any(o.num_chunks == 2 and o.placement == "ring" for o in options.values())
+    for order in ("1f1b", "gpipe"):
+        v = options[f"TeraPipe {order}, 2 chunks in a V"]
+        assert v.runnable and v.plan.chunk_layers == (2, 1), v.plan
 
 
 def test_the_flags_that_run_a_v():

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from megatron_terapipe import (ScheduleError, TeraPipePlan, build_schedule, place_in_v,
                                v_chunk_roles, validate)
-from megatron_terapipe.megatron.model.v_chunks import check_v_chunks
+from megatron_terapipe.megatron.model.v_chunks import check_v_chunks, v_first_layer
+from megatron_terapipe.plan import v_chunk_layers
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset, simulate
 from megatron_terapipe.planner.evaluate.simulator import plan_time
 from megatron_terapipe.planner.wgrad_slots import POLICIES, WgradPlacer, plan_wgrad
@@ -106,11 +107,7 @@ def test_w_placement_on_a_v_is_timed_exactly():
     assert time == plan_time(best, BIG, 4, 4, 1)
 
 
-def test_the_runtime_refuses_unequal_chunks_and_a_v_it_cannot_carry_before_any_work():
-    unequal = TeraPipePlan([4], virtual_stages=2, chunk_layers=(1, 2))
-    with pytest.raises(ValueError, match="planned and simulated only: the runtime runs "
-                                         "model chunks equal in size"):
-        StageExecutor(build_schedule(unequal, 2, 2, 1), 0, None, None, None, None, None)
+def test_the_runtime_refuses_a_v_it_cannot_carry_before_any_work():
     # Megatron's communicator (as any transport without the V's routes) cannot send back up
     with pytest.raises(ValueError, match="virtual_placement 'v' sends chunk 1's messages back "
                                          "up the ranks, which Transport does not carry"):
@@ -225,3 +222,21 @@ def test_chunks_not_built_for_a_v_are_refused(chunks, config, message):
     if message.startswith("chunk 1 on rank 1 starts"):  # the same chunks, placed: accepted
         place_in_v(chunks[1], 1, 1, 2)
         check_v_chunks(config, chunks, rank=1, num_stages=2)
+
+
+def test_unequal_chunks_in_a_v_are_numbered_down_and_back():
+    """A V of 2 stages of 3 layers in chunks of 2 (down) and 1 (back): virtual stages 0..3
+    start at layers 1, 3, 5 and 6; chunks built otherwise than the plan's are refused."""
+    assert v_chunk_layers(3) == (2, 1) and v_chunk_layers(5) == (3, 2) and v_chunk_layers(4) == ()
+    with pytest.raises(ValueError, match="need 2 or more layers per stage, got 1"):
+        v_chunk_layers(1)
+    firsts = {(k, c): v_first_layer(c, k, 2, 0, (2, 1)) for k in (0, 1) for c in (0, 1)}
+    assert firsts == {(0, 0): 1, (1, 0): 3, (1, 1): 5, (0, 1): 6}
+    chunks = [Chunk(False, False, 3, layers=2), Chunk(False, False, 5, layers=1)]  # the ring's
+    place_in_v(chunks[1], 1, 1, 2, (2, 1))  # rank 1's chunk 1 is virtual stage 2: layer 5
+    check_v_chunks(Config(), chunks, rank=1, num_stages=2, planned=(2, 1))
+    with pytest.raises(ValueError, match=r"the plan was made for a V's chunks of equal layers, "
+                                         r"but rank 1's chunks hold \[2, 1\]"):
+        check_v_chunks(Config(), chunks, rank=1, num_stages=2)
+    with pytest.raises(ValueError, match=r"chunks of \[1, 2\] layers, but rank 1's chunks hold"):
+        check_v_chunks(Config(), chunks, rank=1, num_stages=2, planned=(1, 2))

@@ -262,7 +262,7 @@ def check_run(config, models: List[torch.nn.Module], plan: TeraPipePlan, groups,
     if plan.virtual_placement == "v":
         pp = groups.pp
         check_v_chunks(config, models, pp.rank() if pp is not None else 0,
-                       pp.size() if pp is not None else 1)
+                       pp.size() if pp is not None else 1, plan.chunk_layers)
 
 
 def check_support(config, model, groups=None, seq_length: Optional[int] = None,

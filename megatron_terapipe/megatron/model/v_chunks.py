@@ -33,33 +33,48 @@ def v_chunk_roles(chunk: int, rank: int, num_stages: int) -> tuple[bool, bool]:
     return rank == 0 and chunk == 0, rank == 0 and chunk == 1
 
 
-def v_first_layer(chunk: int, rank: int, num_stages: int, layers_per_chunk: int) -> int:
-    """The layer_number (from 1) of the first layer of `chunk` on `rank` in a V."""
+def v_first_layer(chunk: int, rank: int, num_stages: int, layers_per_chunk: int,
+                  chunk_layers: Sequence[int] = ()) -> int:
+    """The layer_number (from 1) of the first layer of `chunk` on `rank` in a V: chunks of
+    `layers_per_chunk` layers, or of chunk_layers (down, back) where they differ."""
     virtual_stage = rank if chunk == 0 else 2 * num_stages - 1 - rank
-    return virtual_stage * layers_per_chunk + 1
+    down, back = chunk_layers or (layers_per_chunk, layers_per_chunk)
+    return min(virtual_stage, num_stages) * down + max(0, virtual_stage - num_stages) * back + 1
 
 
-def place_in_v(model: torch.nn.Module, chunk: int, rank: int, num_stages: int) -> None:
+def place_in_v(model: torch.nn.Module, chunk: int, rank: int, num_stages: int,
+               chunk_layers: Sequence[int] = ()) -> None:
     """Renumber the layers of a chunk Megatron built as its ring's chunk `chunk` of `rank`
     (GPTModel(..., vp_stage=chunk)) to the V's: every module's layer_number in each layer
-    (the layer's, its attention's, its router's) moves by the same amount."""
+    (the layer's, its attention's, its router's) moves by the same amount. chunk_layers:
+    the 2 chunks' layers (down, back) where they differ (plan.v_chunk_layers)."""
     layers = _layers(model)
     if not layers:
         return
-    shift = v_first_layer(chunk, rank, num_stages, len(layers)) - layers[0].layer_number
+    first = v_first_layer(chunk, rank, num_stages, len(layers), chunk_layers)
+    shift = first - layers[0].layer_number
     for layer in layers:
         for module in layer.modules():
             if isinstance(getattr(module, "layer_number", None), int):
                 module.layer_number += shift
 
 
-def check_v_chunks(config, models: Sequence[torch.nn.Module], rank: int, num_stages: int) -> None:
+def check_v_chunks(config, models: Sequence[torch.nn.Module], rank: int, num_stages: int,
+                   planned: Sequence[int] = ()) -> None:
     """ValueError, before any work, unless the chunks are a V's (`v_chunk_roles`,
-    `place_in_v`) and the run is one a V runs: untied embeddings (Megatron all-reduces a tied
-    output layer's gradient with the last rank's chunks)."""
+    `place_in_v`), hold the layers the plan was timed for (`planned`: its chunk_layers, empty
+    for equal chunks), and the run is one a V runs: untied embeddings (Megatron all-reduces a
+    tied output layer's gradient with the last rank's chunks)."""
     fix = ("build chunk c with pre_process, post_process = megatron_terapipe.v_chunk_roles(c, "
            "rank, pipeline size), then call megatron_terapipe.place_in_v(chunk, c, rank, "
            "pipeline size)")
+    counts = tuple(len(_layers(_inner(model))) for model in models)
+    chunk_layers = counts if len(set(counts)) > 1 else ()
+    if all(counts) and chunk_layers != tuple(planned):
+        raise ValueError(f"TeraPipe: the plan was made for a V's chunks of "
+                         f"{list(planned) or 'equal'} layers, but rank {rank}'s chunks hold "
+                         f"{list(counts)}: make the plan with chunk_layers={chunk_layers} "
+                         "(() for equal chunks), or build the chunks as the plan says")
     for c, model in enumerate(models):
         inner = _inner(model)
         roles = (bool(getattr(inner, "pre_process", False)),
@@ -69,10 +84,10 @@ def check_v_chunks(config, models: Sequence[torch.nn.Module], rank: int, num_sta
                              f"loss on rank 0, but chunk {c} on rank {rank} has (pre_process, "
                              f"post_process) = {roles}: {fix}")
         layers = _layers(inner)
-        if layers and layers[0].layer_number != v_first_layer(c, rank, num_stages, len(layers)):
+        first = v_first_layer(c, rank, num_stages, len(layers), chunk_layers)
+        if layers and layers[0].layer_number != first:
             raise ValueError(f"TeraPipe: chunk {c} on rank {rank} starts at layer "
-                             f"{layers[0].layer_number}, not at the V's "
-                             f"{v_first_layer(c, rank, num_stages, len(layers))}: {fix}")
+                             f"{layers[0].layer_number}, not at the V's {first}: {fix}")
         if getattr(inner, "share_embeddings_and_output_weights", False):
             raise ValueError("TeraPipe: a V runs with untied embedding and output weights: build "
                              "GPTModel with share_embeddings_and_output_weights=False "

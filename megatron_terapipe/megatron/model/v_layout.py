@@ -11,8 +11,9 @@ chunk too. Every other question (outside a cell, without vp_stage) keeps Megatro
 the physical first and last ranks, where Megatron-LM reduces and logs the losses, so
 `losses_to_last_rank` hands rank 0's losses to the last rank after each schedule run.
 
-GPT models built while a V is on (`build_in_v`) get the V's pre_process / post_process, their
-layers renumbered (v_chunks.place_in_v), and a sharded state dict that names each layer by its
+GPT models built while a V is on (`build_in_v`) get the V's pre_process / post_process, as
+many layers as the V's chunk holds (on a stage of odd layers one more down than back,
+plan.v_chunk_layers: get_num_layers_to_build answers so), their layers renumbered (v_chunks.place_in_v), and a sharded state dict that names each layer by its
 place in the model, so Megatron's distributed checkpoints load across layouts (1f1b <-> V).
 Under --fp16 / --bf16, Megatron's Float16Module casts a chunk's inputs and outputs where the
 ring's first and last chunks sit (pipeline_parallel.utils, not parallel_state); in a V it casts
@@ -29,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ...plan import v_chunk_layers
 from .v_chunks import _inner, place_in_v, v_chunk_roles
 
 _V_ON = False
@@ -54,6 +56,53 @@ def use_v_layout(enable: bool = True) -> None:
 
     if enable and not getattr(module.Float16Module.forward, "_terapipe_v", False):
         module.Float16Module.forward = _float16_in_v(module, module.Float16Module.forward)
+    if enable:
+        _count_layers_in_v()
+
+
+#: The modules that call Megatron-Core's get_num_layers_to_build by a name of their own while
+#: a GPT model's chunks are built (0.16 to 0.19).
+LAYER_COUNT_USERS = ("megatron.core.transformer.transformer_block",
+                     "megatron.core.models.gpt.gpt_layer_specs")
+
+
+def _count_layers_in_v() -> None:
+    """get_num_layers_to_build, where the model's modules call it, answers a V's chunk sizes:
+    plan.v_chunk_layers's (down, back) on a stage of odd layers (the ring's chunks must divide
+    it and Megatron asserts they do); Megatron's own answer otherwise."""
+    import importlib
+
+    for name in LAYER_COUNT_USERS:
+        users = importlib.import_module(name)
+        original = getattr(users, "get_num_layers_to_build", None)
+        if original is None:
+            raise RuntimeError(
+                f"TeraPipe: {name} has no get_num_layers_to_build, by which a V sizes its "
+                "chunks: this megatron-core is not one TeraPipe supports for "
+                "--terapipe-virtual-placement v (0.16 to 0.19)")
+        if not getattr(original, "_terapipe_v", False):
+            users.get_num_layers_to_build = _layers_in_v(original)
+
+
+def _layers_in_v(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_num_layers_to_build(config, vp_stage=None, pp_rank=None, *args, **kwargs):
+        layers = v_chunk_layers_of(config) if _V_ON and vp_stage is not None else ()
+        if layers:
+            return layers[int(vp_stage)]
+        return original(config, vp_stage, pp_rank, *args, **kwargs)
+
+    get_num_layers_to_build._terapipe_v = True  # type: ignore[attr-defined]
+    return get_num_layers_to_build
+
+
+def v_chunk_layers_of(config) -> tuple[int, ...]:
+    """The V's (down, back) chunk layers for a model config; () where they are equal."""
+    pp = int(getattr(config, "pipeline_model_parallel_size", 1) or 1)
+    layers = int(getattr(config, "num_layers", 0) or 0)
+    if pp < 2 or layers % pp or layers // pp < 2:
+        return ()
+    return v_chunk_layers(layers // pp)
 
 
 #: What `_float16_in_v` uses of megatron/core/transformer/module.py (0.16 to 0.19).
@@ -144,7 +193,7 @@ def build_in_v(original_init: Callable, model: torch.nn.Module, *args, **kwargs)
     bound.arguments["pre_process"], bound.arguments["post_process"] = v_chunk_roles(
         int(chunk), rank, size)
     original_init(*bound.args, **bound.kwargs)
-    place_in_v(model, int(chunk), rank, size)
+    place_in_v(model, int(chunk), rank, size, v_chunk_layers_of(model.config))
     _name_layers_by_place(model.decoder)
 
 

@@ -4,7 +4,8 @@ Megatron-LM splits the layers evenly unless the flags say otherwise: --decoder-f
 num-layers / --decoder-last-pipeline-num-layers (uneven first and last stages),
 --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (the embedding
 and the loss count as a layer of the first and last stage), or --pipeline-model-parallel-layout
-(any split). The arithmetic is Megatron-Core's `get_num_layers_to_build` (transformer_block.py),
+(any split); a V (--terapipe-virtual-placement v) on a stage of odd layers builds its 2 chunks
+unequal (plan.v_chunk_layers). The arithmetic is Megatron-Core's `get_num_layers_to_build` (transformer_block.py),
 written out here because the plan is made from the flags, before the model and its parallel state
 exist; tests/glue/test_stage_layers.py holds it equal to Megatron's function. A layout string is read
 with Megatron-Core's own parser.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+from ...plan import v_chunk_layers
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ def stage_layers(args) -> Optional[StageLayers]:
     last = getattr(args, "decoder_last_pipeline_num_layers", None)
     embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
     loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    in_v = getattr(args, "terapipe_virtual_placement", None) == "v"
     chunks = tuple(tuple(chunk_layers(int(layers), pp, vp, stage, chunk, first=first, last=last,
-                                      embedding=embedding, loss=loss) for chunk in range(vp))
+                                      embedding=embedding, loss=loss, in_v=in_v)
+                         for chunk in range(vp))
                    for stage in range(pp))
     flags = [name for name, on in (
         (f"--decoder-first-pipeline-num-layers {first}", first is not None),
@@ -70,9 +75,10 @@ def stage_layers(args) -> Optional[StageLayers]:
 
 def chunk_layers(num_layers: int, pp: int, vp: int, stage: int, chunk: int, *,
                  first: Optional[int] = None, last: Optional[int] = None,
-                 embedding: bool = False, loss: bool = False) -> int:
+                 embedding: bool = False, loss: bool = False, in_v: bool = False) -> int:
     """Megatron-Core's get_num_layers_to_build for pipeline rank `stage`, model chunk `chunk`
-    (without a layout)."""
+    (without a layout); `in_v`: 2 chunks in a V, which split an odd stage unequally
+    (plan.v_chunk_layers, as model/v_layout.py builds them)."""
     if first is not None or last is not None:
         if embedding or loss:
             raise ValueError("Megatron does not build an uneven first or last stage together "
@@ -94,7 +100,9 @@ def chunk_layers(num_layers: int, pp: int, vp: int, stage: int, chunk: int, *,
             raise ValueError(f"{total} layers do not divide over {pp} pipeline stages")
         per_stage = total // pp
     count = per_stage
-    if vp > 1 and pp > 1:
+    if in_v and vp == 2 and pp > 1 and per_stage % 2:
+        count = v_chunk_layers(per_stage)[chunk]
+    elif vp > 1 and pp > 1:
         if per_stage % vp:
             raise ValueError(f"a stage's {per_stage} layers do not divide into {vp} model chunks")
         count = per_stage // vp

@@ -139,3 +139,10 @@ def test_auto_builds_the_model_in_a_v_when_it_picks_one(capsys, trials):
         v_layout.use_v_layout(False)
         selection.deselect()
         install.use_slice_attention_in_gpt_models(False)
+
+
+def test_auto_offers_a_v_of_unequal_chunks_where_a_stage_s_layers_are_odd():
+    """12 layers on 4 stages: 3 a stage, which the ring cannot halve; the V's rows hold chunks
+    of 2 (down) and 1 (back), as the V builds them."""
+    offer, rows = _offered(["--terapipe-auto-trials", "0"], num_layers=12)
+    assert offer and len(rows) == 2 and all(o.plan.chunk_layers == (2, 1) for o in rows), rows
