@@ -5,5 +5,5 @@ the fix; run_views.py: a run as a RunView, from Megatron-LM's flags or a Transfo
 stage_layers.py: how many transformer layers each stage's model chunks hold, as Megatron builds
 them (what the rules and the planner both need before the model exists).
 
-May import: runtime.attention.cpu_prefix, megatron.platform, megatron.support
+May import: plan, runtime.attention.cpu_prefix, megatron.platform, megatron.support
 """
