@@ -15,7 +15,7 @@ chunks per stage (5 layers per stage: 1 or 5 are the only chunk counts), deferre
 3. the same for 2 chunks in a V (virtual_placement "v", Zero Bubble's ZB-V placement: rank k
    holds virtual stages k and 15 - k, the loss on rank 0; chunks of 2 + 3 or 3 + 2 layers),
    1 or 2 slices, each `virtual_warmup` (units in flight on rank 0 beyond 1F1B's), and its
-   busiest stage's ceiling. A V is planned and simulated only: the runtime refuses it.
+   busiest stage's ceiling.
 Everything is simulated under the analytic cost model: no GPU is involved. The JSON starts
 with its provenance (benchmarks/provenance.py).
 """
