@@ -216,10 +216,11 @@ def virtual_chunk_counts(space: SearchSpace, layers_per_stage: int) -> list[int]
 
 def v_chunks_open(space: SearchSpace, layers_per_stage: int) -> bool:
     """Whether a V's 2 chunks are open: on 2 or more stages of 2 or more layers, where the
-    space allows 2 chunks, or where a stage's layers are odd (the V's chunks need not be equal,
-    plan.v_chunk_layers, while the ring's must)."""
+    space allows 2 chunks, or allows chunks at all on a stage of odd layers (the V's chunks
+    need not be equal, plan.v_chunk_layers, while the ring's must divide the stage)."""
     return (space.num_stages >= 2 and layers_per_stage >= 2
-            and (2 in space.virtual_stages or layers_per_stage % 2 == 1))
+            and (2 in space.virtual_stages
+                 or (bool(space.virtual_stages) and layers_per_stage % 2 == 1)))
 
 
 def compare_schedules(cost_model: CostModel, space: SearchSpace, budget: MemoryBudget,

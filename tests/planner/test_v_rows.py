@@ -13,10 +13,10 @@ from megatron_terapipe.planner.search import SearchSpace
 MODEL = model_preset("gpt3-1b")  # 24 layers
 
 
-def table(stages: int, v_rows: bool = True):
+def table(stages: int, v_rows: bool = True, virtual_stages: tuple = (1, 2)):
     layers = MODEL.num_layers // stages
     cost = AnalyticCostModel(MODEL, hardware_preset("a100"), layers_per_stage=layers)
-    space = SearchSpace(1024, 1, stages, 4, granularity=64, virtual_stages=(1, 2))
+    space = SearchSpace(1024, 1, stages, 4, granularity=64, virtual_stages=virtual_stages)
     return compare_schedules(cost, space, MemoryBudget(None), layers, v_rows=v_rows)
 
 
@@ -38,6 +38,10 @@ def test_a_stage_of_odd_layers_gets_v_rows_on_unequal_chunks():
     for order in ("1f1b", "gpipe"):
         v = options[f"TeraPipe {order}, 2 chunks in a V"]
         assert v.runnable and v.plan.chunk_layers == (2, 1), v.plan
+    # the ring's only chunk count (3) opens the V too; no chunks at all (--virtual-stages 1)
+    # opens none
+    assert sum("in a V" in o.name for o in table(8, virtual_stages=(3,)).options) == 2
+    assert not any("in a V" in o.name for o in table(8, virtual_stages=()).options)
 
 
 def test_the_flags_that_run_a_v():
