@@ -136,9 +136,9 @@ def _place_chunks(run: RunSettings) -> None:
         v_layout.use_v_layout(in_v)
     if in_v:
         split = run.support.stage_layers
-        sizes = ("" if split is None or split.even else
-                 f"; a stage's {sum(split.chunks[0])} layers in chunks of "
-                 f"{split.chunks[0][0]} (down) and {split.chunks[0][1]} (back)")
+        chunks = split.v_chunk_layers if split else ()
+        sizes = (f"; a stage's {sum(chunks)} layers in chunks of {chunks[0]} (down) and "
+                 f"{chunks[1]} (back)" if chunks else "")
         _log_rank0("> terapipe: model chunks in a V (--terapipe-virtual-placement v): rank k holds "
                    "virtual stages k and 2K - 1 - k, the embedding and the loss on rank 0" + sizes)
 

@@ -148,6 +148,7 @@ def test_a_v_splits_an_odd_stage_as_its_model_is_built(monkeypatch):
     odd = dict(num_layers=6, virtual_pipeline_model_parallel_size=2)
     split = stage_layers(_args(**odd, terapipe_virtual_placement="v"))
     assert split.chunks == ((2, 1), (2, 1)) and not split.even and split.describe() == ""
+    assert split.v_chunk_layers == (2, 1) and stage_layers(_args()).v_chunk_layers == ()
     with pytest.raises(ValueError, match="a stage's 3 layers do not divide into 2 model chunks"):
         stage_layers(_args(**odd))
     counted = v_layout._layers_in_v(get_num_layers_to_build)

@@ -71,9 +71,10 @@ def plan_run(run: RunSettings, inputs: Optional[InputsSource] = None) -> Planned
     else:
         source, plan = fixed
         in_v = chunks > 1 and flags.virtual_placement == "v"
+        split = run.support.stage_layers  # a V's chunks as model/v_layout.py builds them
         plan = replace(plan, virtual_stages=chunks, virtual_group=group,
                        virtual_placement="v" if in_v else "ring",
-                       chunk_layers=_v_chunk_layers(run) if in_v else ())
+                       chunk_layers=split.v_chunk_layers if in_v and split else ())
         check_group(plan, shape)
     if flags.defer_wgrad is not None:  # on (the default) or off; auto: chosen below
         plan = replace(plan, defer_wgrad=flags.defer_wgrad)
@@ -229,8 +230,3 @@ def write_simulated_trace(run: PlannedRun, path: str) -> Path:
     result = run.inputs.space.simulate(run.plan, run.inputs.cost_model)
     return write_chrome_trace(result, simulated_trace_path(path))
 
-
-def _v_chunk_layers(run: RunSettings) -> tuple[int, ...]:
-    """The V's chunk layers as model/v_layout.py builds them (unequal on an odd stage)."""
-    split = run.support.stage_layers
-    return () if split is None or split.even else tuple(split.chunks[0])

@@ -13,8 +13,9 @@ the physical first and last ranks, where Megatron-LM reduces and logs the losses
 
 GPT models built while a V is on (`build_in_v`) get the V's pre_process / post_process, as
 many layers as the V's chunk holds (on a stage of odd layers one more down than back,
-plan.v_chunk_layers: get_num_layers_to_build answers so), their layers renumbered (v_chunks.place_in_v), and a sharded state dict that names each layer by its
-place in the model, so Megatron's distributed checkpoints load across layouts (1f1b <-> V).
+plan.v_chunk_layers: get_num_layers_to_build answers so), their layers renumbered
+(v_chunks.place_in_v), and a sharded state dict that names each layer by its place in the
+model, so Megatron's distributed checkpoints load across layouts (1f1b <-> V).
 Under --fp16 / --bf16, Megatron's Float16Module casts a chunk's inputs and outputs where the
 ring's first and last chunks sit (pipeline_parallel.utils, not parallel_state); in a V it casts
 them on rank 0's chunks 0 and 1 (`_float16_in_v`).

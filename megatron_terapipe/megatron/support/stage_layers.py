@@ -5,10 +5,10 @@ num-layers / --decoder-last-pipeline-num-layers (uneven first and last stages),
 --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (the embedding
 and the loss count as a layer of the first and last stage), or --pipeline-model-parallel-layout
 (any split); a V (--terapipe-virtual-placement v) on a stage of odd layers builds its 2 chunks
-unequal (plan.v_chunk_layers). The arithmetic is Megatron-Core's `get_num_layers_to_build` (transformer_block.py),
-written out here because the plan is made from the flags, before the model and its parallel state
-exist; tests/glue/test_stage_layers.py holds it equal to Megatron's function. A layout string is read
-with Megatron-Core's own parser.
+unequal (plan.v_chunk_layers). The arithmetic is Megatron-Core's `get_num_layers_to_build`
+(transformer_block.py), written out here because the plan is made from the flags, before the
+model and its parallel state exist; tests/glue/test_stage_layers.py holds it equal to Megatron's
+function. A layout string is read with Megatron-Core's own parser.
 """
 
 from __future__ import annotations
@@ -39,6 +39,13 @@ class StageLayers:
     def even(self) -> bool:
         """Every chunk of every stage holds the same layers."""
         return len({n for stage in self.chunks for n in stage}) == 1
+
+    @property
+    def v_chunk_layers(self) -> tuple[int, ...]:
+        """In a V (every stage's 2 chunks alike): the chunks' layers where they differ (an odd
+        stage), else () (plan.v_chunk_layers)."""
+        first = self.chunks[0]
+        return tuple(first) if len(set(first)) > 1 else ()
 
     def describe(self) -> str:
         stages = " ".join("+".join(map(str, stage)) for stage in self.chunks)
