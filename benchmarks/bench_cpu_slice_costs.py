@@ -10,8 +10,8 @@ seq 2048 unless told otherwise. Two parts, medians over `--repeats` after one wa
    the slices, the first slice with SDPA's causal flag and every later one over its whole
    prefix in two ways: `masked`, SDPA with the additive bottom-right mask (CPU SDPA has no
    bottom-right causal flag, so a masked call computes every block of the query x key
-   rectangle, the masked triangle included; the slice attention's CPU path before 2026-11-29
-   and still where there is dropout), and `prefix`, the prefix and the slice's own causal
+   rectangle, the masked triangle included; the slice attention's CPU path where there is
+   dropout), and `prefix`, the prefix and the slice's own causal
    block merged by log-sum-exps (runtime/attention/cpu_prefix.py: what it computes on CPU now).
 2. One slice over its prefix (twice or three times its length), forward + backward, masked
    against split, by the slice's length: where the split pays (attention/cpu_prefix.py,

@@ -84,7 +84,7 @@ class GpuCase:
 
 SUITES = {
     "full": [GpuCase(k, s, m) for k in (2, 4) for s in (2048, 8192) for m in (1, 4)],
-    # the issue's three targets (2 and 4 stages at 1 microbatch, 4 stages at 4), for a short lease
+    # the three target cases (2 and 4 stages at 1 microbatch, 4 stages at 4), for a short lease
     "targets": [GpuCase(2, 2048, 1), GpuCase(4, 2048, 1), GpuCase(4, 2048, 4)],
     # terapipe-plan's question (32 layers, 8 stages, seq 2048, 1 microbatch), measured
     "eight": [GpuCase(8, 2048, 1)],
@@ -132,8 +132,8 @@ def transfer_worker(rank: int, world_size: int, shape: tuple, dtype: torch.dtype
 def measured_link(shape: tuple, dtype: torch.dtype, device: str) -> tuple:
     """The stage-to-stage Link the simulator prices transfers with, fitted to the host-staged
     communicator's one-way time at `shape` and at an eighth of its tokens (latency + bytes /
-    bandwidth), and the measurements. Before the fourth lease the simulator assumed 100 GB/s
-    where the host-staged transfer of a 2048-token activation took 5-7 ms (about 3 GB/s)."""
+    bandwidth), and the measurements: an assumed loopback rate (100 GB/s) is 30x off where the
+    host-staged transfer of a 2048-token activation takes 5-7 ms (about 3 GB/s)."""
     small = (max(shape[0] // 8, 1),) + tuple(shape[1:])
     points = []
     for size in (small, shape):
@@ -204,8 +204,8 @@ def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...
 
 def timed(speed: SpeedCase, case: GpuCase, device: str) -> tuple[SpeedCase, list, Optional[str]]:
     """Every rank's times. If the run fails with graphed rows, the error and a rerun without
-    Megatron's graphs, then, if that fails too, without any graphs (eager on both sides: two
-    leases' 4-stage x 4-microbatch case ran out of an H100's memory with graphed rows, which
+    Megatron's graphs, then, if that fails too, without any graphs (eager on both sides: the
+    4-stage x 4-microbatch case can run out of an H100's memory with graphed rows, which would
     cost the case its eager rows too)."""
     errors = []
     while True:

@@ -15,8 +15,8 @@ planner's plan on 2 chunks in a V (host-staged like the other chunk rows); the s
 batches in every row, losses checked against Megatron 1F1B's, rounds interleaved. The cost
 model is a layer profile measured in one process with one stage's SM share (cached, as
 bench_gpu_pipeline.py measures it), with the host-staged link measured at two sizes; the
-simulator gives each stage its own share. (The fourth lease's run started no MPS daemon, so
-its stages took turns on the whole GPU: mps.enter_stage now refuses that.) The JSON
+simulator gives each stage its own share. (Without an MPS daemon the stages would take turns
+on the whole GPU: mps.enter_stage refuses that.) The JSON
 (its provenance first, the layer profile inside) goes to --out, by default
 benchmarks/results/gpu/<card>/virtual.json (replaced; --append adds the run to its runs); an
 --out folder (a device session's; on CPU a scratch folder by default) gets virtual_gpu.json
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         # host-staged communicator, and received by TeraPipe's torch transport (host-staged)
         row["host_staged_messages"] = [p["staged:" + row["config"]] for p in per_rank]
         row["torch_transport_received"] = [p.get("received:" + row["config"]) for p in per_rank]
-    # issue 34's targets (bench_virtual_cpu.targets) are the CPU run's: here only the limit
+    # the targets (bench_virtual_cpu.targets) are the CPU run's: here only the limit
     limit = bubble_free_limit(cost, model, M, shares)
     results = {"provenance": origin,
                "setup": {"stages": STAGES, "chunks": CHUNKS, "num_microbatches": M,

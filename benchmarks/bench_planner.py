@@ -1,4 +1,4 @@
-"""Planner speed: the exact DP slicer on the sizes issue #3 asks for, against their targets;
+"""Planner speed: the exact DP slicer on three sizes, against their time targets;
 the whole plan search on the README's terapipe-plan examples; and (--measure) how long
 measuring a tiny layer takes here, with what it measured. Tests check what these produce, not
 how fast: the timings live here.

@@ -6,7 +6,7 @@
 Each profile's cells are fitted again (`fit_layer_times`) with 20 different random held-out
 shares (seeds 0-19; seed 0 is what `measure layers` reports), and the mean over seeds of the
 mean and the worst relative error on the held-out cells is printed per direction. Nothing is
-measured: the profiles were (GPU leases, CPU runs; their own files say where). `--baseline
+measured: the profiles were (on GPUs and CPUs; their own files say where). `--baseline
 PATH` fits the same in a child process with the package at PATH and prints both. Writes JSON,
 its provenance first.
 """

@@ -17,7 +17,7 @@ own core with `pin_to_core`, as each rank has its own GPU on GPUs):
    speedups as the median over rounds of the ratio to Megatron's run in the same round;
 3. memory: peak saved activation + K/V bytes per stage with 8 microbatches (TeraPipe gpipe,
    TeraPipe 1f1b, Megatron 1F1B);
-4. planner: solver time at the planner issue's three sizes;
+4. planner: solver time at bench_planner.py's three sizes;
 5. fidelity: the simulator's predicted iteration time (same cost model, same schedule, stages
    sharing the measured parallel capacity) against each measured time. The cost model has the
    layer profile plus the first stage's embedding and the last stage's output layer and loss.

@@ -36,7 +36,7 @@ sharing the measured parallel capacity (Megatron's interleaved 1F1B as the plann
 schedule/interleaved.py). That profile is measured in the rows' conditions (both stage
 processes at once, pinned, medians, after two iterations of each Megatron schedule in the same
 processes: `profile_in_run`); the predictions from a profile measured
-alone (the fastest of 3 runs, as before 2026-11-27) are kept beside them
+alone (the fastest of 3 runs) are kept beside them
 (`predicted_alone_profile_s`). The JSON (`--out`) starts with its provenance.
 """
 
@@ -69,7 +69,7 @@ from virtual_runs_bench import (MEGATRON_1F1B, MEGATRON_INTERLEAVED, TERAPIPE, R
                                 VirtualSpeedCase, loss_difference)
 
 STAGES, CHUNKS = 2, 2
-TARGET_OVER_1F1B = 1.20  # issue 34's measured target at 4 microbatches
+TARGET_OVER_1F1B = 1.20  # the measured target at 4 microbatches
 SIMULATOR_TOLERANCE = 0.10
 PROFILE_REPEATS = 5  # the in-run profile's runs per cell (their median)
 WARM_ROUNDS = 2  # iterations of each Megatron schedule in the profiling processes first
@@ -79,9 +79,9 @@ def profile_in_run(model: TinyGPT, cache: str, M: int):
     """The simulator's profile, measured in the rows' conditions (virtual_runs_bench.
     profile_in_run_worker: both stage processes at once, pinned, CPU mode, medians, after
     WARM_ROUNDS iterations of Megatron's two schedules in the same processes): a profile
-    measured alone, the fastest of 3 runs, put every row 9-13% under its measured time
-    (2026-11-27), with the pipeline's cells 7-14% slower than it; one measured in fresh
-    processes, 10-24% under (2026-11-28)."""
+    measured alone, the fastest of 3 runs, puts every row 9-13% under its measured time, with
+    the pipeline's cells 7-14% slower than it; one measured in fresh processes, 10-24%
+    under."""
     paths = [cache.replace(".json", f"_in_run_rank{r}.json") for r in range(STAGES)]
     print(f"profiling it again in the rows' conditions ({STAGES} processes at once, after "
           f"{WARM_ROUNDS} rounds of Megatron's schedules, medians of {PROFILE_REPEATS}) ...",

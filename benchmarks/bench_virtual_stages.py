@@ -155,7 +155,7 @@ def case(microbatches: int) -> dict:
     rows = [row(o, base) for o in limited.options]
     chosen = best(rows, "TeraPipe")
     interleaved = best(rows, "Megatron interleaved")
-    # the issue's targets are for the question without recomputation
+    # the targets are for the question without recomputation
     target = None if RECOMPUTE else TARGETS.get(microbatches)
     extra = {}  # the scatter-gather or recomputation runs' own fields
     if "--scatter-gather-p2p" in RUN_OPTIONS:

@@ -8,7 +8,7 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     megatron-core==0.16.1 pydantic pydantic-core annotated-types typing-inspection
 #   (the device image has pytest and pybind11; Megatron-LM's training imports megatron.rl,
-#   which needs pydantic, which it lacks: seen on an H200, 2026-11-26)
+#   which needs pydantic, which it lacks)
 #   mkdir -p .mlm && git -C <Megatron-LM clone> archive core_v0.16.1 pretrain_gpt.py \
 #     gpt_builders.py model_provider.py megatron/training megatron/legacy megatron/rl \
 #     megatron/post_training | tar -x -C .mlm       # megatron.training imports the last two
@@ -21,8 +21,8 @@
 #   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
 #                                               # against Megatron-Core's own (cuda_graph_impl=local)
 #   bash benchmarks/gpu_session.sh pipeline-eight   # pipeline-graphs on 8 stages x 4 layers, 1 microbatch
-#                                               # (needs an H200: 8 processes of 9-13 GiB ran out of
-#                                               # an H100's 79 GiB, 2026-11-26)
+#                                               # (needs an H200: 8 processes of 9-13 GiB run out of
+#                                               # an H100's 79 GiB)
 #   bash benchmarks/gpu_session.sh virtual      # bench_gpu_virtual: 2 stages under MPS, 4 microbatches,
 #                                               # Megatron 1F1B / interleaved vs TeraPipe on 1 and 2 chunks
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b (same attention)
@@ -79,8 +79,8 @@ measure() {
   gpu=$(python3 -c "import re, torch; n = torch.cuda.get_device_name()
 m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split()[-1]).lower())")
   # device: the GPU's own time (graphed cells); wall: eager cells, host launches included.
-  # Device first: the leases of 2026-11-26 and -27 measured wall, and the second ran out of
-  # time before device
+  # Device first: the plans of the graphed rows need it, and a short lease can end before the
+  # second
   for timing in device wall; do
     profile="$OUT/${gpu}_layer_profile_$timing.json"
     local command=(python3 -m megatron_terapipe.megatron.measure layers "${model[@]}" --dtype bfloat16

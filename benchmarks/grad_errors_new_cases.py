@@ -1,4 +1,4 @@
-"""The worst gradient error of the exactness cases added on 2026-11-28 (MoE losses on model
+"""The worst gradient error of these exactness cases (MoE losses on model
 chunks, with edge slicing and with padding; uneven layer splits; packed documents): per case,
 the largest max|g - g_ref| / max|g_ref| over its parameters (parameters whose reference is 0
 up to 1e-8 left out, as harness.check_gradients leaves them), against Megatron's

@@ -72,8 +72,7 @@ def stage_environ(num_stages: int, ranks: Optional[int] = None) -> dict[int, dic
     """What spawn(..., rank_environ=) gives each of `ranks` (default: every stage) processes:
     its SM share, in its environment before anything in it asks the CUDA driver (NCCL's
     process-group set-up does, before a worker's own code runs; a share set after that is
-    ignored: a second H200 lease, 2026-11-26, measured its 2- and 4-stage profiles at the
-    same speed)."""
+    ignored, and the 2- and 4-stage profiles then measure at the same speed)."""
     return {r: {SHARE_VARIABLE: stage_share(num_stages)}
             for r in range(num_stages if ranks is None else ranks)}
 
@@ -82,8 +81,7 @@ def enter_stage(rank: int, num_stages: int) -> None:
     """Call first in a stage process started with `stage_environ` inside `MpsDaemon`: checks
     that its SM share came with its environment and that the daemon's pipe folder did too, and
     takes the GPU. Without a daemon the share is ignored and the stage processes take turns on
-    the whole GPU: the fourth lease's virtual-stage rows ran so (2026-11-27), measured at about
-    twice what the simulator gave stages running side by side."""
+    the whole GPU, at about twice what the simulator gives stages running side by side."""
     if PIPE_VARIABLE not in os.environ:
         raise RuntimeError(
             f"stage {rank} of {num_stages}: no MPS daemon ({PIPE_VARIABLE} is not set): start "

@@ -9,7 +9,7 @@ Every benchmark that writes a results JSON puts `provenance(command)` at its top
   or are new (untracked, not ignored),
   with the paths in dirty_paths (benchmarks/results/ is data, not code: left out). The
   environment variable TERAPIPE_BENCH_COMMIT, when set, names the commit instead (a device
-  machine's copy of the tree can carry git metadata older than the tree: seen 2026-11-26), the
+  machine's copy of the tree can carry git metadata older than the tree), the
   git view kept as git_commit; outside a git checkout without it the commit is null;
   commit_source says which;
 - machine: CPU model, logical cores, the cores this process may run on, the load average when

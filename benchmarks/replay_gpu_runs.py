@@ -21,7 +21,7 @@ measured-fastest TeraPipe row (is it that row, or within 3%?): calibrated on the
 cases ("case held out"; none where the run has one case) and on all its rows of that way, the
 case's included ("after trials", what `auto` would have after timing its shortlist); beside
 it, the TeraPipe row the run's own prediction ranked fastest ("today"). A plan no row ran has
-no measured time. Targets (issue 64): every row within 15%, every choice within 3%.
+no measured time. Targets: every row within 15%, every choice within 3%.
 Prints the tables; with --out writes them as JSON, its provenance first.
 """
 

@@ -4,7 +4,7 @@
     python benchmarks/resimulate_gpu_pipeline.py FILE --run 0     # the file's oldest run
     python benchmarks/resimulate_gpu_pipeline.py FOLDER           # a device session's --out
 
-Until 2026-11-27 bench_gpu_pipeline priced every stage-to-stage transfer at a loopback
+bench_gpu_pipeline's earliest runs priced every stage-to-stage transfer at a loopback
 estimate (100 GB/s, 10 us) while the activations went through pinned host memory and gloo,
 measured at the start of the same run (5-7 ms one way for [2048, 1, 4096] bf16). This reads a
 run (a results file's newest, or --run's; or a folder's results.json) and the layer profiles

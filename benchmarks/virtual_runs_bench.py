@@ -261,9 +261,9 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     CPU mode as the rows run, so each profile is measured with the other core busy, as the
     pipeline's cells are; the median of `repeats` runs (the rows' times are medians too).
     `warm_case`: first build its models and run its rows `rounds` times, so the profile is
-    measured in the state the rows' processes run in (in one run on 2026-11-28 a layer
-    measured up to a third slower in the stage processes after pipeline iterations than
-    fresh, near the pipeline's cells). Returns this rank's profile file."""
+    measured in the state the rows' processes run in (a layer can measure up to a third
+    slower in the stage processes after pipeline iterations than fresh, near the pipeline's
+    cells). Returns this rank's profile file."""
     from harness import release_model_parallel
     from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
     from pipeline_runs import profile_cost_model

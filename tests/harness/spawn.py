@@ -59,7 +59,7 @@ def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, queu
     # The caller's environment as it is now (a forkserver's own is as it was at its start),
     # with this rank's additions, all before the process group: NCCL's set-up asks the CUDA
     # driver for its devices, after which variables it reads at start (MPS's SM share) are
-    # ignored (seen on an H200, 2026-11-26).
+    # ignored.
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -65,8 +65,8 @@ def test_dirty_means_code_changed_or_new_not_results_or_docs(checkout):
     (checkout / "megatron_terapipe/plan.py").write_text("2\n")
     _git(checkout, "add", "megatron_terapipe/plan.py")  # staged counts too
     (checkout / "benchmarks/bench.py").write_text("2\n")
-    # a new benchmark the commit does not hold (seen 2026-11-26: a results file named a
-    # commit without the script that wrote it)
+    # a new benchmark the commit does not hold (else a results file names a commit without
+    # the script that wrote it)
     (checkout / "benchmarks/bench_new.py").write_text("untracked\n")
     state = provenance.code_state()
     assert state["dirty"] is True
@@ -324,7 +324,7 @@ def bf16_parameter_dtypes(rank: int, world_size: int) -> dict:
 
 def test_bf16_benchmark_models_hold_every_parameter_in_bf16():
     # Megatron's torch norms ignore params_dtype: without Float16Module their weights stay
-    # float32, which CUDA's layer_norm refuses on bf16 input (found on an H200, 2026-11-26).
+    # float32, which CUDA's layer_norm refuses on bf16 input.
     out = spawn(1, "test_benchmark_honesty:bf16_parameter_dtypes", timeout=300)[0]
     assert out == {"terapipe": {"torch.bfloat16"}, "megatron": {"torch.bfloat16"},
                    "pipeline_stage": {"torch.bfloat16"}}

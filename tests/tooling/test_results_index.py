@@ -7,7 +7,7 @@ fail would show). No torch: this runs in a moment.
   carries its provenance; at most MAX_FILES files;
 - every `benchmarks/results/...` path README.md and docs/*.md cite exists;
 - every results file README.md cites was measured on clean code (dirty false);
-- docs/ (but docs/history.md) holds no commit hash and no date outside results paths;
+- docs/ holds no commit hash and no date outside results paths;
 - each README figure in FIGURES is its results file's value, as formatted.
 """
 
@@ -26,7 +26,6 @@ import results_index as index
 ROOT = index.ROOT  # this checkout (found without the harness: no torch)
 
 MAX_FILES = 40
-HISTORY = "docs/history.md"
 CITED = re.compile(r"benchmarks/results/[\w./-]*[\w/]")
 RESULTS_PATH = re.compile(r"(?:benchmarks/)?results/[\w./*<>-]+")
 #: 7-40 hex characters with a digit and a letter, as a whole word (lowercase, as git prints)
@@ -173,15 +172,14 @@ def dirty_quoted(root: str) -> list[str]:
 
 
 def dated_docs(root: str) -> list[str]:
-    """Commit hashes and dates in README.md and docs/, but history.md (results paths may hold
-    them)."""
+    """Commit hashes and dates in README.md and docs/ (results paths may hold them)."""
     pages = [os.path.join(root, "README.md")]
     for folder, _, names in os.walk(os.path.join(root, "docs")):
         pages += [os.path.join(folder, name) for name in sorted(names)]
     problems = []
     for path in pages:
         doc = os.path.relpath(path, root).replace(os.sep, "/")
-        if doc == HISTORY or not os.path.exists(path):
+        if not os.path.exists(path):
             continue
         for number, line in enumerate(_read(path).splitlines(), 1):
             prose = RESULTS_PATH.sub("", line)
@@ -260,7 +258,6 @@ def tree(tmp_path):
     _write(tmp_path, "docs/usage.md", "See results/exactness/errors.log and "
            "benchmarks/results/cpu/speed_2001-02-03_abc1234.json's name.\n"
            "A 0123456-digit word, deadbeefcafe and 1234567 are not commits.\n")
-    _write(tmp_path, HISTORY, "On 2001-02-03 at abc1234 it changed.\n")
     _result(tmp_path, "cpu/speed_2001-02-03_abc1234.json", {"provenance": _provenance(True)})
     assert index.main(["--root", str(tmp_path)]) == 0
     return tmp_path

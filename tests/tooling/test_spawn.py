@@ -2,8 +2,8 @@
 as at the call, plus its rank's additions, before anything else runs; the GPU pipeline
 benchmark gives each stage process its MPS SM share that way (benchmarks/mps.py), since a
 share set inside the worker comes after NCCL's process-group set-up has asked the CUDA driver
-for its devices, and MPS then ignores it (a second H200 lease, 2026-11-26: the 2- and 4-stage
-layer profiles measured at the same speed)."""
+for its devices, and MPS then ignores it (the 2- and 4-stage layer profiles then measure at
+the same speed)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 `wall` (the default) synchronises the device at every mark and reads the host's clock: what an
 eager cell costs, host launches included. On a GPU a short eager slice is bound by its host
-time (an H100 layer profile, 2026-11-26: 1.2-1.3 ms per 4096-wide layer forward from 8 to 672
-tokens), which a length polynomial fits poorly and a CUDA-graphed cell does not pay.
+time (on an H100, 1.2-1.3 ms per 4096-wide layer forward from 8 to 672 tokens), which a length polynomial fits poorly and a CUDA-graphed cell does not pay.
 
 `device` measures what the GPU spends on the work: it holds the GPU in a sleep kernel while the
 host queues the whole timed region, then times the region with CUDA events, so no launch gap
@@ -11,9 +10,8 @@ lands inside it. That is what a cell replayed from a CUDA graph costs (`--terapi
 less the replay's own launch. If the host had not queued everything before the sleep ended
 (the region's start event had already run), the hold doubles and the region runs again. After
 every region the hold is sized afresh from what it saw (twice the host's queueing time, in the
-sleep's own cycles per second, never under the first hold). The hold used to double for good
-after every short one; the likeliest reason the fifth GPU lease's H100 profile took about 3 s a
-cell (38 of 150 cells in two minutes), not yet confirmed: the profile now records its holds.
+sleep's own cycles per second, never under the first hold), so that one short region does not
+slow every later one; the profile records its holds.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from .time_samples import DIRECTIONS, EDGE_KEYS, EdgeMeasurements, LayerMeasurem
 def non_decreasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """The non-decreasing sequence nearest `values` in weighted least squares (isotonic
     regression, pool-adjacent-violators): a run that decreases becomes its weighted mean.
-    A running maximum, used before, lifted every length after one high measurement to it:
-    on GPU profiles whose short cells are bound by host noise (the H100s' of 2026-11-26/27:
-    1.3-1.9 ms from 8 to 672 tokens) that overpredicted them by up to 40%."""
+    A running maximum would lift every length after one high measurement to it: on GPU
+    profiles whose short cells are bound by host noise (an H100's: 1.3-1.9 ms from 8 to 672
+    tokens) that overpredicts them by up to 40%."""
     blocks: list[list[float]] = []  # [mean, weight, count]
     for value, weight in zip(values.astype(float), weights.astype(float)):
         blocks.append([value, weight, 1])

@@ -160,7 +160,7 @@ def test_plans_at_the_first_iteration_fit_the_budget():
 
 
 def test_auto_chooses_terapipe_on_5_chunks_for_gpt3_13b_with_sequence_parallelism(monkeypatch):
-    """The issue-34 question from Megatron-LM's flags (gpt3-13b, 8 stages x TP 8 with
+    """The headline planning question from Megatron-LM's flags (gpt3-13b, 8 stages x TP 8 with
     --sequence-parallel, 32 sequences of 8192 tokens, 20 GiB, the analytic H100 model): auto
     offers TeraPipe on every chunk count up to 8 and runs the W-placed plan on 5 chunks that
     terapipe-plan prints for the same run (benchmarks/results/planner/virtual_stages_sequence_parallel.json),
