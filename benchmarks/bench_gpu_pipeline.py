@@ -12,7 +12,8 @@ first, at two sizes: the simulator's link. The cost model is a layer profile mea
 in one process with one stage's SM share (cached beside the JSON). It writes the JSON (its
 provenance first, the layer profiles it planned on inside: results_layout.py) to --out, by
 default benchmarks/results/gpu/<card>/pipeline.json (replaced; --append adds the run to its
-runs), and prints the table; an --out folder (a device session's) gets results.json.
+runs), and prints the table; an --out folder (a device session's) gets results.json. Before
+the rounds, measured auto (`--auto-trials`, measured_auto.py) tries each way's rows.
 
 Graphs on both sides or none: `--cuda-graphs` keeps the eager rows (Megatron 1F1B and both
 TeraPipe plans, compared with each other) and adds the TeraPipe plans with a graph per compute
@@ -46,8 +47,9 @@ import torch  # noqa: E402
 
 from harness import TinyGPT, WorkerError, spawn  # noqa: E402
 from pipeline_runs import (GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of, plans_for,  # noqa: E402
-                           predict)
+                           predict, w_placed_plans)
 from provenance import describe, provenance, script_command  # noqa: E402
+from measured_auto import auto_rows, join_added, print_auto  # noqa: E402
 from mps import stage_environ  # noqa: E402
 from results_layout import (default_out, earlier_runs, output_paths, with_profiles,  # noqa: E402
                             write_runs)
@@ -87,8 +89,7 @@ SUITES = {
     # the three target cases (2 and 4 stages at 1 microbatch, 4 stages at 4), for a short lease
     "targets": [GpuCase(2, 2048, 1), GpuCase(4, 2048, 1), GpuCase(4, 2048, 4)],
     # terapipe-plan's question (32 layers, 8 stages, seq 2048, 1 microbatch), measured
-    "eight": [GpuCase(8, 2048, 1)],
-    "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
+    "eight": [GpuCase(8, 2048, 1)], "smoke": [GpuCase(2, 256, 1, width=(1, 64, 4))],
 }
 
 
@@ -173,21 +174,6 @@ def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, 
                               dtype="bfloat16" if bf16 else "float32", link=link, timing=timing)
 
 
-def w_placed_plans(plans: dict, cost, case: GpuCase) -> dict:
-    """The DP plan again with its W actions placed by the planner (`plan_wgrad`, simulated on
-    the case's profile), as "terapipe_dp_w_placed"; none where the default places are as fast
-    (plan_wgrad then keeps them: the row would repeat the DP's)."""
-    from megatron_terapipe.planner.wgrad_slots import plan_wgrad
-
-    dp = plans["terapipe_dp"]
-    if not dp.defer_wgrad:
-        return {}
-    placed, seconds = plan_wgrad(dp, cost, case.num_microbatches, case.stages, 1)
-    if not placed.wgrad_after:
-        return {}
-    return {"terapipe_dp_w_placed": replace(placed, predicted_time=seconds)}
-
-
 def labelled_plans(plans: dict, args, device: str) -> tuple[dict, tuple[str, ...]]:
     """The case's labels and which run graphed: with --cuda-graphs each TeraPipe plan again with
     its graphs, and Megatron's 1F1B with Megatron's own graphs where they can run."""
@@ -246,7 +232,8 @@ def with_ratios(rows: list[dict]) -> None:
             min(m[i] for m in runs) / t for i, t in enumerate(r["runs_s"])))
 
 
-def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
+def run_case(case: GpuCase, args, device: str, link=None) -> tuple[list[dict], list[dict]]:
+    """The case's rows, and measured auto's pick per way of running (measured_auto.py)."""
     model = case.model(args.bf16)
     cache = case.profile_cache(args.folder, device, args.profile_timing)
     cost = spawn(1, "bench_gpu_pipeline:profile_worker", case, args.granularity, cache, device,
@@ -257,9 +244,15 @@ def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
           f"uniform {info['uniform_slices']} slices", flush=True)
     plans.update(w_placed_plans(plans, cost, case))
     plans, graphed = labelled_plans(plans, args, device)
+    def predicted_s(plan):
+        return predict(cost, plan, model, case.num_microbatches, float(case.stages), case.stages)
+
+    predicted = {label: predicted_s(plan) for label, plan in plans.items()}
     speed = SpeedCase(case.name, model, case.num_microbatches, args.granularity, args.repeats,
-                      plans, mps=device == "cuda", graphed=graphed)
+                      plans, mps=device == "cuda", graphed=graphed, auto_trials=args.auto_trials,
+                      predicted=predicted, cost=cost)
     speed, per_rank, graphs_error = timed(speed, case, device)
+    predicted.update(join_added(speed, per_rank[0].get("auto", {}), predicted_s))
     rows = []
     for label, plan in speed.plans.items():
         runs = [max(r[label][i] for r in per_rank) for i in range(args.repeats)]
@@ -267,24 +260,23 @@ def run_case(case: GpuCase, args, device: str, link=None) -> list[dict]:
         rows.append({"case": case.name, "config": label, "stages": case.stages,
                      "seq_length": case.seq_length, "num_microbatches": case.num_microbatches,
                      "slices": None if plan is None else list(plan.seq_slices),
+                     "plan": None if plan is None else plan.to_dict(),
                      "order": None if plan is None else plan.order,
                      "defer_wgrad": None if plan is None else plan.defer_wgrad,
                      "w_placed": plan is not None and bool(plan.wgrad_after),
                      "graphs": graphs, "graphs_detail": GRAPHS[graphs],
                      "graphs_error": graphs_error,  # what failed before the rows that ran
                      "measured_s": statistics.median(runs), "runs_s": runs,
-                     "predicted_s": predict(cost, plan, model, case.num_microbatches,
-                                            float(case.stages), case.stages),
+                     "predicted_s": predicted[label],
                      "peak_bytes": [r.get("peak:" + label, [None])[0] for r in per_rank],
                      "added_peak_bytes": [r.get("added:" + label, [None])[0] for r in per_rank]})
     with_ratios(rows)
-    return rows
+    return rows, auto_rows(case.name, rows, per_rank[0].get("auto", {}))
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'case':<20} {'schedule':<28} {'graphs':<9} {'slices':>6} {'measured ms':>11} "
-          f"{'predicted ms':>12} {'sim err':>7} {'vs 1F1B':>8} {'vs best':>8} "
-          f"{'GiB added per stage':>20}")
+          f"{'predicted ms':>12} {'sim err':>7} {'vs 1F1B':>8} {'vs best':>8} {'GiB added':>20}")
     for r in rows:
         n = "-" if r["slices"] is None else (f"{len(r['slices'])}{'+W' if r['defer_wgrad'] else ''}"
                                              f"{'p' if r.get('w_placed') else ''}")
@@ -298,11 +290,11 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['case']:<20} {r['config']:<28} {graphs:<9} {n:>6} {r['measured_s'] * 1e3:>11.1f} "
               f"{r['predicted_s'] * 1e3:>12.1f} {r['sim_error']:>+6.1%} {ratio:>8} {best:>8} "
               f"{peaks:>20}")
-    print("(slices: +W deferred weight gradients, +Wp placed by the planner; graphs: eager; layers: Megatron-Core's CudaGraphManager, a graph per transformer "
-          "layer call; actions: a CUDA graph per TeraPipe compute action; stand-in: ReplayGraph "
-          "on CPU. vs 1F1B: the median ratio to the Megatron row with the same graphs; '-': "
-          "there is none. vs best: to the fastest Megatron row of each round, graphed or not. "
-          "GiB added: a stage's peak over what it held when the row's run started)")
+    print("(slices: +W deferred weight gradients, +Wp placed by the planner; graphs: layers: "
+          "Megatron-Core's, a graph per transformer layer call; actions: a CUDA graph per "
+          "TeraPipe compute action; stand-in: ReplayGraph on CPU. vs 1F1B: the median ratio to "
+          "the Megatron row with the same graphs ('-': none); vs best: to each round's fastest "
+          "Megatron row. GiB added: a stage's peak over what it held as the row's run began)")
 
 
 def write_results(results: dict, args, started: float) -> None:
@@ -335,7 +327,11 @@ def parse_args() -> tuple[argparse.Namespace, str]:
     p.add_argument("--out", help="the results JSON (default benchmarks/results/gpu/<card>/"
                    "pipeline.json; on CPU a scratch folder's), or a folder for results.json")
     p.add_argument("--append", action="store_true", help="add the run to --out's runs")
+    p.add_argument("--auto-trials", type=int, default=2, help="measured auto's trials per row, "
+                   "among each way's rows before the rounds (measured_auto.py; 0: none)")
     args = p.parse_args()
+    if args.auto_trials < 0:
+        p.error(f"--auto-trials must be 0 or more, got {args.auto_trials}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out = args.out or default_out("pipeline.json", device, scratch=device == "cpu")
     args.json, args.folder = output_paths(args.out, "results.json")
@@ -356,7 +352,8 @@ def main() -> int:
     print(f"> machine: {describe(origin)}", flush=True)
     results = {"provenance": origin, "device": device, "cuda_graphs": args.cuda_graphs,
                "profile_timing": args.profile_timing,
-               "megatron_graphs": args.megatron_graphs if args.cuda_graphs else None, "rows": []}
+               "megatron_graphs": args.megatron_graphs if args.cuda_graphs else None, "rows": [],
+               "auto": []}
     context = None
     if device == "cuda":
         from mps import MpsDaemon
@@ -373,13 +370,16 @@ def main() -> int:
               f"the simulator's link: {link.latency * 1e3:.3f} ms + {link.bandwidth / 1e9:.2f} GB/s",
               flush=True)
         for case in SUITES[args.cases]:
-            results["rows"].extend(run_case(case, args, device, link))
+            rows, auto = run_case(case, args, device, link)
+            results["rows"].extend(rows)
+            results["auto"].extend(auto)
             write_results(results, args, started)  # a lease can end before the last case
     finally:
         if context is not None:
             context.__exit__(None, None, None)
     write_results(results, args, started)
     print_table(results["rows"])
+    print_auto(results["auto"])
     print(f"> wrote {args.json} in {results['wall_seconds'] / 60:.1f} min")
     return 0
 

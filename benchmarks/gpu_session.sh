@@ -19,7 +19,8 @@
 #   bash benchmarks/gpu_session.sh stage        # bench_stage: K = 1..32 slices vs Megatron, ~3 min
 #   bash benchmarks/gpu_session.sh pipeline     # bench_gpu_pipeline: 2/4 stages under MPS, ~8 min
 #   bash benchmarks/gpu_session.sh pipeline-graphs  # the same plus graphed rows: TeraPipe's graphs
-#                                               # against Megatron-Core's own (cuda_graph_impl=local)
+#                                               # against Megatron-Core's own (cuda_graph_impl=local);
+#                                               # with measured auto per way first (AUTO_TRIALS=2)
 #   bash benchmarks/gpu_session.sh pipeline-eight   # pipeline-graphs on 8 stages x 4 layers, 1 microbatch
 #                                               # (needs an H200: 8 processes of 9-13 GiB run out of
 #                                               # an H100's 79 GiB)
@@ -107,7 +108,7 @@ m = re.search(r'\b[A-Z]\d{2,4}[A-Z]?\b', n); print((m.group(0) if m else n.split
 pipeline_graphs() {  # PROFILE_TIMING=device: plans and predictions on the GPU's own time
   python3 benchmarks/bench_gpu_pipeline.py --cuda-graphs --cases "${PIPELINE_CASES:-full}" \
     --repeats "${PIPELINE_REPEATS:-5}" --profile-timing "${PROFILE_TIMING:-wall}" \
-    --granularity "${PIPELINE_GRANULARITY:-64}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
+    --auto-trials "${AUTO_TRIALS:-2}" --granularity "${PIPELINE_GRANULARITY:-64}" --out "$OUT/gpu_pipeline_graphs" 2>&1 | tee "$OUT/pipeline_graphs.log"
 }
 
 # The same on 32 layers in 8 stages (terapipe-plan's question at 1 microbatch), each stage an

@@ -41,6 +41,9 @@ class SpeedCase:
     plans: dict = field(default_factory=dict)  # label -> TeraPipePlan (None: Megatron 1F1B)
     mps: bool = False  # stages share one GPU under CUDA MPS, transfers staged through the host
     graphed: tuple[str, ...] = ()  # labels that run with graphs (see the module's docstring)
+    auto_trials: int = 0  # > 0: a MeasuredChoice among the labels first (measured_auto.py)
+    predicted: dict = field(default_factory=dict)  # label -> simulated seconds, for its log
+    cost: object = None  # the plans' cost model: measured auto calibrates it and re-plans
 
 
 #: What a row's graphs are (graphs_of gives the key).
@@ -165,7 +168,8 @@ def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: d
 
         model.config.terapipe = replace(getattr(model.config, "terapipe", None) or TeraPipeConfig(),
                                         cuda_graphs=label in case.graphed)
-        model.__dict__["_terapipe_pools"] = memories[label]  # the label's buffers and graphs
+        # the label's buffers and graphs (auto's re-planned label gets its own when it joins)
+        model.__dict__["_terapipe_pools"] = memories.setdefault(label, OrderedDict())
         forward_backward_terapipe(data_iterator=iter(batches), model=[model], plan=plan,
                                   on_run=runs.append, **common)
 
@@ -176,6 +180,24 @@ def _runner(case: SpeedCase, device: str, models: dict, batches: list, common: d
 #: captured loss cells can hold the TP all-reduce; transfers stay on gloo with host tensors
 #: (host_staged.py).
 STAGE_BACKEND = {"cpu": "gloo", "cuda": GLOO_AND_NCCL}
+
+
+def _measured_auto(case: SpeedCase, world_size: int, run, rows: tuple, host) -> dict:
+    """measured_auto.choose_in_stages on this stage; `rows`: the eager model, and the models,
+    labels and times that a re-planned plan joins as a row of its own."""
+    from measured_auto import choose_in_stages
+
+    model, models, labels, times = rows
+    unique = list({id(m): m for m in models.values()}.values())
+
+    def add_label(label: str, plan: TeraPipePlan, graphed: bool) -> None:
+        case.plans[label], models[label] = plan, model
+        case.graphed = (*case.graphed, label) if graphed else case.graphed
+        labels.append(label)
+        times[label], times["busy:" + label] = [], []
+
+    return choose_in_stages(case, world_size, run, add_label,
+                            lambda: [_zero_grads(m, case) for m in unique], host)
 
 
 def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> dict:
@@ -212,6 +234,9 @@ def speed_worker(rank: int, world_size: int, case: SpeedCase, device: str) -> di
     host = dist.new_group(backend="gloo")
     for label in labels:
         _warm_up(label, run, models, case, device, times)
+    if case.auto_trials:  # the kept labels and rank 0's log lines, under "auto"
+        times["auto"] = _measured_auto(case, world_size, run, (model, models, labels, times),
+                                       host)
     for round_ in range(case.repeats):
         # Rotate the order every round, so each configuration follows each other one about
         # equally often: in a fixed order, the DP and uniform rows measured the same plan up
@@ -319,6 +344,21 @@ def plans_for(cost, model: TinyGPT, num_microbatches: int, granularity: int,
             "uniform_slices": len(uniform.seq_slices), "uniform_defer_wgrad": uniform.defer_wgrad,
             "uniform_wgrad_points": [list(p) for p in uniform.wgrad_points]}
     return plans, info
+
+
+def w_placed_plans(plans: dict, cost, case) -> dict:
+    """The DP plan again with its W actions placed by the planner (`plan_wgrad`, simulated on
+    the case's profile; `case`: a bench_gpu_pipeline.GpuCase), as "terapipe_dp_w_placed"; none where the default places are as fast
+    (plan_wgrad then keeps them: the row would repeat the DP's)."""
+    from megatron_terapipe.planner.wgrad_slots import plan_wgrad
+
+    dp = plans["terapipe_dp"]
+    if not dp.defer_wgrad:
+        return {}
+    placed, seconds = plan_wgrad(dp, cost, case.num_microbatches, case.stages, 1)
+    if not placed.wgrad_after:
+        return {}
+    return {"terapipe_dp_w_placed": replace(placed, predicted_time=seconds)}
 
 
 def megatron_1f1b_plan(model: TinyGPT) -> TeraPipePlan:

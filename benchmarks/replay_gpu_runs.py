@@ -41,7 +41,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 from provenance import provenance, script_command  # noqa: E402
-from resimulate_gpu_pipeline import case_rows, run_link  # noqa: E402
+from resimulate_gpu_pipeline import case_rows, row_plan, run_link  # noqa: E402
 from results_layout import RESULTS, load_runs, unpack_profiles  # noqa: E402
 
 FILES = (("gpu/h100/pipeline.json", "pipeline"), ("gpu/h200/pipeline.json", "pipeline"),
@@ -124,7 +124,7 @@ def pipeline_run(run: dict, folder: str) -> tuple[list[Replayed], list[Case]]:
         cases.append(Case(name, "pipeline", cost, model, case.num_microbatches, case.stages,
                           granularity, float(case.stages), floor))
         for row in (r for r in run["rows"] if r["case"] == name):
-            plan = plans[row["config"].replace("+graphs", "")]
+            plan = row_plan(row, plans)
             schedule = build_schedule(megatron_1f1b_plan(model) if plan is None else plan,
                                       case.num_microbatches, case.stages, 1)
             trial = Trial(schedule, cost, row["measured_s"], f"{name} {row['config']}",

@@ -50,6 +50,16 @@ def run_link(results: dict):
     return Link(bandwidth=nbytes / seconds, latency=0.0), f"{nbytes} bytes in {seconds * 1e3:.3f} ms"
 
 
+def row_plan(row: dict, plans: dict):
+    """The plan a row ran: the one it carries (measured auto's re-planned rows, and every
+    TeraPipe row of later runs), else the one rebuilt under its label (None: Megatron's)."""
+    from megatron_terapipe.plan import TeraPipePlan
+
+    if row.get("plan") is not None:
+        return TeraPipePlan.from_dict(row["plan"])
+    return plans[row["config"].replace("+graphs", "")]
+
+
 def case_rows(folder: str, results: dict, case_name: str, granularity: int, link) -> list[dict]:
     import bench_gpu_pipeline as bench
     from pipeline_runs import plans_for, predict, profile_cost_model
@@ -69,7 +79,7 @@ def case_rows(folder: str, results: dict, case_name: str, granularity: int, link
     _, info = plans_for(new, model, case.num_microbatches, granularity, case.stages)
     out = []
     for row in (r for r in results["rows"] if r["case"] == case_name):
-        plan = plans[row["config"].replace("+graphs", "")]
+        plan = row_plan(row, plans)
         if (None if plan is None else list(plan.seq_slices)) != row["slices"]:
             raise SystemExit(f"{case_name} {row['config']}: rebuilt {plan and plan.seq_slices}, "
                              f"the run had {row['slices']}")
