@@ -27,7 +27,8 @@
 #   bash benchmarks/gpu_session.sh virtual      # bench_gpu_virtual: 2 stages under MPS, 4 microbatches,
 #                                               # Megatron 1F1B / interleaved vs TeraPipe on 1 and 2 chunks
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b (same attention)
-#   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same under torch.profiler: summaries
+#   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same, 26 iterations, the last two
+#                                               # under torch.profiler: summaries, and times of 3-23
 #   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/runtime/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
@@ -44,6 +45,10 @@
 #       A lease has 15 minutes of device time and a machine starts in 1-2: one call of
 #       LEASE_SECONDS=545 with timeout_s 595 is most of it. $OUT returns at most 8 files: run
 #       with OUT set to a scratch folder and copy its results.tgz to the real $OUT after.
+#       The open GPU questions in their order (docs/performance.md):
+#         PROFILE_TIMING=device PIPELINE_GRANULARITY=128 LEASE_SECONDS=545 \
+#           LEASE_PARTS="measure pipeline-graphs megatron-lm-profile virtual" \
+#           bash benchmarks/gpu_session.sh lease
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 [ -d /tmp/site/megatron/core ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -175,21 +180,24 @@ megatron_lm() {
   python3 benchmarks/megatron_lm_logs.py "$OUT"  # losses and times side by side: megatron_lm.json
 }
 
-# The same two runs under torch.profiler for iterations 10-11 (Megatron-LM's --profile); only
-# the traces' summaries come back (host vs GPU time, launches, syncs, top host ops)
+# The same two runs, 26 iterations, under torch.profiler for iterations 24-25 (Megatron-LM's
+# --profile); the traces' summaries come back (host vs GPU time, launches, syncs, top host ops),
+# and the losses and times of iterations 3-23 side by side (the profiler's own are left out)
 megatron_lm_profile() {
   local schedule traces=()
   for schedule in terapipe 1f1b; do
     rm -rf "/tmp/trace_$schedule"
     # shellcheck disable=SC2046
     pretrain_gpt "megatron_lm_profile_$schedule" --pipeline-schedule "$schedule" \
-      $(same_model "$schedule") --train-iters 12 \
-      --profile --use-pytorch-profiler --profile-step-start 10 --profile-step-end 12 \
+      $(same_model "$schedule") --train-iters 26 \
+      --profile --use-pytorch-profiler --profile-step-start 24 --profile-step-end 26 \
       --tensorboard-dir "/tmp/trace_$schedule"
     traces+=(/tmp/trace_"$schedule"/*.json*)
   done
   python3 benchmarks/trace_summary.py "${traces[@]}" --out "$OUT/megatron_lm_profile.json" \
     2>&1 | tee "$OUT/megatron_lm_profile.log"
+  python3 benchmarks/megatron_lm_logs.py "$OUT" --prefix megatron_lm_profile --through 23 \
+    2>&1 | tee -a "$OUT/megatron_lm_profile.log"
 }
 
 case "${1:-}" in

@@ -7,8 +7,9 @@ this reads those logs where they were copied and writes one JSON beside them:
     python benchmarks/megatron_lm_logs.py RUN_DIR [--warmup 2]
 
 RUN_DIR holds megatron_lm_terapipe.log and megatron_lm_1f1b.log (and device.log with the card).
-The `megatron-lm-profile` part's logs: `--prefix megatron_lm_profile --through 9` (its
-iterations 10-12 run under torch.profiler, whose overhead is not the schedule's).
+The `megatron-lm-profile` part's logs: `--prefix megatron_lm_profile --through 23` (its
+iterations 24-26 run under torch.profiler, whose overhead is not the schedule's; logs of 12
+iterations, profiled from 10: `--through 9`).
 gpu_session.sh runs it on the device after the two runs, so the provenance is the device's; for
 logs summarised elsewhere, --logs-commit names the commit the device ran (kept as logs_commit).
 """
@@ -40,9 +41,18 @@ class Run:
     lm_loss: list[float]
     grad_norm: list[float]
 
-    def median_ms(self, warmup: int, through: int | None = None) -> float:
+    def timed_ms(self, warmup: int, through: int | None = None) -> list[float]:
         last = len(self.milliseconds) if through is None else self.iterations.index(through) + 1
-        return statistics.median(self.milliseconds[warmup:last])
+        return self.milliseconds[warmup:last]
+
+    def median_ms(self, warmup: int, through: int | None = None) -> float:
+        return statistics.median(self.timed_ms(warmup, through))
+
+    def spread_ms(self, warmup: int, through: int | None = None) -> dict:
+        """The timed iterations' count, least, quartiles and most: how far the median holds."""
+        timed = sorted(self.timed_ms(warmup, through))
+        q1, _, q3 = (statistics.quantiles(timed, n=4) if len(timed) > 1 else timed * 3)
+        return {"iterations": len(timed), "min": timed[0], "q1": q1, "q3": q3, "max": timed[-1]}
 
 
 def read_run(path: str, schedule: str) -> Run:
@@ -76,6 +86,8 @@ def compare(terapipe: Run, megatron: Run, warmup: int, through: int | None = Non
             "max_relative_grad_norm_difference": max(norm),
             "warmup_iterations_left_out": warmup, "timed_through_iteration": through,
             "median_ms_terapipe": ms_terapipe, "median_ms_1f1b": ms_megatron,
+            "spread_ms_terapipe": terapipe.spread_ms(warmup, through),
+            "spread_ms_1f1b": megatron.spread_ms(warmup, through),
             "terapipe_over_1f1b_speed": ms_megatron / ms_terapipe}
 
 
@@ -101,9 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     summary = result["summary"]
+    spread = {s: summary[f"spread_ms_{s}"] for s in ("terapipe", "1f1b")}
     print(f"> lm loss within rel {summary['max_relative_lm_loss_difference']:.2e}, grad norm "
           f"within rel {summary['max_relative_grad_norm_difference']:.2e}; median ms per iteration "
-          f"terapipe {summary['median_ms_terapipe']:.1f}, 1f1b {summary['median_ms_1f1b']:.1f} "
+          f"over {spread['terapipe']['iterations']} iterations: terapipe "
+          f"{summary['median_ms_terapipe']:.1f} (quartiles {spread['terapipe']['q1']:.1f}-"
+          f"{spread['terapipe']['q3']:.1f}), 1f1b {summary['median_ms_1f1b']:.1f} (quartiles "
+          f"{spread['1f1b']['q1']:.1f}-{spread['1f1b']['q3']:.1f}) "
           f"({summary['terapipe_over_1f1b_speed']:.2f}x); wrote {out}")
     return 0
 

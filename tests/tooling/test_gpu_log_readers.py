@@ -40,6 +40,12 @@ def test_megatron_lm_logs_compare_losses_and_median_times(tmp_path):
     assert summary["max_relative_grad_norm_difference"] == pytest.approx(0.4 / 4.4)
     assert summary["median_ms_terapipe"] == 40.0 and summary["median_ms_1f1b"] == 20.0
     assert summary["terapipe_over_1f1b_speed"] == 0.5
+    # the spread of the timed iterations (the warm-up's 900 ms left out)
+    spread = summary["spread_ms_terapipe"]
+    assert (spread["iterations"], spread["min"], spread["max"]) == (3, 30.0, 50.0)
+    assert spread["q1"] <= 40.0 <= spread["q3"] and spread["q1"] < spread["q3"]
+    assert summary["spread_ms_1f1b"] == {"iterations": 3, "min": 20.0, "q1": 20.0, "q3": 20.0,
+                                         "max": 20.0}
 
 
 def test_megatron_lm_logs_read_the_profile_logs_and_time_through_an_iteration(tmp_path):
