@@ -4,7 +4,9 @@ within it, a MeasuredChoice (hooks/measured_choice.py) times a shortlist on the 
 iterations and keeps the fastest measured. The shortlist, at most SHORTLIST:
 - Megatron's own schedule for the layout (1F1B, or interleaved on chunks), always;
 - TeraPipe's predicted best plan per order;
-- the best uniform slicing (on chunks: uniform slices as many as the best plan's);
+- the best uniform slicing (on chunks: uniform slices as many as the best plan's); where that
+  is the best plan itself, a uniform slicing at the far end of what slicing can gain
+  (_other_uniform);
 - the best plan with its W placement switched (placed / default places);
 - after the rounds, the plan the search makes on a cost model calibrated on the trials
   (planner/evaluate/calibration.py), when it differs from all of them.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -93,11 +96,44 @@ def _uniform(inputs: PlannerInputs, best: ScheduleOption) -> Optional[TrialCandi
                 space.seq_length, len(plan.seq_slices), plan.order, space.unit).seq_slices),
                 wgrad_after=())
         if uniform.seq_slices == plan.seq_slices:
-            return None
+            return _other_uniform(inputs, best)
         return _simulated(inputs, f"{best.name}, uniform {len(uniform.seq_slices)} slices",
                           replace(uniform, virtual_stages=plan.virtual_stages))
     except ValueError:  # over the budget, or batch slices a uniform cut cannot keep
         return None
+
+
+#: The most slices _other_uniform tries.
+OTHER_UNIFORM_MOST = 16
+#: The share of the iteration the far-end slicing leaves to the fill-and-drain bubble.
+FAR_BUBBLE = 0.1
+
+
+def _other_uniform(inputs: PlannerInputs, best: ScheduleOption) -> Optional[TrialCandidate]:
+    """Where the best uniform slicing is the best plan itself: a uniform slicing of another
+    count, since trials of one slicing alone cannot show whether slicing pays on this machine,
+    nor tell the calibration a per-cell overhead from a scale. The count that leaves at most
+    FAR_BUBBLE of the iteration to the pipeline's fill and drain (S - 1 of M x K x chunks +
+    S - 1 cells), the far end of what slicing can gain, so that the trials bracket the best
+    slicing; where that is the best plan's own count, the other count predicted fastest."""
+    plan, space = best.plan, inputs.space
+    assert plan is not None
+    most = min(OTHER_UNIFORM_MOST, space.seq_length // space.unit)
+    cells = (space.num_stages - 1) * (1 - FAR_BUBBLE) / FAR_BUBBLE
+    far = min(most, max(1, math.ceil(cells / (space.num_microbatches * best.num_chunks))))
+    counts = [far] if far != len(plan.seq_slices) else [
+        c for c in range(1, most + 1) if c != len(plan.seq_slices)]
+    found = []
+    for count in counts:
+        try:
+            slices = TeraPipePlan.uniform(space.seq_length, count, plan.order, space.unit)
+            other = replace(plan, seq_slices=list(slices.seq_slices), wgrad_points=(),
+                            wgrad_after=())
+            found.append(_simulated(inputs, f"{best.name}, uniform {count} slices", other))
+        except ValueError:  # over the budget, or batch slices a uniform cut cannot keep
+            continue
+    found = [c for c in found if c is not None]
+    return min(found, key=lambda c: c.predicted_s, default=None)
 
 
 def _w_switched(inputs: PlannerInputs, best: ScheduleOption) -> Optional[TrialCandidate]:

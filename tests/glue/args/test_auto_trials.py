@@ -60,6 +60,23 @@ def test_the_shortlist_holds_megatrons_schedule_and_terapipes_plans_that_fit():
         assert (name, plan) == (c.name, c.plan)
 
 
+@pytest.mark.parametrize("microbatches,far", [(1, 9), (4, 3)])
+def test_where_the_best_plan_cuts_no_sequence_a_far_uniform_slicing_is_tried(microbatches, far):
+    """On 2 stages the far end leaves a tenth of the iteration to the bubble: M x K cells >= 9.
+    Trials of one slice alone could not show whether slicing pays here."""
+    shape = dict(num_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=128,
+                 global_batch_size=microbatches, bf16=False)
+    _, predicted, choice, _, _ = choice_for([], **shape)
+    best = next(c for c in choice.candidates if c.plan is not None)
+    assert best.plan.seq_slices == (2048,)  # the analytic model cuts no sequence here
+    assert predicted.inputs.search(best.plan.order).starts[1].plan.seq_slices == (2048,)
+    uniform = [c for c in choice.candidates if "uniform" in c.name]
+    assert [c.name for c in uniform] == [f"{best.name}, uniform {far} slices"]
+    assert len(uniform[0].plan.seq_slices) == far and sum(uniform[0].plan.seq_slices) == 2048
+    assert len(set(uniform[0].plan.seq_slices)) <= 2  # near-equal
+    assert uniform[0].predicted_s == uniform[0].plan.predicted_time > 0
+
+
 def test_auto_chooses_within_the_virtual_stages_the_flags_fix():
     run, predicted, choice, layout, _ = choice_for([], num_virtual_stages_per_pipeline_rank=2,
                                                    virtual_pipeline_model_parallel_size=2)
