@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     name, plan_text, rest = argv[0], argv[1], argv[2:]
     plan = None if plan_text == "megatron" else TeraPipePlan.from_dict(json.loads(plan_text))
     candidate = TrialCandidate(name, plan)
-    auto_trials.shortlist = lambda inputs, table, chunks: [candidate]
+    auto_trials.shortlist = lambda inputs, table, chunks, placement="ring": [candidate]
     auto_trials.make_replan = lambda *args, **kwargs: None
     return launch.main(rest)
 

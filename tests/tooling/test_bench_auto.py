@@ -28,3 +28,28 @@ def test_pairs_to_the_first_candidate_without_megatrons_schedule():
 def test_the_plain_run_is_megatrons_wherever_it_runs(chunks, microbatches, schedule):
     flags = bench.plain_schedule(argparse.Namespace(chunks=chunks), microbatches)
     assert flags[flags.index("--pipeline-schedule") + 1] == schedule
+
+
+def test_a_candidate_alone_is_the_only_one_auto_times(monkeypatch):
+    """auto_alone.py's stand-in shortlist takes what measured_choice passes the real one."""
+    import auto_alone
+    from harness.flags import AUTO, SHAPE, parse
+    from megatron_terapipe.megatron import launch
+    from megatron_terapipe.megatron.args import auto_trials
+    from megatron_terapipe.megatron.args.auto_schedule import predicted_choice
+    from megatron_terapipe.megatron.args.checks import validate_terapipe_args
+
+    monkeypatch.setattr(auto_trials, "shortlist", auto_trials.shortlist)  # restored after
+    monkeypatch.setattr(auto_trials, "make_replan", auto_trials.make_replan)
+
+    def main(rest):  # what the launcher would reach: auto's choice for these flags
+        run = validate_terapipe_args(parse(AUTO, **SHAPE))
+        predicted = predicted_choice(run, log=lambda line: None)
+        choice, _ = auto_trials.measured_choice(run, predicted.inputs, predicted.table,
+                                                predicted.choice.chosen, lambda line: None)
+        return [c.name for c in choice.candidates], choice.replan
+
+    monkeypatch.setattr(launch, "main", main)
+    plan = '{"seq_slices": [1024, 1024], "order": "1f1b"}'
+    names, replan = auto_alone.main(["TeraPipe 1f1b, uniform 2 slices", plan, "pretrain_gpt.py"])
+    assert names == ["TeraPipe 1f1b, uniform 2 slices"] and replan is None
