@@ -195,6 +195,8 @@ def _measured_auto(case: SpeedCase, world_size: int, run, rows: tuple, host) -> 
         case.graphed = (*case.graphed, label) if graphed else case.graphed
         labels.append(label)
         times[label], times["busy:" + label] = [], []
+        if graphed:  # its eager warm-up here, so that the trial's own warm-up captures
+            run(label)
 
     return choose_in_stages(case, world_size, run, add_label,
                             lambda: [_zero_grads(m, case) for m in unique], host)
