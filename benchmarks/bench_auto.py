@@ -16,7 +16,9 @@ run must log (rel 1e-5). On chunks with fewer microbatches than stages Megatron'
 schedule does not run (it needs one microbatch per stage), so auto has no Megatron candidate:
 the pairs are then to the first candidate, and the plain run is `--pipeline-schedule terapipe`
 with one slice on the same chunks, whose gradients equal Megatron's wherever both run (tests). Per auto run: the kept schedule's time over the fastest of that run's
-own candidates, over the fastest of all candidates, and over Megatron's schedule.
+own candidates, over the fastest of all candidates, and over Megatron's schedule. Per
+candidate, the spread of its rounds (quartile_spread, of the times and of the paired ratios):
+on a shared machine it can be as large as the margins the targets ask about.
 
     python benchmarks/bench_auto.py --checkout MEGATRON_LM [--layers 2] [--rounds 7]
 
@@ -174,10 +176,21 @@ def paired_medians(times: dict[str, list[float]]) -> dict[str, float]:
     """Each plan's median over the rounds of its time over Megatron's schedule in the same round
     (or the first candidate's, where Megatron's does not run), times that one's median: load
     that drifts between rounds (this machine is shared) cancels, as interleaving intends."""
+    scale = statistics.median(times.get("megatron") or next(iter(times.values())))
+    return {plan: statistics.median(r) * scale for plan, r in round_ratios(times).items()}
+
+
+def quartile_spread(values) -> float:
+    """(upper quartile - lower quartile) / median: how far apart rounds of one candidate fall,
+    the size of difference between candidates that the rounds can resolve."""
+    low, mid, high = statistics.quantiles(values, n=4)
+    return (high - low) / mid
+
+
+def round_ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each plan's time over the reference's (paired_medians's) in the same round."""
     reference = times.get("megatron") or next(iter(times.values()))
-    scale = statistics.median(reference)
-    return {plan: statistics.median(t / m for t, m in zip(ts, reference)) * scale
-            for plan, ts in times.items()}
+    return {plan: [t / m for t, m in zip(ts, reference)] for plan, ts in times.items()}
 
 
 def ratios(kept_s, own: dict, fastest: float, megatron) -> dict:
@@ -191,7 +204,7 @@ def ratios(kept_s, own: dict, fastest: float, megatron) -> dict:
 
 def summarise(microbatches, runs, candidates, times, plain) -> dict:
     alone_s = {plan: statistics.median(t) for plan, t in times.items()}
-    paired_s = paired_medians(times)
+    paired_s, paired = paired_medians(times), round_ratios(times)
     rows = []
     for run in runs:
         kept_plan = run["plans"].get(run["kept"])
@@ -210,8 +223,9 @@ def summarise(microbatches, runs, candidates, times, plain) -> dict:
         rows.append(row)
     return {"microbatches": microbatches, "runs": rows, "plain_iterations": plain,
             "alone": [{"name": candidates[p], "plan": p, "rounds_s": times[p],
-                       "median_s": alone_s[p], "paired_median_s": paired_s[p]}
-                      for p in candidates]}
+                       "median_s": alone_s[p], "paired_median_s": paired_s[p],
+                       "spread": quartile_spread(times[p]),
+                       "paired_spread": quartile_spread(paired[p])} for p in candidates]}
 
 
 def main(argv=None) -> int:
@@ -243,7 +257,10 @@ def main(argv=None) -> int:
         {k: r[k] for k in ("cost_model", "kept", "kept_over_fastest_own_paired",
                            "kept_over_fastest_paired", "kept_over_megatron_paired",
                            "kept_over_fastest_own_alone", "worst_loss_or_norm_rel_to_1f1b")}
-        for r in c["runs"]]} for c in cases], indent=1))
+        for r in c["runs"]], "alone_spread": {"median": statistics.median(
+            a["spread"] for a in c["alone"]), "paired_median": statistics.median(
+            a["paired_spread"] for a in c["alone"] if a["plan"] != "megatron")}}
+        for c in cases], indent=1))
     return 0
 
 

@@ -23,6 +23,20 @@ def test_pairs_to_the_first_candidate_without_megatrons_schedule():
     assert bench.paired_medians(times) == pytest.approx({"a": 1.0, "b": 0.5})
 
 
+def test_spread_is_the_quartile_range_over_the_median():
+    # statistics.quantiles' default (exclusive) quartiles of 1..5 are 1.5 and 4.5.
+    assert bench.quartile_spread([3.0, 1.0, 5.0, 2.0, 4.0]) == pytest.approx(1.0)
+
+
+def test_paired_spread_leaves_out_load_shared_by_the_round():
+    # Every candidate doubled in round 2: the raw times spread, the ratios do not.
+    times = {"megatron": [1.0, 2.0, 1.0, 1.0], "a": [0.8, 1.6, 0.8, 0.88]}
+    ratios = bench.round_ratios(times)
+    assert ratios["a"] == pytest.approx([0.8, 0.8, 0.8, 0.88])
+    assert bench.quartile_spread(times["a"]) > 0.5
+    assert bench.quartile_spread(ratios["a"]) == pytest.approx(0.06 / 0.8)
+
+
 @pytest.mark.parametrize("chunks, microbatches, schedule", [
     (1, 1, "1f1b"), (2, 4, "1f1b"), (2, 1, "terapipe")])
 def test_the_plain_run_is_megatrons_wherever_it_runs(chunks, microbatches, schedule):
