@@ -176,8 +176,13 @@ def paired_medians(times: dict[str, list[float]]) -> dict[str, float]:
     """Each plan's median over the rounds of its time over Megatron's schedule in the same round
     (or the first candidate's, where Megatron's does not run), times that one's median: load
     that drifts between rounds (this machine is shared) cancels, as interleaving intends."""
-    scale = statistics.median(times.get("megatron") or next(iter(times.values())))
+    scale = statistics.median(times[reference_plan(times)])
     return {plan: statistics.median(r) * scale for plan, r in round_ratios(times).items()}
+
+
+def reference_plan(times: dict[str, list[float]]) -> str:
+    """The plan the pairs are to: Megatron's schedule, or the first candidate without it."""
+    return "megatron" if "megatron" in times else next(iter(times))
 
 
 def quartile_spread(values) -> float:
@@ -189,7 +194,7 @@ def quartile_spread(values) -> float:
 
 def round_ratios(times: dict[str, list[float]]) -> dict[str, list[float]]:
     """Each plan's time over the reference's (paired_medians's) in the same round."""
-    reference = times.get("megatron") or next(iter(times.values()))
+    reference = times[reference_plan(times)]
     return {plan: [t / m for t, m in zip(ts, reference)] for plan, ts in times.items()}
 
 
@@ -228,6 +233,14 @@ def summarise(microbatches, runs, candidates, times, plain) -> dict:
                        "paired_spread": quartile_spread(paired[p])} for p in candidates]}
 
 
+def spread_summary(alone: list[dict]) -> dict:
+    """The median spread over the candidates; paired, without the reference (its ratios are 1)."""
+    reference = reference_plan({a["plan"]: a["rounds_s"] for a in alone})
+    return {"median": statistics.median(a["spread"] for a in alone),
+            "paired_median": statistics.median(
+                a["paired_spread"] for a in alone if a["plan"] != reference)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", required=True, help="Megatron-LM checkout")
@@ -257,10 +270,8 @@ def main(argv=None) -> int:
         {k: r[k] for k in ("cost_model", "kept", "kept_over_fastest_own_paired",
                            "kept_over_fastest_paired", "kept_over_megatron_paired",
                            "kept_over_fastest_own_alone", "worst_loss_or_norm_rel_to_1f1b")}
-        for r in c["runs"]], "alone_spread": {"median": statistics.median(
-            a["spread"] for a in c["alone"]), "paired_median": statistics.median(
-            a["paired_spread"] for a in c["alone"] if a["plan"] != "megatron")}}
-        for c in cases], indent=1))
+        for r in c["runs"]], "alone_spread": spread_summary(c["alone"])} for c in cases],
+        indent=1))
     return 0
 
 

@@ -37,6 +37,13 @@ def test_paired_spread_leaves_out_load_shared_by_the_round():
     assert bench.quartile_spread(ratios["a"]) == pytest.approx(0.06 / 0.8)
 
 
+def test_the_paired_spread_summary_leaves_out_the_reference():
+    # Without Megatron's schedule the pairs are to the first candidate, whose ratios are all 1.
+    alone = [{"plan": "a", "rounds_s": [1.0], "spread": 0.2, "paired_spread": 0.0},
+             {"plan": "b", "rounds_s": [1.0], "spread": 0.1, "paired_spread": 0.3}]
+    assert bench.spread_summary(alone) == pytest.approx({"median": 0.15, "paired_median": 0.3})
+
+
 @pytest.mark.parametrize("chunks, microbatches, schedule", [
     (1, 1, "1f1b"), (2, 4, "1f1b"), (2, 1, "terapipe")])
 def test_the_plain_run_is_megatrons_wherever_it_runs(chunks, microbatches, schedule):
