@@ -46,8 +46,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 
 from harness import TinyGPT, WorkerError, spawn  # noqa: E402
-from pipeline_runs import (GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of, plans_for,  # noqa: E402
-                           predict, w_placed_plans)
+from pipeline_plans import plans_for, predict, w_placed_plans  # noqa: E402
+from pipeline_runs import GRAPHS, STAGE_BACKEND, SpeedCase, graphs_of  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from measured_auto import auto_rows, join_added, print_auto  # noqa: E402
 from mps import stage_environ  # noqa: E402
@@ -164,7 +164,7 @@ def link_through(points: list) -> "Link":
 def profile_worker(rank: int, world_size: int, case: GpuCase, granularity: int, cache: str,
                    device: str, bf16: bool, link=None, timing: str = "wall"):
     """The layer profile measured with one stage's SM share (a single process under MPS)."""
-    from pipeline_runs import profile_cost_model
+    from pipeline_plans import profile_cost_model
 
     if device == "cuda":
         from mps import enter_stage

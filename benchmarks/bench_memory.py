@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__)), os.path.join(ROOT, "tests")]
 
 from harness import TinyGPT, spawn  # noqa: E402
-from harness.memory_runs import MemoryRun  # noqa: E402
+from harness.measured.memory_runs import MemoryRun  # noqa: E402
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 
@@ -66,7 +66,7 @@ def memory_grid() -> list[MemoryRun]:
 def fitted_memory(model: TinyGPT, layers_per_stage: int):
     from megatron_terapipe.planner.profile.memory_fit import FittedMemory
 
-    data = spawn(1, "harness.memory_runs:measure_memory_profile", model, 8, timeout=1800)[0]
+    data = spawn(1, "harness.measured.memory_runs:measure_memory_profile", model, 8, timeout=1800)[0]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(data, fh)
     return FittedMemory.load(fh.name, layers_per_stage=layers_per_stage)
@@ -81,7 +81,7 @@ def memory_part() -> dict:
     rows = []
     for stages in (2, 4):
         runs = memory_grid()
-        measured = spawn(stages, "harness.memory_runs:measure_run_peaks", memory_model(stages),
+        measured = spawn(stages, "harness.measured.memory_runs:measure_run_peaks", memory_model(stages),
                          runs, timeout=3600)
         for run in runs:
             plan = run.plan or TeraPipePlan([SEQ], order="1f1b", defer_wgrad=False)
@@ -101,7 +101,7 @@ def interleaved_rows(stages: int, memory, times) -> list[dict]:
 
     rows = []
     for M in (4, 8):
-        measured = spawn(stages, "harness.memory_runs:measure_interleaved_peak",
+        measured = spawn(stages, "harness.measured.memory_runs:measure_interleaved_peak",
                          memory_model(stages), 2, M, timeout=3600)
         schedule = build_interleaved_schedule(SEQ, M, stages, 2, 1)
         peaks = simulate(schedule, times, memory=memory).peak_memory_bytes
@@ -134,9 +134,9 @@ AUTO_MODELS = {"hidden 256, seq 1024": TinyGPT(num_layers=4, hidden_size=256, nu
 
 
 def auto_case(name: str, model: TinyGPT, num_microbatches: int, repeats: int, cache: str) -> dict:
-    from pipeline_runs import profile_cost_model
+    from pipeline_plans import profile_cost_model
 
-    from harness.schedule_runs import ScheduleRuns, stage_seconds
+    from harness.measured.schedule_runs import ScheduleRuns, stage_seconds
     from megatron_terapipe.planner.cost.stage_memory import MemoryBudget
     from megatron_terapipe.planner.schedule_choice import compare_schedules
     from megatron_terapipe.planner.search import SearchSpace
@@ -152,7 +152,7 @@ def auto_case(name: str, model: TinyGPT, num_microbatches: int, repeats: int, ca
                           (None if o.num_chunks == 1 else o.num_chunks))
                  for o in table.options if o.runnable}
     runs = ScheduleRuns(model, num_microbatches, repeats, schedules)
-    per_rank = spawn(2, "harness.schedule_runs:time_schedules", runs, timeout=3600)
+    per_rank = spawn(2, "harness.measured.schedule_runs:time_schedules", runs, timeout=3600)
     measured = {label: statistics.median(stage_seconds(per_rank, label)) for label in schedules}
     fastest = min(measured, key=measured.get)
     return {"case": name, "num_microbatches": num_microbatches, "auto": choice.chosen.name,

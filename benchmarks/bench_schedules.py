@@ -50,7 +50,8 @@ import torch  # noqa: E402
 
 from megatron_terapipe.plan import TeraPipePlan  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
-from pipeline_runs import SpeedCase, plans_for, predict, profile_cost_model  # noqa: E402
+from pipeline_runs import SpeedCase  # noqa: E402
+from pipeline_plans import plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from results_layout import default_out, output_paths  # noqa: E402
 

@@ -14,7 +14,7 @@ vocab 1024), the same weights and batches in every row:
 2. megatron_interleaved_v2: Megatron-Core's forward_backward_pipelining_with_interleaving on
    2 chunks per stage built as Megatron builds them (GPTModel(..., vp_stage=c));
 3. terapipe_v1: TeraPipe on one chunk per stage with bench_schedules' plan (the DP plan from
-   the cost model profiled here, the faster order: pipeline_runs.plans_for);
+   the cost model profiled here, the faster order: pipeline_plans.plans_for);
 4. terapipe_v2: TeraPipe on the same 2 chunks per stage with the planner's plan
    (planner.search_virtual: slicing, group, warm-up and W places, both orders, no budget);
 5. terapipe_v2_uniform: the best near-equal slicing on 2 chunks in that plan's order and W
@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from bench_schedules import parallel_capacity  # noqa: E402
 from harness import TinyGPT, spawn  # noqa: E402
-from pipeline_runs import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
+from pipeline_plans import megatron_1f1b_plan, plans_for, predict, profile_cost_model  # noqa: E402
 from provenance import describe, provenance, script_command  # noqa: E402
 from results_layout import default_out  # noqa: E402
 from virtual_cpu_plans import (GRANULARITY, edge_plan, uniform_virtual_plan,  # noqa: E402

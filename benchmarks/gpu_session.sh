@@ -29,7 +29,7 @@
 #   bash benchmarks/gpu_session.sh megatron-lm  # pretrain_gpt.py, PP=1, bf16, terapipe vs 1f1b (same attention)
 #   bash benchmarks/gpu_session.sh megatron-lm-profile  # the same, 26 iterations, the last two
 #                                               # under torch.profiler: summaries, and times of 3-23
-#   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/runtime/test_gpu_graphs.py), then
+#   bash benchmarks/gpu_session.sh graphs       # replays vs eager (tests/runtime/graphs/test_gpu_graphs.py), then
 #                                               # bench_stage with a CUDA graph per compute action
 #   bash benchmarks/gpu_session.sh measure      # layer profiles (--timing wall and device), a plan with each,
 #                                               # and a bf16 memory profile
@@ -72,7 +72,7 @@ pipeline() {
 }
 
 graphs() {
-  python3 -m pytest -q -p no:cacheprovider tests/runtime/test_gpu_graphs.py 2>&1 | tee "$OUT/graphs_test.log"
+  python3 -m pytest -q -p no:cacheprovider tests/runtime/graphs/test_gpu_graphs.py 2>&1 | tee "$OUT/graphs_test.log"
   local model="--bf16 --hidden-size 4096 --num-attention-heads 32 --seq-length 2048 --num-layers 4"
   python3 benchmarks/bench_stage.py --device cuda $model --slices 1,8,16 --cuda-graphs --warmup 3 \
     --out "$OUT/stage_cuda_graphs.json" 2>&1 | tee "$OUT/graphs.log"

@@ -62,7 +62,7 @@ def bf16_errors(results: list, case) -> tuple[float, float, list[float], float]:
 
 
 def main() -> None:
-    results = spawn(4, "harness.optimizer_runs:run_optimizer_cases", dist.CASES, timeout=900)
+    results = spawn(4, "harness.runs.optimizer_runs:run_optimizer_cases", dist.CASES, timeout=900)
     for case in dist.CASES:
         grad, norm, in_lr, of_change = errors(results, case)
         if case.model.bf16:

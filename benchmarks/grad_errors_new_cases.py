@@ -37,8 +37,8 @@ def show(title: str, results: list, cases: list) -> None:
 def main() -> None:
     named = lambda cases, *keys: [c for c in cases if any(k in c.name for k in keys)]  # noqa: E731
     moe2, moe4 = named(moe.CASES_2, "virtual", "edge"), named(moe.CASES_4, "virtual", "padding")
-    show("moe2", spawn(2, "harness.moe_runs:run_moe_cases", moe2, timeout=600), moe2)
-    show("moe4", spawn(4, "harness.moe_runs:run_moe_cases", moe4, timeout=600), moe4)
+    show("moe2", spawn(2, "harness.runs.moe_runs:run_moe_cases", moe2, timeout=600), moe2)
+    show("moe4", spawn(4, "harness.runs.moe_runs:run_moe_cases", moe4, timeout=600), moe4)
     split2, split4 = [c for c, _ in split.CASES_2], [c for c, _ in split.CASES_4]
     show("split2", spawn(2, "harness:run_cases", split2, timeout=600), split2)
     show("split4", spawn(4, "harness:run_cases", split4, timeout=600), split4)
@@ -46,7 +46,7 @@ def main() -> None:
     show("eq2", spawn(2, "harness:run_cases", packed2, timeout=600), packed2)
     show("eq4", spawn(4, "harness:run_cases", packed4, timeout=600), packed4)
     virtual = named(vr.CASES_2, "packed")
-    show("virt2", spawn(2, "harness.virtual_runs:run_virtual_cases", virtual, timeout=600), virtual)
+    show("virt2", spawn(2, "harness.runs.virtual_runs:run_virtual_cases", virtual, timeout=600), virtual)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def errors(results: list, case) -> tuple[float, float]:
 def main() -> None:
     for world, cases in ((2, runs.CASES_2), (4, runs.CASES_4)):
         in_a_v = [case for case in cases if "in_a_v" in case.name]
-        results = spawn(world, "harness.virtual_runs:run_virtual_cases", in_a_v, timeout=900)
+        results = spawn(world, "harness.runs.virtual_runs:run_virtual_cases", in_a_v, timeout=900)
         for case in in_a_v:
             grad, loss = errors(results, case)
             print(f"{case.name:40s} {world} processes: worst grad {grad:.1e}  worst loss "

@@ -9,7 +9,7 @@ timed rounds: per way of running (eager; graphed), a MeasuredChoice among that w
 label's own (pipeline_runs._runner), so the trials cost what the rows cost. An iteration's time
 is its maximum over the stages (over a gloo group: NCCL refuses two ranks on one GPU). After
 the first rounds, as `auto` does, the cost model is calibrated on the trials' medians
-(planner/evaluate/calibration.py) and the DP re-plans on it (pipeline_runs.plans_for); a plan
+(planner/evaluate/calibration.py) and the DP re-plans on it (pipeline_plans.plans_for); a plan
 none of the rows has joins the trials as "terapipe_calibrated" (with "+graphs" when graphed)
 and the timed rounds as a row of its own, so that the calibrated planner's choice is measured.
 `auto_rows` then sets the kept label against the rows timed alone in the interleaved rounds:
@@ -45,7 +45,7 @@ def _replan(case, stages: int, way: str):
     from megatron_terapipe import TrialCandidate
     from megatron_terapipe.planner.evaluate.calibration import Trial, fit_calibration
     from megatron_terapipe.schedule import build_schedule
-    from pipeline_runs import megatron_1f1b_plan, plans_for
+    from pipeline_plans import megatron_1f1b_plan, plans_for
 
     def replan(measured):
         M = case.num_microbatches

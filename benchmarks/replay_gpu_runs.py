@@ -104,7 +104,7 @@ def plan_key(plan) -> tuple:
 def pipeline_run(run: dict, folder: str) -> tuple[list[Replayed], list[Case]]:
     """bench_gpu_pipeline's rows: plans rebuilt (and checked) as resimulate_gpu_pipeline does."""
     import bench_gpu_pipeline as bench
-    from pipeline_runs import megatron_1f1b_plan, plans_for, profile_cost_model
+    from pipeline_plans import megatron_1f1b_plan, plans_for, profile_cost_model
     from megatron_terapipe.planner.evaluate.calibration import Trial
     from megatron_terapipe.schedule import build_schedule
 
@@ -140,7 +140,7 @@ def virtual_run(run: dict, folder: str) -> tuple[list[Replayed], list[Case]]:
     """bench_gpu_virtual's rows: every schedule from the plan its row carries."""
     from bench_gpu_virtual import the_case
     from bench_virtual_cpu import STAGES
-    from pipeline_runs import megatron_1f1b_plan, profile_cost_model
+    from pipeline_plans import megatron_1f1b_plan, profile_cost_model
     from megatron_terapipe.plan import TeraPipePlan
     from megatron_terapipe.planner.evaluate.calibration import Trial
     from megatron_terapipe.schedule import build_interleaved_schedule, build_schedule
@@ -191,7 +191,7 @@ def replay_rows(replayed: list[Replayed]) -> list[dict]:
 def dp_choice(case: Case, calibration):
     """The plan the planner picks on the calibrated model: the DP's (bench_gpu_pipeline's
     plans_for), and on a virtual case the faster of it and the planner's plan on chunks."""
-    from pipeline_runs import plans_for
+    from pipeline_plans import plans_for
 
     cost = calibration.apply(case.cost)
     plans, _ = plans_for(cost, case.model, case.num_microbatches, case.granularity, case.stages)

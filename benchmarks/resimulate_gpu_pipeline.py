@@ -9,7 +9,7 @@ estimate (100 GB/s, 10 us) while the activations went through pinned host memory
 measured at the start of the same run (5-7 ms one way for [2048, 1, 4096] bf16). This reads a
 run (a results file's newest, or --run's; or a folder's results.json) and the layer profiles
 it planned on (inside the run, or cached in the folder), rebuilds each case's plans
-(pipeline_runs.plans_for on the cost model the run planned on: they must come out as the rows
+(pipeline_plans.plans_for on the cost model the run planned on: they must come out as the rows
 say) and simulates every measured row twice, with the old link and with one priced from the
 run's own transfer measurement: the JSON's two-point fit where the run made one, else its one
 size as bandwidth with no latency (a lower bound for smaller messages). The measured times are
@@ -62,7 +62,7 @@ def row_plan(row: dict, plans: dict):
 
 def case_rows(folder: str, results: dict, case_name: str, granularity: int, link) -> list[dict]:
     import bench_gpu_pipeline as bench
-    from pipeline_runs import plans_for, predict, profile_cost_model
+    from pipeline_plans import plans_for, predict, profile_cost_model
 
     case = next(c for suite in bench.SUITES.values() for c in suite if c.name == case_name)
     bf16 = results["device"] == "cuda"

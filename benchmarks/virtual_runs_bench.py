@@ -4,7 +4,7 @@ all on the same weights and batches, interleaved round by round in the same proc
 
 Each stage process (harness.spawn) builds the full model once (float32 weights from the model's
 seed), then its one-chunk stage (harness.build_stage_model) and its V chunks as Megatron builds
-them for its interleaved schedule (harness.virtual_runs.build_chunks: GPTModel(...,
+them for its interleaved schedule (harness.runs.virtual_runs.build_chunks: GPTModel(...,
 vp_stage=c) under config.virtual_pipeline_model_parallel_size = V), both loaded with those
 weights by each layer's global number. Megatron's module-level virtual pipeline size is set for
 the rows on chunks and cleared for the one-chunk rows, as each would run on its own.
@@ -100,7 +100,7 @@ def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict, dict]:
     from megatron.core import parallel_state
 
     from harness import build_stage_model, in_precision, load_full_state, to_device
-    from harness.virtual_runs import VirtualCase, build_chunks
+    from harness.runs.virtual_runs import VirtualCase, build_chunks
 
     state = full_model_state(case.model)
     parallel_state.initialize_model_parallel(
@@ -113,7 +113,7 @@ def build_models(case: VirtualSpeedCase, world_size: int) -> tuple[dict, dict]:
                         pp=world_size, model=case.model)
     config, chunks = build_chunks(shape, state, ddp=False)
     # Megatron's interleaved schedule on 2 ranks needs overlapped, unbatched P2P (as
-    # harness.virtual_runs.megatron_interleaved sets it); TeraPipe's torch transport ignores both.
+    # harness.runs.virtual_runs.megatron_interleaved sets it); TeraPipe's torch transport ignores both.
     config.overlap_p2p_comm, config.batch_p2p_comm = world_size == 2, world_size > 2
     configs, built = {1: stage_config, case.chunks: config}, {1: [stage], case.chunks: chunks}
     if any(row.layout == "v" for row in case.rows):  # rank 0: the embedding and the loss
@@ -266,7 +266,7 @@ def profile_in_run_worker(rank: int, world_size: int, model_cfg: TinyGPT, granul
     cells). Returns this rank's profile file."""
     from harness import release_model_parallel
     from megatron_terapipe.megatron.platform.cpu_mode import enable_cpu_mode, pin_to_core
-    from pipeline_runs import profile_cost_model
+    from pipeline_plans import profile_cost_model
 
     enable_cpu_mode()
     pin_to_core(rank, world_size)

@@ -11,7 +11,7 @@ import ast
 import os
 import re
 
-from harness.paths import PACKAGE
+from harness.paths import PACKAGE, TESTS
 
 
 def folders() -> list[str]:
@@ -156,15 +156,25 @@ def test_files_and_functions_stay_small():
     assert not too_long, "\n".join(too_long)
 
 
-def modules_in(folder: str) -> list[str]:
-    """The modules directly in `folder` (no __init__ or __main__), without .py."""
-    return sorted(name[:-3] for name in os.listdir(os.path.join(PACKAGE, folder))
+def modules_in(folder: str, top: str = PACKAGE) -> list[str]:
+    """The modules directly in `folder` of `top` (no __init__ or __main__), without .py."""
+    return sorted(name[:-3] for name in os.listdir(os.path.join(top, folder))
                   if name.endswith(".py") and name not in ("__init__.py", "__main__.py"))
+
+
+def harness_folders() -> list[str]:
+    """The test harness's package folders, relative to tests/."""
+    return sorted(os.path.relpath(dirpath, TESTS) for dirpath, _, names
+                  in os.walk(os.path.join(TESTS, "harness"))
+                  if "__init__.py" in names and "__pycache__" not in dirpath)
 
 
 def test_at_most_ten_modules_side_by_side():
     crowded = {folder or ".": len(modules_in(folder)) for folder in folders()
                if len(modules_in(folder)) > 10}
+    crowded |= {folder: len(modules_in(folder, TESTS)) for folder in harness_folders()
+                if len(modules_in(folder, TESTS)) > 10}
+    assert len(harness_folders()) >= 4  # harness/ and its runs/, measured/, inputs/
     assert not crowded, f"folders with more than 10 modules: {crowded}"
 
 
@@ -188,5 +198,7 @@ def test_no_two_names_in_a_folder_differ_only_by_a_suffix():
                                                                           "time_fitting")]
     assert names_differing_by_a_suffix(["search", "edge_search", "slicer"]) == []
     pairs = {folder or ".": names_differing_by_a_suffix(modules_in(folder)) for folder in folders()}
+    pairs |= {folder: names_differing_by_a_suffix(modules_in(folder, TESTS))
+              for folder in harness_folders()}
     assert not {f: p for f, p in pairs.items() if p}, pairs
 

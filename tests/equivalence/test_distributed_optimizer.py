@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from harness import BF16, FP32, TinyGPT, check_gradients, check_losses
-from harness.optimizer_runs import OptimizerCase
+from harness.runs.optimizer_runs import OptimizerCase
 from megatron_terapipe import TeraPipePlan
 
 BF16_MODEL = TinyGPT(bf16=True, params_dtype=torch.bfloat16)
@@ -71,7 +71,7 @@ PARAM_RTOL, PARAM_ATOL_IN_LR = 1e-5, 5e-3
 
 
 #: What the world2 / world4 fixtures run (conftest.py): WORKER on each world's cases.
-WORKER = "harness.optimizer_runs:run_optimizer_cases"
+WORKER = "harness.runs.optimizer_runs:run_optimizer_cases"
 WORLDS = {4: CASES}
 
 

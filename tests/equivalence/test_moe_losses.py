@@ -19,8 +19,8 @@ from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.platform import router_versions
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from harness import FP32, WorkerError, max_relative_error, spawn
-from harness.moe_runs import THREADS_AFTER_RELEASE, MoECase, MoEGPT, check_moe_case
-from harness.flags import MOE_LOSSES, parse
+from harness.runs.moe_runs import THREADS_AFTER_RELEASE, MoECase, MoEGPT, check_moe_case
+from harness.inputs.flags import MOE_LOSSES, parse
 
 ALL_AUX = dict(balancing=("aux_loss", "seq_aux_loss", "global_aux_loss"),
                aux_coeffs=(0.5, 0.3, 0.2), z_loss_coeff=0.1)
@@ -95,7 +95,7 @@ CASES_4 = [
 
 
 #: What the world2 / world4 fixtures run (conftest.py): WORKER on each world's cases.
-WORKER = "harness.moe_runs:run_moe_cases"
+WORKER = "harness.runs.moe_runs:run_moe_cases"
 WORLDS = {2: CASES_2 + [CONTROL], 4: CASES_4}
 
 
@@ -148,7 +148,7 @@ def test_a_whole_padding_mask_on_a_later_sequence_parallel_stage_is_named():
                    padding=True, model=MoEGPT(sequence_parallel=True, **ALL_AUX))
     with pytest.raises(WorkerError, match="the MoE padding mask holds 12 tokens but this "
                                           "router routes 6: under sequence parallelism"):
-        spawn(4, "harness.moe_runs:run_moe_cases", [case], timeout=300)
+        spawn(4, "harness.runs.moe_runs:run_moe_cases", [case], timeout=300)
 
 
 @pytest.mark.parametrize("extra", MOE_LOSSES)

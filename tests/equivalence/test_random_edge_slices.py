@@ -21,7 +21,7 @@ import random
 import pytest
 
 from harness import Case, TinyGPT, check_case
-from harness.draws import COST, RUNS, SEED, draw_edge_plan, random_cases
+from harness.inputs.draws import COST, RUNS, SEED, draw_edge_plan, random_cases
 from megatron_terapipe import build_schedule, validate
 from megatron_terapipe.planner import simulate
 

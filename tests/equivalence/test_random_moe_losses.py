@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import pytest
 
-from harness.draws import RUNS, SEED, SEQ, composition, draw_edge_plan, random_cases, w_places
-from harness.moe_runs import MoECase, MoEGPT, check_moe_case
+from harness.inputs.draws import RUNS, SEED, SEQ, composition, draw_edge_plan, random_cases, w_places
+from harness.runs.moe_runs import MoECase, MoEGPT, check_moe_case
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.megatron.platform import router_versions
 
@@ -85,7 +85,7 @@ pytestmark = pytest.mark.skipif(router_versions.line_problem() is not None,
 
 
 #: What the world2 / world4 fixtures run (conftest.py): WORKER on each world's cases.
-WORKER = "harness.moe_runs:run_moe_cases"
+WORKER = "harness.runs.moe_runs:run_moe_cases"
 WORLDS = {2: CASES_2, 4: CASES_4}
 
 

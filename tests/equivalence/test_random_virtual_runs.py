@@ -26,8 +26,8 @@ from typing import Optional
 import pytest
 
 from harness import TinyGPT, check_case
-from harness.draws import COST, RUNS, SEED, SEQ, composition, random_cases, w_places
-from harness.virtual_runs import VirtualCase
+from harness.inputs.draws import COST, RUNS, SEED, SEQ, composition, random_cases, w_places
+from harness.runs.virtual_runs import VirtualCase
 from megatron_terapipe import TeraPipePlan, build_schedule, validate
 from megatron_terapipe.planner import simulate
 from megatron_terapipe.schedule.build import allowed_group
@@ -125,7 +125,7 @@ def test_random_plans_validate_and_simulate():
 
 
 #: What the world2 / world4 fixtures run (conftest.py): WORKER on each world's cases.
-WORKER = "harness.virtual_runs:run_virtual_cases"
+WORKER = "harness.runs.virtual_runs:run_virtual_cases"
 WORLDS = {2: CASES_2, 4: CASES_4}
 
 

@@ -4,7 +4,7 @@ loss equal to Megatron's no-pipelining run on the full model (K * V chunks of la
 equivalence suite's fp32 tolerances (harness.compare.FP32), and one case equal to Megatron's own
 interleaved 1F1B (forward_backward_pipelining_with_interleaving) on the same chunks.
 
-Each world (2 or 4 gloo processes) runs its cases once (module fixture); harness.virtual_runs
+Each world (2 or 4 gloo processes) runs its cases once (module fixture); harness.runs.virtual_runs
 builds the chunks with GPTModel(..., vp_stage=c) and harness.check_case compares, as for one
 chunk per rank (test_equivalence.py). Also: what the schedule call refuses about chunks.
 
@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 
 from harness import TinyGPT, check_case
-from harness.virtual_runs import VirtualCase
+from harness.runs.virtual_runs import VirtualCase
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
 from megatron_terapipe.planner.wgrad_slots import plan_wgrad
@@ -132,7 +132,7 @@ CASES_4 = [
 
 
 #: What the world2 / world4 fixtures run (conftest.py): WORKER on each world's cases.
-WORKER = "harness.virtual_runs:run_virtual_cases"
+WORKER = "harness.runs.virtual_runs:run_virtual_cases"
 WORLDS = {2: CASES_2, 4: CASES_4}
 
 

@@ -232,5 +232,5 @@ def test_bad_trials_and_candidates_are_refused(trials):
 def test_every_rank_keeps_the_same_candidate_by_the_slowest_rank():
     """Rank 0 measures TeraPipe faster, rank 1 much slower: by the maximum over ranks
     Megatron's schedule is faster, and both ranks keep it."""
-    kept = spawn(2, "harness.workers:measured_choice_by_rank")
+    kept = spawn(2, "harness.runs.workers:measured_choice_by_rank")
     assert kept == [("Megatron 1F1B", 0.012), ("Megatron 1F1B", 0.012)]

@@ -91,7 +91,7 @@ HARDWARE = ["--terapipe-hardware", "a100"]
 def test_the_planner_prices_every_stage_as_the_busiest():
     from megatron_terapipe.megatron.args.inputs_from_flags import planner_inputs
     from megatron_terapipe.megatron.args.settings import RunSettings
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     uneven = planner_inputs(RunSettings.from_args(parse(
         ["--pipeline-schedule", "terapipe", *HARDWARE], **UNEVEN)))
@@ -111,7 +111,7 @@ def test_the_planner_prices_every_stage_as_the_busiest():
 def test_auto_leaves_out_model_chunks_on_an_uneven_split():
     from megatron_terapipe.megatron.args.auto_schedule import schedule_table
     from megatron_terapipe.megatron.args.settings import RunSettings
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     def chunk_counts(**flags):
         table, _ = schedule_table(RunSettings.from_args(parse(
@@ -125,7 +125,7 @@ def test_auto_leaves_out_model_chunks_on_an_uneven_split():
 def test_virtual_stages_on_an_uneven_split_are_refused_naming_the_flags():
     from megatron_terapipe.megatron.args.checks import (TeraPipeArgumentError,
                                                         validate_terapipe_args)
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     args = parse(["--pipeline-schedule", "terapipe", *HARDWARE], **{
         **UNEVEN, "num_layers": 10, "decoder_first_pipeline_num_layers": 2,

@@ -21,7 +21,7 @@ from dataclasses import replace
 import pytest
 
 from harness import Case, TinyGPT, check_case, spawn
-from harness.draws import w_places
+from harness.inputs.draws import w_places
 from megatron_terapipe import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule, validate
 from megatron_terapipe.schedule.orders import one_forward_one_backward

@@ -24,7 +24,7 @@ from megatron_terapipe.plan import ORDERS
 from megatron_terapipe.runtime.batching import slice_batch
 from megatron_terapipe.schedule import microbatch_cells
 from harness import Case, check_case, spawn
-from harness.draws import w_places
+from harness.inputs.draws import w_places
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What an iteration costs the host must not grow with the number of token slices K.
 
-A one-stage GPT (2 layers, PP=1, one microbatch of 2 x 16 tokens; tests/harness/host_cost.py)
+A one-stage GPT (2 layers, PP=1, one microbatch of 2 x 16 tokens; tests/harness/measured/host_cost.py)
 runs K = 1, 2, 4, 8 uniform slices with the default plan. Per iteration it counts the host syncs
 (`aten._local_scalar_dense`, what `.item()` and `float(t)` dispatch to: each waits for the
 device on a GPU) and the gradient accumulations into parameters (post-accumulate-grad hooks),
@@ -25,7 +25,7 @@ RUNS = [{"name": "three_value", "step": "three_value"},
 
 @pytest.fixture(scope="module")
 def counts():
-    return spawn(1, "harness.host_cost:count_host_cost", SLICE_COUNTS, RUNS, timeout=600)[0]
+    return spawn(1, "harness.measured.host_cost:count_host_cost", SLICE_COUNTS, RUNS, timeout=600)[0]
 
 
 def _per_k(counts, run, key):

@@ -12,7 +12,7 @@ from megatron_terapipe.runtime.comm.transport import HostBuffers
 
 
 def test_the_host_transport_moves_messages_both_ways():
-    rank0, rank1 = spawn(2, "harness.host_transport:exchange")
+    rank0, rank1 = spawn(2, "harness.runs.host_transport:exchange")
     for side in (rank0, rank1):
         assert side["host_staged"] and side["posts_early"]
         assert side["pool_slot"] is not None

@@ -89,7 +89,7 @@ def test_communication_calls_are_megatrons(K, M, v, forward_only):
     from harness import TinyGPT, spawn
 
     model = TinyGPT(num_layers=K * v, seq_length=16)
-    recorded = spawn(K, "harness.interleaved_runs:record_interleaved_calls", model, M, v,
+    recorded = spawn(K, "harness.runs.interleaved_runs:record_interleaved_calls", model, M, v,
                      forward_only)
     for rank in range(K):
         assert recorded[rank] == expected_events(rank, K, M, v, forward_only), f"rank {rank}"

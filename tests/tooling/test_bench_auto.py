@@ -54,7 +54,7 @@ def test_the_plain_run_is_megatrons_wherever_it_runs(chunks, microbatches, sched
 def test_a_candidate_alone_is_the_only_one_auto_times(monkeypatch):
     """auto_alone.py's stand-in shortlist takes what measured_choice passes the real one."""
     import auto_alone
-    from harness.flags import AUTO, SHAPE, parse
+    from harness.inputs.flags import AUTO, SHAPE, parse
     from megatron_terapipe.megatron import launch
     from megatron_terapipe.megatron.args import auto_trials
     from megatron_terapipe.megatron.args.auto_schedule import predicted_choice

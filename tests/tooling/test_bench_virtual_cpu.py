@@ -102,7 +102,7 @@ def test_a_smoke_run_writes_its_own_file():
 def test_megatron_1f1b_is_predicted_as_the_planner_times_it():
     """The benchmarks' simulated Megatron 1F1B row is the schedule table's: weight gradients
     inside each backward (Megatron defers none), not TeraPipe's deferred W actions."""
-    from pipeline_runs import predict
+    from pipeline_plans import predict
 
     from megatron_terapipe.planner import SearchSpace
     from megatron_terapipe.planner.cost.stage_memory import MemoryBudget

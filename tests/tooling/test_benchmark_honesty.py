@@ -234,7 +234,7 @@ def test_a_failing_megatron_capture_is_recorded_and_the_case_reruns_without_it(m
 
     def fake_spawn(world_size, target, speed, device, timeout, backend, rank_environ):
         assert backend == GLOO_AND_NCCL  # NCCL for the CUDA tensors of the loss cells
-        # each stage's SM share in its environment from the start (tests/tooling/test_spawn.py)
+        # each stage's SM share in its environment from the start (tests/tooling/harness/test_spawn.py)
         assert rank_environ == {r: {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"} for r in range(2)}
         calls.append(dict(speed.plans))
         if "megatron_1f1b+graphs" in speed.plans:

@@ -88,7 +88,7 @@ def test_device_timed_profiles_are_their_own_cache_and_refused_without_cuda(tmp_
     import torch
 
     import bench_gpu_pipeline
-    from pipeline_runs import profile_cost_model
+    from pipeline_plans import profile_cost_model
 
     case = bench_gpu_pipeline.SUITES["smoke"][0]
     wall, device = case.profile_cache("f", "cuda"), case.profile_cache("f", "cuda", "device")

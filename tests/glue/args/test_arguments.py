@@ -17,7 +17,7 @@ from megatron_terapipe.megatron.args.profile_cache import profile_cache_key, pro
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.wiring import setup_from_args
 from harness import spawn
-from harness.flags import MOE_LOSSES, parse, plan_and_report, run_settings
+from harness.inputs.flags import MOE_LOSSES, parse, plan_and_report, run_settings
 
 
 def test_defaults_keep_megatron_schedule():

@@ -19,7 +19,7 @@ from megatron_terapipe.megatron.wiring import setup_from_args
 from megatron_terapipe.planner.cost.stage_memory import GiB
 from megatron_terapipe.planner.memory_search import leaner_candidates
 from megatron_terapipe.planner.schedule_choice import AutoChoice, ScheduleOption
-from harness.flags import AUTO, SHAPE, gpt3_13b_auto_args, parse, plan_and_report, run_settings
+from harness.inputs.flags import AUTO, SHAPE, gpt3_13b_auto_args, parse, plan_and_report, run_settings
 
 
 @pytest.mark.parametrize("argv,megatron,flag", [

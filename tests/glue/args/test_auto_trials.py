@@ -19,7 +19,7 @@ from megatron_terapipe.megatron.args.checks import validate_terapipe_args
 from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.hooks.measured_choice import MEGATRON
 from megatron_terapipe.planner.evaluate.calibration import CalibratedCostModel
-from harness.flags import AUTO, SHAPE, gpt3_13b_auto_args, parse
+from harness.inputs.flags import AUTO, SHAPE, gpt3_13b_auto_args, parse
 
 
 def choice_for(argv, **shape):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from harness.flags import parse, plan_and_report
+from harness.inputs.flags import parse, plan_and_report
 
 EDGES = ["--pipeline-schedule", "terapipe", "--terapipe-edge-slices", "2", "3", "1", "2"]
 

@@ -18,7 +18,7 @@ from megatron_terapipe.megatron.args.auto_schedule import resolve_auto_schedule
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.megatron.hooks import selection
-from harness.flags import parse, plan_and_report
+from harness.inputs.flags import parse, plan_and_report
 
 TERAPIPE = ["--pipeline-schedule", "terapipe"]
 FIXED = [["--terapipe-num-slices", "4"], ["--terapipe-slices", "32", "16", "16"], []]  # [] planner

@@ -26,7 +26,7 @@ from megatron_terapipe.megatron.platform import compat
 from megatron_terapipe.planner.cli.command import build_parser
 from megatron_terapipe.planner.search import SearchSpace
 from harness import spawn
-from harness.flags import parse, run_settings
+from harness.inputs.flags import parse, run_settings
 
 TERAPIPE = ["--pipeline-schedule", "terapipe"]
 

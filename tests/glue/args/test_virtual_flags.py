@@ -10,7 +10,7 @@ import pytest
 
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.schedule import LoweredSchedule, build_schedule
-from harness.flags import parse, plan_and_report
+from harness.inputs.flags import parse, plan_and_report
 
 #: 8 layers on 2 pipeline stages: 4 per stage, 2 chunks of 2 (Megatron-LM's validated args)
 VPP = dict(num_layers=8, virtual_pipeline_model_parallel_size=2,

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config_reads import config_fields_read, config_refusal
+from harness.inputs.config_reads import config_fields_read, config_refusal
 from megatron_terapipe import TeraPipePlan, configure
 from megatron_terapipe.megatron.platform import router_versions
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
-from harness.flags import parse
+from harness.inputs.flags import parse
 
 # (Megatron-LM flags as the namespace holds them, the same as TransformerConfig fields, the
 # text the refusal must contain). Megatron-LM makes these flags from the config's fields.

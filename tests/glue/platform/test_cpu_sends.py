@@ -10,11 +10,11 @@ from harness import spawn
 
 @pytest.mark.parametrize("batched", [False, True], ids=["isend", "batch_isend_irecv"])
 def test_a_freed_send_arrives_intact(batched):
-    assert spawn(2, "harness.cpu_sends:freed_before_received", True, batched) == [True, True]
+    assert spawn(2, "harness.runs.cpu_sends:freed_before_received", True, batched) == [True, True]
 
 
 def test_without_the_alias_the_receiver_gets_other_data():
-    assert spawn(2, "harness.cpu_sends:freed_before_received", False, False) == [True, False]
+    assert spawn(2, "harness.runs.cpu_sends:freed_before_received", False, False) == [True, False]
 
 
 def test_cpu_mode_sends_through_the_kept_path():

@@ -6,7 +6,7 @@ classified."""
 
 from __future__ import annotations
 
-from harness.config_reads import config_fields_read, config_refusal
+from harness.inputs.config_reads import config_fields_read, config_refusal
 
 HONOURED = {  # exact in the equivalence tests (tests/equivalence/test_equivalence.py unless said)
     "calculate_per_token_loss": "[pp2_per_token_loss]",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config_reads import config_fields_read, config_refusal
+from harness.inputs.config_reads import config_fields_read, config_refusal
 
 TOKEN_WISE = {  # a token's experts and weights depend on that token's logits only
     "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.config_reads import config_fields_read, config_refusal
+from harness.inputs.config_reads import config_fields_read, config_refusal
 
 # honoured: the field's name appears where TeraPipe's code uses it (checked below)
 HONOURED = ("autocast_dtype", "enable_autocast", "barrier_with_L1_time", "batch_p2p_comm",

@@ -177,7 +177,7 @@ def test_the_flags_line_runs_autos_choice(capsys, monkeypatch):
     from megatron_terapipe.megatron.args.plans_from_flags import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
     from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     argv = BASE + ["--memory-budget", "40GiB", "--granularity", "128"]
     assert main(argv) == 0
@@ -217,7 +217,7 @@ def test_the_flags_line_leaves_out_only_what_both_sides_default_to():
     """The flags line gives --terapipe-granularity, --terapipe-defer-wgrad and
     --terapipe-wgrad-placement only where terapipe-plan was given other than its default,
     which must then be the Megatron-LM flags' default too."""
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     options = build_parser().parse_args(["--model", "gpt3-1b", "--pipeline-stages", "4",
                                          "--seq-length", "1024"])  # every default
@@ -255,7 +255,7 @@ def test_megatron_lm_flags_ask_the_question_the_run_plans(chunks, group, monkeyp
     flags."""
     from megatron_terapipe.megatron.args.plans_from_flags import plan_run
     from megatron_terapipe.megatron.args.settings import RunSettings
-    from harness.flags import parse
+    from harness.inputs.flags import parse
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the presets' GPUs per node
     flags, megatron = list(MEGATRON_LM_FLAGS), dict(MEGATRON_LM_ARGS)

@@ -13,7 +13,7 @@ from megatron_terapipe.megatron.args.settings import RunSettings
 from megatron_terapipe.planner.cli.command import build_parser
 from megatron_terapipe.planner.cli.arguments import inputs_from_options
 from megatron_terapipe.planner.cost.presets import MODEL_PRESETS
-from harness.flags import parse
+from harness.inputs.flags import parse
 
 # (terapipe-plan options, Megatron-LM flags and TeraPipe flags beyond the model shape)
 CONFIGS = {

@@ -17,7 +17,7 @@ from megatron_terapipe.planner import (
     hardware_preset,
     model_preset,
 )
-from harness.cost_models import analytic
+from harness.inputs.cost_models import analytic
 
 
 def test_vectorised_and_scalar_calls():

@@ -17,7 +17,7 @@ from megatron_terapipe.planner.cost.stage_memory import (MemoryBudget, ModelStat
 from megatron_terapipe.planner.profile.memory_fit import (FittedMemory, cell_features,
                                                   hold_features, whole_features)
 from megatron_terapipe.schedule import build_interleaved_schedule, build_schedule
-from harness.cost_models import TRUE_BYTES, synthetic_measurements, true_bytes
+from harness.inputs.cost_models import TRUE_BYTES, synthetic_measurements, true_bytes
 
 GiB = 1024 ** 3
 

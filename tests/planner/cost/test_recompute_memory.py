@@ -103,7 +103,7 @@ def test_a_measured_profile_takes_the_runs_recomputation(tmp_path):
     from megatron_terapipe.planner.cost.dims import ModelDims
     from megatron_terapipe.planner.inputs import stage_memory
     from megatron_terapipe.planner.profile.memory_fit import FittedMemory
-    from harness.cost_models import synthetic_measurements
+    from harness.inputs.cost_models import synthetic_measurements
 
     m = synthetic_measurements()
     m.metadata = {"model": {"hidden_size": 64}, "tensor_parallel": 2, "sequence_parallel": True}

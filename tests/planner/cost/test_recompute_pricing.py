@@ -18,7 +18,7 @@ from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
 from megatron_terapipe.planner.evaluate.simulator import simulate, simulate_plan
 from megatron_terapipe.schedule import build_interleaved_schedule, build_schedule
 from megatron_terapipe.schedule.actions import VirtualCell
-from harness.flags import parse
+from harness.inputs.flags import parse
 
 COST = AnalyticCostModel(MODEL_PRESETS["gpt3-13b"], HARDWARE_PRESETS["h100"], 5,
                          tensor_parallel=8, inter_node=True)

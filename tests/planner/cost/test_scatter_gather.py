@@ -18,8 +18,8 @@ from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner.evaluate.list_estimate import estimate_lists
 from megatron_terapipe.planner.evaluate.simulator import schedule_time, simulate, simulate_plan
 from megatron_terapipe.schedule import build_schedule
-from harness.cost_models import GPT13, H100, gpt3_13b_h100
-from harness.flags import parse, plan_and_report
+from harness.inputs.cost_models import GPT13, H100, gpt3_13b_h100
+from harness.inputs.flags import parse, plan_and_report
 
 QUESTION = ("--model gpt3-13b --hardware h100 --pipeline-stages 8 --tensor-parallel-size 8 "
             "--seq-length 8192 --micro-batch-size 1 --num-microbatches 8 "

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from harness import TinyGPT, spawn
-from harness.cost_models import GPT13, H100, gpt3_13b_h100
+from harness.inputs.cost_models import GPT13, H100, gpt3_13b_h100
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner.cli.command import main
 from megatron_terapipe.planner.cost.dims import LayerMemory, ModelDims
@@ -57,7 +57,7 @@ def test_the_split_is_what_a_run_keeps():
     the model counts for Megatron's default dropout are left out of the comparison."""
     model = TinyGPT(num_layers=1, hidden_size=128, num_attention_heads=4, vocab_size=128,
                     seq_length=256)
-    measured = spawn(2, "harness.sp_memory:saved_bytes_per_layer", model, 2, timeout=600)[0]
+    measured = spawn(2, "harness.measured.sp_memory:saved_bytes_per_layer", model, 2, timeout=600)[0]
     dims = ModelDims(num_layers=1, hidden_size=128, num_attention_heads=4)
     predicted = [float(LayerMemory(dims, 2, 4, True, sp).activation_bytes(1, 256, 0))
                  for sp in (False, True)]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from harness import TinyGPT, spawn
-from harness.memory_runs import MemoryRun
+from harness.measured.memory_runs import MemoryRun
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.planner import FunctionCostModel, simulate
 from megatron_terapipe.planner.cost.recompute_time import FullRecompute
@@ -61,7 +61,7 @@ def profile() -> FittedMemory:
     import json
     import tempfile
 
-    data = spawn(1, "harness.memory_runs:measure_memory_profile", model(1), 8, timeout=900)[0]
+    data = spawn(1, "harness.measured.memory_runs:measure_memory_profile", model(1), 8, timeout=900)[0]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(data, fh)
     return FittedMemory.load(fh.name, layers_per_stage=2)
@@ -81,7 +81,7 @@ def predicted(run: MemoryRun, stages: int, memory: FittedMemory) -> tuple[float,
 @pytest.mark.parametrize("stages", STAGES)
 def test_predicted_peaks_within_10_percent(stages, profile):
     runs = grid(stages)
-    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", model(stages), runs,
+    measured = spawn(stages, "harness.measured.memory_runs:measure_run_peaks", model(stages), runs,
                      timeout=1200)
     errors = []
     for run in runs:
@@ -116,7 +116,7 @@ def test_recomputed_peaks_within_10_percent(recompute, profile):
     cfg = replace(model(stages), recompute_granularity="full", recompute_method=recompute.method,
                   recompute_num_layers=recompute.num_layers)
     memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
-    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", cfg, runs, timeout=1200)
+    measured = spawn(stages, "harness.measured.memory_runs:measure_run_peaks", cfg, runs, timeout=1200)
     errors = []
     for run in runs:
         guess, without = predicted(run, stages, memory), predicted(run, stages, profile)
@@ -134,7 +134,7 @@ def test_interleaved_peaks_within_10_percent(stages, profile):
     """Megatron's interleaved 1F1B, 2 chunks of one layer per stage, 4 microbatches."""
     from megatron_terapipe.schedule import build_interleaved_schedule
 
-    measured = spawn(stages, "harness.memory_runs:measure_interleaved_peak", model(stages), 2, 4,
+    measured = spawn(stages, "harness.measured.memory_runs:measure_interleaved_peak", model(stages), 2, 4,
                      timeout=1200)
     schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
     for k, guess in enumerate(simulate(schedule, time_model(), memory=profile).peak_memory_bytes):
@@ -147,7 +147,7 @@ def test_interleaved_recomputed_peaks_within_10_percent(profile):
 
     stages, recompute = 2, FullRecompute("uniform", 1)
     cfg = replace(model(stages), recompute_granularity="full")
-    measured = spawn(stages, "harness.memory_runs:measure_interleaved_peak", cfg, 2, 4,
+    measured = spawn(stages, "harness.measured.memory_runs:measure_interleaved_peak", cfg, 2, 4,
                      timeout=1200)
     memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
     schedule = build_interleaved_schedule(SEQ, 4, stages, 2, 1)
@@ -202,7 +202,7 @@ def test_virtual_peaks_within_10_percent(recompute, profile):
     if recompute is not None:
         cfg = replace(cfg, recompute_granularity="full")
     memory = with_recompute(profile, recompute, cfg.hidden_size, dtype_bytes=4)
-    measured = spawn(stages, "harness.memory_runs:measure_virtual_peaks", cfg, 2, runs,
+    measured = spawn(stages, "harness.measured.memory_runs:measure_virtual_peaks", cfg, 2, runs,
                      timeout=1200)
     errors = []
     for run in runs:
@@ -224,7 +224,7 @@ def test_the_plan_within_a_budget_measures_within_it(profile):
     within = search_within_budget(cost, space, budget)
     assert max(within.chosen.result.peak_memory_bytes) <= budget.budget_bytes
     runs = [MemoryRun("free", free.plan, 4, 2), MemoryRun("within", within.plan, 4, 2)]
-    measured = spawn(stages, "harness.memory_runs:measure_run_peaks", model(stages), runs,
+    measured = spawn(stages, "harness.measured.memory_runs:measure_run_peaks", model(stages), runs,
                      timeout=1200)
     assert max(m["free"] for m in measured) > budget.budget_bytes  # the budget binds
     assert all(m["within"] <= budget.budget_bytes for m in measured), (

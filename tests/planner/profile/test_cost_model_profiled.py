@@ -15,7 +15,7 @@ from megatron_terapipe.planner import (
     solve_slicing,
 )
 from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
-from harness.cost_models import LINK, MODEL, paper_form, synthetic
+from harness.inputs.cost_models import LINK, MODEL, paper_form, synthetic
 
 
 def test_recovers_the_papers_form_exactly():

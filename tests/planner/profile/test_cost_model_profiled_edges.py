@@ -20,7 +20,7 @@ from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
 from megatron_terapipe.planner.profile.time_samples import EDGE_KEYS
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule
-from harness.cost_models import LINK, MODEL, synthetic
+from harness.inputs.cost_models import LINK, MODEL, synthetic
 
 TRUE = {"embedding_forward": (2e-5, 1e-8), "embedding_backward": (4e-4, 2e-8),
         "output_forward": (1e-4, 3e-7), "output_backward": (2e-4, 6e-7)}

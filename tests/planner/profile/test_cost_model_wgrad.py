@@ -11,7 +11,7 @@ from megatron_terapipe.planner import LayerTimeFit, ProfiledCostModel, fit_layer
 from megatron_terapipe.planner.profile.time_fit import FORMAT_VERSION
 from megatron_terapipe.plan import TeraPipePlan
 from megatron_terapipe.schedule import build_schedule
-from harness.cost_models import LINK, MODEL, synthetic
+from harness.inputs.cost_models import LINK, MODEL, synthetic
 
 
 def true_wgrad(b, l):

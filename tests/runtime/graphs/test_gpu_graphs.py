@@ -2,12 +2,12 @@
 same stage eager (`--terapipe-cuda-graphs`; skips without CUDA).
 
 One process, one stage (PP=1: NCCL refuses two ranks on one GPU), 4 token slices, 3 microbatches,
-4 iterations with fresh batches and an in-place SGD step each (tests/harness/replay_runs.py):
+4 iterations with fresh batches and an in-place SGD step each (tests/harness/runs/replay_runs.py):
 eager warm-up, capture of every forward, backward and W action at the second iteration, replays
 after. fp32; every reported loss and every parameter gradient of the graphed run within rtol
 1e-5 / atol 1e-6 of the eager run's (the same kernels on the same values; the tolerance allows
 a library picking another algorithm under capture). The CPU stand-in of the same runs, exact:
-tests/runtime/test_graph_replay.py.
+tests/runtime/graphs/test_graph_replay.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from harness import GLOO_AND_NCCL, spawn
-from harness.replay_runs import ReplayRun
+from harness.runs.replay_runs import ReplayRun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA device: it captures torch.cuda.CUDAGraph")
@@ -38,7 +38,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("run", RUNS, ids=[r.name for r in RUNS])
 def test_cuda_graph_replays_train_like_eager(run):
     # NCCL for CUDA tensors: the captured loss cell all-reduces over the TP group (GLOO_AND_NCCL)
-    result = spawn(1, "harness.replay_runs:replay_vs_eager", [run], timeout=600,
+    result = spawn(1, "harness.runs.replay_runs:replay_vs_eager", [run], timeout=600,
                    backend=GLOO_AND_NCCL)[0][run.name]
     eager, graphed = result["eager"], result["graphed"]
     for i, (e, g) in enumerate(zip(eager, graphed)):

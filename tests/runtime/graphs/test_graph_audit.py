@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import spawn
-from harness.graph_runs import AuditRun
+from harness.runs.graph_runs import AuditRun
 from megatron_terapipe.megatron.args.checks import TeraPipeArgumentError, validate_terapipe_args
 from megatron_terapipe.megatron.args.flags import add_terapipe_args
 from megatron_terapipe.runtime.graphs.cell_graphs import CellGraphs, RecordingGraph, cuda_graph_factory
@@ -195,7 +195,7 @@ FOUR_RUNS = [AuditRun("tp2_pp2", tp=2), AuditRun("dp2_pp2_ddp")]
 
 @pytest.fixture(scope="module")
 def two_process_audits():
-    return spawn(2, "harness.graph_runs:audit_runs", PP2_RUNS + PLANTED_RUNS, timeout=600)
+    return spawn(2, "harness.runs.graph_runs:audit_runs", PP2_RUNS + PLANTED_RUNS, timeout=600)
 
 
 @pytest.mark.parametrize("run", [r.name for r in PP2_RUNS])
@@ -216,14 +216,14 @@ def test_planted_violations_in_a_real_run_are_attributed(two_process_audits):
 
 
 def test_default_plan_passes_the_audit_with_tp_and_ddp():
-    results = spawn(4, "harness.graph_runs:audit_runs", FOUR_RUNS, timeout=600)
+    results = spawn(4, "harness.runs.graph_runs:audit_runs", FOUR_RUNS, timeout=600)
     for rank_result in results:
         for run in FOUR_RUNS:
             assert rank_result[run.name] == [], (run.name, rank_result[run.name])
 
 
 def test_cuda_graph_path_captures_every_action_once():
-    results = spawn(2, "harness.graph_runs:graph_runs", 3, True, timeout=600)
+    results = spawn(2, "harness.runs.graph_runs:graph_runs", 3, True, timeout=600)
     for r in results:
         eager, capture, replay = r["iterations"]
         # 3 microbatches x (4 forwards + 4 backwards + 1 W action) on each stage

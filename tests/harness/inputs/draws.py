@@ -14,7 +14,7 @@ from typing import Callable
 from megatron_terapipe import TeraPipePlan, build_schedule
 from megatron_terapipe.planner import AnalyticCostModel, hardware_preset, model_preset
 from megatron_terapipe.schedule.build import default_places
-from .models import TinyGPT
+from ..models import TinyGPT
 
 SEED = int(os.environ.get("TERAPIPE_RANDOM_SEED", "2026"))
 RUNS = int(os.environ.get("TERAPIPE_RANDOM_RUNS", "12"))

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from .cases import baseline
-from .compare import chunk_grads, global_name, load_full_state, report_values, unwrap
-from .models import TinyGPT, forward_step, in_precision, make_batches, seed
-from .process_groups import release_model_parallel
+from ..cases import baseline
+from ..compare import chunk_grads, global_name, load_full_state, report_values, unwrap
+from ..models import TinyGPT, forward_step, in_precision, make_batches, seed
+from ..process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)

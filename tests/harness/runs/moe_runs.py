@@ -22,10 +22,10 @@ from typing import Any, Optional
 
 import torch
 
-from .cases import batches_key, once_per_worker
-from .compare import FP32, Tolerance, check_gradients, check_losses, chunk_grads, global_name, report_values, unwrap
-from .models import TinyGPT, forward_step, loss_func, make_batches, seed
-from .process_groups import os_thread_count, release_model_parallel
+from ..cases import batches_key, once_per_worker
+from ..compare import FP32, Tolerance, check_gradients, check_losses, chunk_grads, global_name, report_values, unwrap
+from ..models import TinyGPT, forward_step, loss_func, make_batches, seed
+from ..process_groups import os_thread_count, release_model_parallel
 
 #: Router buffers compared after the iteration (per layer, by global name).
 ROUTER_BUFFERS = ("local_tokens_per_expert", "expert_bias", "global_tokens_per_expert", "ga_steps")

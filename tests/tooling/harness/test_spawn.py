@@ -16,7 +16,7 @@ from harness import spawn
 def test_workers_get_the_callers_environment_and_their_ranks_additions(monkeypatch):
     monkeypatch.setenv("TERAPIPE_SPAWN_PROBE", "set at the call")
     names = ["TERAPIPE_SPAWN_PROBE", mps.SHARE_VARIABLE]
-    seen = spawn(2, "harness.workers:environment_of", names,
+    seen = spawn(2, "harness.runs.workers:environment_of", names,
                  rank_environ={1: {mps.SHARE_VARIABLE: "50"}})
     assert seen[0] == {"TERAPIPE_SPAWN_PROBE": "set at the call", mps.SHARE_VARIABLE: None}
     assert seen[1] == {"TERAPIPE_SPAWN_PROBE": "set at the call", mps.SHARE_VARIABLE: "50"}

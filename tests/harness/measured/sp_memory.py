@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .models import TinyGPT, forward_step, make_batches, seed
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, forward_step, make_batches, seed
+from ..process_groups import release_model_parallel
 
 
 def saved_bytes_per_layer(rank: int, world_size: int, model_cfg: TinyGPT, extra_layers: int,

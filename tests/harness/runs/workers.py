@@ -8,10 +8,10 @@ from typing import Optional
 
 import torch
 
-from .cases import Case, baseline
-from .compare import grad_pairs, load_full_state, report_values
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from ..cases import Case, baseline
+from ..compare import grad_pairs, load_full_state, report_values
+from ..models import TinyGPT, build_stage_model, forward_step, make_batches
+from ..process_groups import release_model_parallel
 
 
 def run_megatron_1f1b(model, config, batches, seq_length: int, micro_batch_size: int,

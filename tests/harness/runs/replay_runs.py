@@ -6,7 +6,7 @@ against the same training run eager.
 capture, replays after). Every iteration takes fresh batches and ends with an in-place SGD step,
 as training does, so a replay that read a stale input, a stale weight or a value frozen at
 capture would give other numbers. Returns per run and iteration the losses and every parameter
-gradient of both, and the graphs' counts. With `device="cuda"` (tests/runtime/test_gpu_graphs.py) the
+gradient of both, and the graphs' counts. With `device="cuda"` (tests/runtime/graphs/test_gpu_graphs.py) the
 stage runs on the GPU and each action is a real torch.cuda.CUDAGraph.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, build_stage_model, forward_step, make_batches, to_device
+from ..process_groups import release_model_parallel
 
 LEARNING_RATE = 0.05
 

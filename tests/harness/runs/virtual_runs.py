@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .cases import baseline
+from ..cases import baseline
 import torch
 
-from .compare import FP32, Tolerance, chunk_grads, grad_pairs, load_full_state, report_values
-from .models import TinyGPT, forward_step, make_batches, seed
-from .process_groups import release_model_parallel
+from ..compare import FP32, Tolerance, chunk_grads, grad_pairs, load_full_state, report_values
+from ..models import TinyGPT, forward_step, make_batches, seed
+from ..process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, build_stage_model, forward_step, make_batches
+from ..process_groups import release_model_parallel
 
 
 @dataclass
@@ -30,7 +30,7 @@ def interleaved_model(model_cfg: TinyGPT, stages: int, chunks: int, initialize: 
 
     from megatron_terapipe.megatron.model.layer_specs import get_gpt_layer_spec
 
-    from .models import seed
+    from ..models import seed
 
     if initialize:
         parallel_state.initialize_model_parallel(1, stages,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, forward_step, legacy_forward_step, make_batches, seed
+from ..process_groups import release_model_parallel
 
 _aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import spawn
-from harness.replay_runs import ReplayRun
+from harness.runs.replay_runs import ReplayRun
 from megatron_terapipe.runtime.graphs.cell_graphs import CellGraphs
 from megatron_terapipe.runtime.graphs.cpu_graph import ReplayGraph
 
@@ -117,7 +117,7 @@ def test_replayed_training_equals_eager_pp2(pp2_replays, run):
 
 @pytest.fixture(scope="module")
 def pp2_replays():
-    return spawn(2, "harness.replay_runs:replay_vs_eager", PP2_RUNS, timeout=600)
+    return spawn(2, "harness.runs.replay_runs:replay_vs_eager", PP2_RUNS, timeout=600)
 
 
 FOUR_RUNS = [ReplayRun("dp2_pp2_ddp"), ReplayRun("tp2_pp2", tp=2),
@@ -126,7 +126,7 @@ FOUR_RUNS = [ReplayRun("dp2_pp2_ddp"), ReplayRun("tp2_pp2", tp=2),
 
 @pytest.mark.slow
 def test_replayed_training_equals_eager_with_ddp_and_tp():
-    for rank_result in spawn(4, "harness.replay_runs:replay_vs_eager", FOUR_RUNS, timeout=600):
+    for rank_result in spawn(4, "harness.runs.replay_runs:replay_vs_eager", FOUR_RUNS, timeout=600):
         for run in FOUR_RUNS:
             _assert_replays_match(rank_result[run.name], run.name, 3 * 4 * 2 + 3)
 

@@ -3,9 +3,9 @@ its communication calls sends and receives, to check schedule/interleaved.py aga
 
 from __future__ import annotations
 
-from .models import TinyGPT, forward_step, make_batches
-from .process_groups import release_model_parallel
-from .schedule_runs import interleaved_model
+from ..models import TinyGPT, forward_step, make_batches
+from ..process_groups import release_model_parallel
+from ..measured.schedule_runs import interleaved_model
 
 
 def record_interleaved_calls(rank: int, world_size: int, model_cfg: TinyGPT,

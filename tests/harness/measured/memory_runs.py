@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, build_stage_model, forward_step, make_batches
+from ..process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def measure_run_peaks(rank: int, world_size: int, model_cfg: TinyGPT,
     from megatron_terapipe.megatron.hooks.forward_backward import forward_backward_terapipe
     from megatron_terapipe.runtime.memory.buffer_bytes import RuntimeMemoryMeter
 
-    from .workers import run_megatron_1f1b
+    from ..runs.workers import run_megatron_1f1b
 
     enable_cpu_mode()
     parallel_state.initialize_model_parallel(1, world_size)

@@ -15,8 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .models import TinyGPT, build_stage_model, forward_step, make_batches
-from .process_groups import release_model_parallel
+from ..models import TinyGPT, build_stage_model, forward_step, make_batches
+from ..process_groups import release_model_parallel
 
 
 @dataclass(frozen=True)
