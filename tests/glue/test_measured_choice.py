@@ -18,8 +18,8 @@ import pytest
 
 from harness import spawn
 from megatron_terapipe import MeasuredChoice, TeraPipePlan, TrialCandidate
-from megatron_terapipe.megatron.hooks.measured_choice import (RUNOFF, TIE, choose_measured,
-                                                              runoff_finalists,
+from megatron_terapipe.megatron.hooks.measured_choice import (RUNOFF, TIE, alternating,
+                                                              choose_measured, runoff_finalists,
                                                               trial_iterations, trial_rounds)
 
 MEGATRON = TrialCandidate("Megatron 1F1B", None, predicted_s=0.010)
@@ -35,8 +35,8 @@ class Fake:
     each by `warmup_s` more), recording what ran."""
 
     def __init__(self, seconds: dict[str, float], warmup_s: float = 0.0, fail: str = "",
-                 jitter: dict[str, list[float]] | None = None):
-        self.seconds, self.warmup_s, self.fail = seconds, warmup_s, fail
+                 jitter: dict[str, list[float]] | None = None, drift_s: float = 0.0):
+        self.seconds, self.warmup_s, self.fail, self.drift_s = seconds, warmup_s, fail, drift_s
         self.jitter = {k: list(v) for k, v in (jitter or {}).items()}  # more seconds, per call
         self.now, self.ran, self.lines = 0.0, [], []
 
@@ -51,6 +51,8 @@ class Fake:
                                           and not forward_only else 0.0)
         if self.jitter.get(name):
             self.now += self.jitter[name].pop(0)
+        if not forward_only:  # the machine gets faster by drift_s an iteration
+            self.now -= self.drift_s * (len(self.ran) - 1)
         return [name]
 
     def megatron(self, **kwargs):
@@ -76,10 +78,26 @@ def train(forward_backward, iterations: int) -> None:
         forward_backward(forward_only=False)
 
 
-def test_rounds_are_interleaved_after_one_uncounted_warm_up():
+def test_rounds_alternate_after_one_uncounted_warm_up():
     assert trial_rounds(3, 2) == [(0, False), (1, False), (2, False), (0, True), (1, True),
-                                  (2, True), (0, True), (1, True), (2, True)]
+                                  (2, True), (2, True), (1, True), (0, True)]
     assert trial_iterations(3, 2) == 9 and trial_iterations(4, 0) == 4
+    assert alternating("abc", 3) == list("abccbaabc")
+    places = {c: [i for i, x in enumerate(alternating("abcde", 4)) if x == c] for c in "abcde"}
+    assert len({sum(p) for p in places.values()}) == 1  # the same mean place for every one
+
+
+def test_a_machine_speeding_up_through_the_trials_favours_no_candidate():
+    """Each iteration runs 0.3 ms faster than the one before: over rounds in one order, the
+    later candidates would gain up to 0.6 ms each round, and FOUR (0.5 ms slower than TWO,
+    and after it) would be kept. Alternating rounds take the same off every candidate."""
+    fake = Fake({MEGATRON.name: 0.020, TWO.name: 0.0100, FOUR.name: 0.0105}, drift_s=0.0003)
+    choice, forward_backward = fake.choice([MEGATRON, TWO, FOUR], runoff=0.0)
+    train(forward_backward, 9 + 1)
+    medians = choice.pick.medians
+    assert choice.kept == TWO
+    assert medians[FOUR.name] - medians[TWO.name] == pytest.approx(0.0005)
+    assert medians[MEGATRON.name] - medians[TWO.name] == pytest.approx(0.0100)
 
 
 def test_the_fastest_measured_wins_and_every_rank_logs_in_the_documented_form():
@@ -129,7 +147,7 @@ def test_a_close_race_is_run_off_and_decided_on_every_counted_iteration():
     train(forward_backward, 9 + 8 + 1)
     assert fake.lines[3] == (f"terapipe auto: runoff between {FOUR.name}, {TWO.name} (within "
                              f"{RUNOFF:.0%} of the fastest): 4 more rounds")
-    assert [n for n, _ in fake.ran[9:17]] == [FOUR.name, TWO.name] * 4
+    assert [n for n, _ in fake.ran[9:17]] == [FOUR.name, TWO.name, TWO.name, FOUR.name] * 2
     assert len(choice.times[TWO.name]) == 6 and len(choice.times[MEGATRON.name]) == 2
     assert choice.kept == TWO and fake.ran[-1][0] == TWO.name
 
@@ -202,7 +220,7 @@ def test_a_replanned_candidate_is_tried_beside_the_leader():
     train(forward_backward, 6 + 5 + 1)
     assert asked == [[(MEGATRON.name, 0.010), (FOUR.name, 0.008)]]
     assert [n for n, _ in fake.ran[6:11]] == [calibrated.name, calibrated.name, FOUR.name,
-                                              calibrated.name, FOUR.name]
+                                              FOUR.name, calibrated.name]
     assert choice.kept == calibrated and fake.ran[-1][0] == calibrated.name
     assert fake.lines[-1] == (f"terapipe auto: keeping {calibrated.name} (1.67x {MEGATRON.name} "
                               "measured)")
@@ -234,3 +252,18 @@ def test_every_rank_keeps_the_same_candidate_by_the_slowest_rank():
     Megatron's schedule is faster, and both ranks keep it."""
     kept = spawn(2, "harness.runs.workers:measured_choice_by_rank")
     assert kept == [("Megatron 1F1B", 0.012), ("Megatron 1F1B", 0.012)]
+
+
+def test_each_trial_logs_the_largest_peak_of_its_own_iterations():
+    """The peak is read after every counted iteration and kept per candidate, so the lines
+    (written when the rounds end) give each candidate's own peak, not the last iteration's."""
+    fake = Fake({MEGATRON.name: 0.010, FOUR.name: 0.012, TWO.name: 0.008})
+    choice = MeasuredChoice([MEGATRON, FOUR, TWO], 2, clock=fake.clock, log=fake.lines.append,
+                            reduce_max=lambda s: s, peak_memory=lambda: 2.0**30 * len(fake.ran),
+                            runoff=0.0)
+    train(choice.wrap(fake.megatron, fake.terapipe), 9)
+    peaks = [line for line in fake.lines if "peak" in line]
+    # counted iterations 4-9 in the order M, FOUR, TWO, TWO, FOUR, M
+    assert peaks == [f"terapipe auto: trial {MEGATRON.name}: peak 9.00 GiB allocated",
+                     f"terapipe auto: trial {FOUR.name}: peak 8.00 GiB allocated",
+                     f"terapipe auto: trial {TWO.name}: peak 7.00 GiB allocated"]

@@ -1,19 +1,20 @@
 """MeasuredChoice: time a shortlist of schedules on the first training iterations and keep the
 fastest measured.
 
-Every candidate trains exactly (TeraPipe's schedules and Megatron's compute the same gradients),
-so a trial costs only its iteration's time. The trials run in interleaved rounds: one warm-up
-round (every candidate once, not counted: pools, graphs and caches are built there), then
-`trials` rounds of every candidate once. An iteration's time is the forward-backward call's
-wall time, its maximum over all ranks, so every rank keeps the same schedule. After the rounds
-an optional `replan` may offer one more candidate (the planner on a cost model calibrated on
-the trials); it gets its own warm-up and `trials` rounds beside the leader. Candidates whose
-medians are then within `runoff` (5%) of the fastest, at most 3, run `2 x trials` more rounds
-among themselves: a few iterations cannot tell apart schedules that close, and more rounds
-between the finalists are cheaper than more of every candidate. Then the fastest median of all
-counted iterations wins, except that a TeraPipe candidate must be measured more than `tie`
-faster than Megatron's schedule (ties go to Megatron's). Evaluation calls (forward_only) run
-the kept schedule, Megatron's while the trials last, untimed.
+Every candidate trains exactly (TeraPipe's schedules and Megatron's compute the same
+gradients), so a trial costs only its iteration's time. The trials run in interleaved rounds:
+one warm-up round (every candidate once, not counted: pools, graphs and caches are built
+there), then `trials` rounds of every candidate once, every other one reversed (`alternating`).
+An iteration's time is the forward-backward call's wall time, its maximum over all ranks, so
+every rank keeps the same schedule. After the rounds an optional `replan` may offer one more
+candidate (the planner on a cost model calibrated on the trials); it gets its own warm-up and
+`trials` rounds beside the leader. Candidates whose medians are then within `runoff` (5%) of
+the fastest, at most 3, run `2 x trials` more rounds among themselves: a few iterations cannot
+tell apart schedules that close, and more rounds between the finalists are cheaper than more of
+every candidate. Then the fastest median of all counted iterations wins, except that a TeraPipe
+candidate must be measured more than `tie` faster than Megatron's schedule (ties go to
+Megatron's). Evaluation calls (forward_only) run the kept schedule, Megatron's while the trials
+last, untimed.
 
 Rank 0 logs, in exactly these forms (scripts parse them):
     terapipe auto: trial <name>: <ms> ms measured, <ms> ms predicted
@@ -23,11 +24,12 @@ Rank 0 logs, in exactly these forms (scripts parse them):
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ...plan import TeraPipePlan
+from .trial_timing import (broadcast_from_rank_zero, cuda_peak_memory, max_over_ranks, rank,
+                           reset_cuda_peak, wall_clock)
 
 #: A TeraPipe candidate must be measured more than this much faster than Megatron's schedule.
 TIE = 0.01
@@ -95,56 +97,27 @@ def runoff_finalists(candidates: Sequence[TrialCandidate], times: Mapping[str, S
     return sorted(close, key=lambda c: medians[c.name])[:most]
 
 
+def alternating(items: Sequence[Any], rounds: int) -> list[Any]:
+    """`rounds` rounds of `items`, every other one in reverse order: a candidate's mean place
+    in the rounds is the same for all (over an even count), so a drift of the machine's speed
+    across the trials (iterations still speeding up after the warm-up) favours none, and no
+    candidate always follows the same one."""
+    out: list[Any] = []
+    for r in range(rounds):
+        out += list(items) if r % 2 == 0 else list(items)[::-1]
+    return out
+
+
 def trial_rounds(count: int, trials: int, warmup: bool = True) -> list[tuple[int, bool]]:
     """(candidate index, counted) for each iteration: a warm-up round of every candidate
-    (not counted), then `trials` rounds of every candidate."""
+    (not counted), then `trials` alternating rounds of every candidate."""
     rounds = [(i, False) for i in range(count)] if warmup else []
-    return rounds + [(i, True) for _ in range(trials) for i in range(count)]
+    return rounds + [(i, True) for i in alternating(range(count), trials)]
 
 
 def trial_iterations(count: int, trials: int) -> int:
     """Training iterations the first rounds of `count` candidates take."""
     return len(trial_rounds(count, trials))
-
-
-def max_over_ranks(seconds: float) -> float:
-    """The largest of every rank's `seconds` (torch.distributed's MAX; itself alone)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return seconds
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
-    box = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return float(box.item())
-
-
-def broadcast_from_rank_zero(obj: Any) -> Any:
-    """Rank 0's `obj` on every rank (itself without torch.distributed)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def wall_clock() -> float:
-    """Seconds, after the device's queued work (CUDA) has finished."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter()
 
 
 #: (measured candidates with their median seconds) -> one more candidate, or None; runs on
@@ -175,11 +148,13 @@ class MeasuredChoice:
         self.iterations_left = iterations_left or (lambda: None)
         self.log = log or (lambda line: print(line, flush=True))
         self.clock, self.reduce_max = clock, reduce_max
-        self.peak_memory = peak_memory or _cuda_peak_memory
+        self.peak_memory = peak_memory or cuda_peak_memory
         self.times: dict[str, list[float]] = {c.name: [] for c in self.candidates}
+        self.peaks: dict[str, float] = {}  # each candidate's largest peak over its trials
         self.kept: Optional[TrialCandidate] = None if trials else self.predicted
         self.pick: Optional[MeasuredPick] = None
         self._queue: list[tuple[TrialCandidate, bool]] = []
+        self._timed_in_phase: dict[str, TrialCandidate] = {}  # logged when the phase ends
         self._started = self._replanned = self._ran_off = False
         self.last_run: Optional[str] = None  # the candidate of the last training iteration
         self._left: Optional[int] = None  # training iterations left at the first call
@@ -248,7 +223,7 @@ class MeasuredChoice:
 
     def _trial(self, candidate: TrialCandidate, counted: bool, call: Callable[[], Any]) -> Any:
         """Run and time one iteration of `candidate`; an error names it."""
-        _reset_cuda_peak()
+        reset_cuda_peak()
         start = self.clock()
         try:
             result = call()
@@ -260,9 +235,14 @@ class MeasuredChoice:
         self._done += 1
         if counted:
             self.times[candidate.name].append(seconds)
-            if not any(c is candidate and n for c, n in self._queue):
-                self._log_trial(candidate)
+            self._timed_in_phase.setdefault(candidate.name, candidate)
+            peak = self.peak_memory()
+            if peak is not None:
+                self.peaks[candidate.name] = max(peak, self.peaks.get(candidate.name, 0.0))
         if not self._queue:  # the rounds are over: every rank decides in this same iteration
+            for timed in self._timed_in_phase.values():  # in the order the phase began them
+                self._log_trial(timed)
+            self._timed_in_phase = {}
             self._finish_rounds()
         return result
 
@@ -272,10 +252,9 @@ class MeasuredChoice:
                      else f"{candidate.predicted_s * 1e3:.1f} ms")
         self._say(f"terapipe auto: trial {candidate.name}: {measured * 1e3:.1f} ms measured, "
                   f"{predicted} predicted")
-        peak = self.peak_memory()
-        if peak is not None:
-            self._say(f"terapipe auto: trial {candidate.name}: peak {peak / 2**30:.2f} GiB "
-                      "allocated")
+        if candidate.name in self.peaks:
+            self._say(f"terapipe auto: trial {candidate.name}: peak "
+                      f"{self.peaks[candidate.name] / 2**30:.2f} GiB allocated")
 
     def _finish_rounds(self) -> None:
         """After the rounds: one more candidate from `replan` (once), then a runoff between the
@@ -288,8 +267,8 @@ class MeasuredChoice:
                 self.candidates = (*self.candidates, extra)
                 self.times[extra.name] = []
                 if self._enough_iterations_for_extra(extra):
-                    self._queue = [(extra, False)] + [(c, True) for _ in range(self.trials)
-                                                      for c in (extra, leader)]
+                    self._queue = [(extra, False)] + [(c, True) for c in
+                                                      alternating((extra, leader), self.trials)]
                     return
         if not self._ran_off:
             self._ran_off = True
@@ -312,13 +291,13 @@ class MeasuredChoice:
             return False
         self._say(f"terapipe auto: runoff between {names} (within {self.runoff:.0%} of the "
                   f"fastest): {rounds} more rounds")
-        self._queue = [(c, True) for _ in range(rounds) for c in finalists]
+        self._queue = [(c, True) for c in alternating(finalists, rounds)]
         return True
 
     def _replanned_candidate(self) -> Optional[TrialCandidate]:
         measured = [(c, statistics.median(self.times[c.name])) for c in self.candidates
                     if self.times[c.name]]
-        extra = self.replan(measured) if _rank() == 0 else None
+        extra = self.replan(measured) if rank() == 0 else None
         extra = broadcast_from_rank_zero(extra)
         if extra is None or any(c.name == extra.name or _same_plan(c.plan, extra.plan)
                                 for c in self.candidates):
@@ -344,7 +323,7 @@ class MeasuredChoice:
         self._say(f"terapipe auto: keeping {self.kept.name} ({against})")
 
     def _say(self, line: str) -> None:
-        if _rank() == 0:
+        if rank() == 0:
             self.log(line)
 
 
@@ -375,19 +354,3 @@ def _predicted_pick(candidates: Sequence[TrialCandidate], tie: float) -> TrialCa
     if not predicted:
         return candidates[0]
     return choose_measured(candidates, predicted, tie).kept
-
-
-def _reset_cuda_peak() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _cuda_peak_memory() -> Optional[float]:
-    """This rank's peak allocated bytes since the trial began (None off CUDA)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return float(torch.cuda.max_memory_allocated())
-    return None
